@@ -1,0 +1,53 @@
+// gst-moe: CLIP model configuration, read from a Hugging Face `config.json` (CLIPModel layout).
+#pragma once
+
+#include <string>
+
+namespace moe {
+
+enum class Activation { QuickGelu, Gelu };
+
+// Parses a Hugging Face `hidden_act` value; throws moe::Error naming `what` for others.
+Activation parse_activation(const std::string& name, const std::string& what);
+const char* activation_name(Activation act);
+
+// Fields shared by both towers. Defaults are those of transformers' CLIP config classes, so
+// a config.json that omits a field means what it means to transformers.
+struct ClipEncoderConfig {
+  int hidden_size = 0;
+  int intermediate_size = 0;
+  int num_hidden_layers = 0;
+  int num_attention_heads = 0;
+  Activation hidden_act = Activation::QuickGelu;
+  float layer_norm_eps = 1e-5f;
+  int head_dim() const { return hidden_size / num_attention_heads; }
+};
+
+struct ClipTextConfig : ClipEncoderConfig {
+  int vocab_size = 49408;
+  int max_position_embeddings = 77;
+  int bos_token_id = 49406;
+  int eos_token_id = 49407;
+  int pad_token_id = 1;
+};
+
+struct ClipVisionConfig : ClipEncoderConfig {
+  int image_size = 224;
+  int patch_size = 32;
+  int num_channels = 3;
+  int grid() const { return image_size / patch_size; }
+  int num_positions() const { return grid() * grid() + 1; }
+};
+
+struct ClipConfig {
+  ClipTextConfig text;
+  ClipVisionConfig vision;
+  int projection_dim = 512;
+  std::string source;  // the file it came from, for messages
+
+  static ClipConfig from_file(const std::string& config_json_path);
+  // `what` names the origin in error messages.
+  static ClipConfig from_json(const std::string& json_text, const std::string& what);
+};
+
+}  // namespace moe

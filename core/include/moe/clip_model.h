@@ -1,0 +1,60 @@
+// gst-moe: CLIP text and vision encoders, computing exactly what Hugging Face `CLIPModel`'s
+// get_text_features / get_image_features compute (fp32 on the CPU backend).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "moe/clip_config.h"
+#include "moe/image.h"
+#include "moe/safetensors.h"
+#include "moe/tensor.h"
+#include "moe/tokenizer.h"
+
+namespace moe {
+
+struct ClipEncodeResult {
+  Tensor pooled;  // [B, hidden]: the tower's pooler output (before projection)
+  Tensor embeds;  // [B, projection_dim]: projected, not normalised (as get_*_features)
+};
+
+class ClipModel {
+ public:
+  // Loads a Hugging Face CLIP directory: config.json, model.safetensors (or sharded), and when
+  // present vocab.json + merges.txt (tokenizer) and preprocessor_config.json.
+  static ClipModel load(const std::string& model_dir);
+  // Loads from a config and a checkpoint, without tokenizer (callers encode token ids).
+  static ClipModel load(const ClipConfig& config, const Checkpoint& weights);
+
+  const ClipConfig& config() const;
+  const std::string& model_dir() const;
+  bool has_tokenizer() const;
+  const ClipTokenizer& tokenizer() const;  // throws if the directory had none
+  const ImagePreprocessConfig& image_preprocess() const;
+
+  // Text tower over already tokenised inputs. Each sequence is pooled at its end token (the
+  // first eos_token_id, or the largest id for legacy configs with eos_token_id == 2, as
+  // transformers does); tokens after it are ignored, which is exact under the causal mask.
+  ClipEncodeResult encode_token_ids(const std::vector<std::vector<int32_t>>& ids) const;
+  // Tokenise (max 77 tokens incl. start/end) and encode. Throws on invalid UTF-8.
+  ClipEncodeResult encode_texts(const std::vector<std::string>& texts) const;
+
+  // Vision tower over preprocessed pixels [B, channels, image_size, image_size] (f32).
+  ClipEncodeResult encode_pixels(const Tensor& pixel_values) const;
+  // Preprocess (as CLIPImageProcessor) and encode RGB8 images of any size.
+  ClipEncodeResult encode_images(const std::vector<ImageView>& images) const;
+
+  ClipModel(ClipModel&&) noexcept;
+  ClipModel& operator=(ClipModel&&) noexcept;
+  ~ClipModel();
+
+ private:
+  ClipModel();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moe

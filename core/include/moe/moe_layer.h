@@ -1,0 +1,102 @@
+// gst-moe: the sparse Mixture-of-Experts block and the residual MoE adapter built on it.
+//
+// Routing follows Mixtral (softmax over all experts in fp32, top-k, renormalise) or Qwen2-MoE
+// (no renormalisation unless norm_topk_prob; optional shared expert gated by
+// sigmoid(shared_expert_gate(x))). Experts are SwiGLU: w2(silu(w1 x) * w3 x).
+// Execution groups rows per expert (count, permute, one GEMM per active expert, weighted
+// scatter-add); a naive per-row reference exists for tests.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "moe/safetensors.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+enum class RoutingKind { Mixtral, Qwen2Moe };
+
+struct MoeConfig {
+  int hidden_size = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  int intermediate_size = 0;
+  RoutingKind routing = RoutingKind::Mixtral;
+  bool norm_topk_prob = true;
+  int shared_expert_intermediate_size = 0;  // 0: no shared expert
+  std::string source;                       // file it came from, for messages
+
+  // The project's adapter format (adapter_config.json; see docs/model-formats.md).
+  static MoeConfig from_adapter_config(const std::string& path);
+  // A Hugging Face Mixtral (model_type "mixtral") or Qwen2-MoE ("qwen2_moe") config.json.
+  static MoeConfig from_hf_config(const std::string& path);
+  void validate() const;
+};
+
+// Per-row routing decisions: rows × top_k expert ids and weights, best first.
+struct Routing {
+  int64_t rows = 0;
+  int top_k = 0;
+  std::vector<int32_t> expert_ids;
+  std::vector<float> weights;
+  int32_t expert(int64_t row, int j) const { return expert_ids[static_cast<size_t>(row * top_k + j)]; }
+  float weight(int64_t row, int j) const { return weights[static_cast<size_t>(row * top_k + j)]; }
+};
+
+class MoeLayer {
+ public:
+  // Loads the block whose tensors start with `prefix` (e.g. "model.layers.1.block_sparse_moe."
+  // in a Mixtral checkpoint, "model.layers.1.mlp." in Qwen2-MoE, "" in an adapter file).
+  // Mixtral (w1/w2/w3) and Qwen2-MoE (gate_proj/up_proj/down_proj) expert names are accepted.
+  static MoeLayer load(const MoeConfig& config, const Checkpoint& weights, const std::string& prefix);
+  // One MoE layer out of a Hugging Face Mixtral/Qwen2-MoE checkpoint directory.
+  static MoeLayer load_hf_layer(const std::string& checkpoint_dir, const std::string& prefix);
+
+  const MoeConfig& config() const;
+
+  // Router logits [rows, num_experts] for x [rows, hidden] (f32).
+  Tensor router_logits(const Tensor& x) const;
+  Routing route(const Tensor& x) const;
+  // Σ_k w_k · expert_k(x) (+ gated shared expert): the block's output, [rows, hidden].
+  Tensor run_experts(const Tensor& x, const Routing& routing) const;
+  // Reference: the same sum computed row by row with plain loops (no grouping, no BLAS).
+  Tensor run_experts_reference(const Tensor& x, const Routing& routing) const;
+
+  MoeLayer(MoeLayer&&) noexcept;
+  MoeLayer& operator=(MoeLayer&&) noexcept;
+  ~MoeLayer();
+
+ private:
+  MoeLayer();
+  void check_input(const Tensor& x, const char* what) const;
+  void check_routing(const Tensor& x, const Routing& routing) const;
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+struct AdapterOutput {
+  Tensor embeddings;  // [rows, hidden], L2-normalised
+  Routing routing;
+};
+
+// The lightweight adapter on a frozen encoder: y = normalize(x + MoE(x)).
+class MoeAdapter {
+ public:
+  // A directory with adapter_config.json and adapter.safetensors.
+  static MoeAdapter load(const std::string& dir);
+  explicit MoeAdapter(MoeLayer layer);
+
+  const MoeLayer& layer() const { return layer_; }
+  Routing route(const Tensor& x) const { return layer_.route(x); }
+  // normalize(x + run_experts(x, routing)).
+  Tensor apply_experts(const Tensor& x, const Routing& routing) const;
+  AdapterOutput apply(const Tensor& x) const;
+
+ private:
+  MoeLayer layer_;
+};
+
+}  // namespace moe

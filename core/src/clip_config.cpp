@@ -1,0 +1,95 @@
+#include "moe/clip_config.h"
+
+#include "json_util.h"
+#include "moe/error.h"
+
+namespace moe {
+
+Activation parse_activation(const std::string& name, const std::string& what) {
+  if (name == "quick_gelu") return Activation::QuickGelu;
+  if (name == "gelu") return Activation::Gelu;
+  throw Error(what + ": unsupported hidden_act '" + name + "' (supported: quick_gelu, gelu)");
+}
+
+const char* activation_name(Activation act) {
+  return act == Activation::QuickGelu ? "quick_gelu" : "gelu";
+}
+
+namespace {
+
+int positive_int(JsonObject* obj, const char* key, int fallback, const std::string& what) {
+  const int64_t v = json::get_int_or(obj, key, fallback, what);
+  if (v <= 0 || v > (1 << 24))
+    throw Error(what + ": '" + key + "' must be a positive integer, got " + std::to_string(v));
+  return static_cast<int>(v);
+}
+
+void read_encoder(JsonObject* obj, ClipEncoderConfig& cfg, const std::string& what) {
+  cfg.hidden_size = positive_int(obj, "hidden_size", cfg.hidden_size, what);
+  cfg.intermediate_size = positive_int(obj, "intermediate_size", cfg.intermediate_size, what);
+  cfg.num_hidden_layers = positive_int(obj, "num_hidden_layers", cfg.num_hidden_layers, what);
+  cfg.num_attention_heads = positive_int(obj, "num_attention_heads", cfg.num_attention_heads, what);
+  cfg.hidden_act = parse_activation(
+      json::get_string_or(obj, "hidden_act", activation_name(cfg.hidden_act), what), what);
+  cfg.layer_norm_eps = static_cast<float>(json::get_double_or(obj, "layer_norm_eps", cfg.layer_norm_eps, what));
+  if (cfg.hidden_size % cfg.num_attention_heads != 0)
+    throw Error(what + ": hidden_size " + std::to_string(cfg.hidden_size) +
+                " is not divisible by num_attention_heads " + std::to_string(cfg.num_attention_heads));
+  if (!(cfg.layer_norm_eps > 0.0f)) throw Error(what + ": layer_norm_eps must be positive");
+}
+
+ClipConfig config_from_document(const json::Document& doc) {
+  const std::string& src = doc.what();
+  JsonObject* root = doc.root_object();
+  ClipConfig cfg;
+  cfg.source = src;
+  // transformers' own defaults (CLIPTextConfig / CLIPVisionConfig / CLIPConfig).
+  cfg.text.hidden_size = 512;
+  cfg.text.intermediate_size = 2048;
+  cfg.text.num_hidden_layers = 12;
+  cfg.text.num_attention_heads = 8;
+  cfg.vision.hidden_size = 768;
+  cfg.vision.intermediate_size = 3072;
+  cfg.vision.num_hidden_layers = 12;
+  cfg.vision.num_attention_heads = 12;
+
+  const std::string mt = json::get_string_or(root, "model_type", "clip", src);
+  if (mt != "clip")
+    throw Error(src + ": model_type is '" + mt + "', expected 'clip' (a Hugging Face CLIPModel config)");
+  cfg.projection_dim = positive_int(root, "projection_dim", cfg.projection_dim, src);
+
+  JsonObject* text = json::get_object_or_null(root, "text_config", src);
+  if (!text) throw Error(src + ": missing 'text_config' (not a CLIPModel config.json?)");
+  const std::string tw = src + " text_config";
+  read_encoder(text, cfg.text, tw);
+  cfg.text.vocab_size = positive_int(text, "vocab_size", cfg.text.vocab_size, tw);
+  cfg.text.max_position_embeddings =
+      positive_int(text, "max_position_embeddings", cfg.text.max_position_embeddings, tw);
+  cfg.text.bos_token_id = static_cast<int>(json::get_int_or(text, "bos_token_id", cfg.text.bos_token_id, tw));
+  cfg.text.eos_token_id = static_cast<int>(json::get_int_or(text, "eos_token_id", cfg.text.eos_token_id, tw));
+  cfg.text.pad_token_id = static_cast<int>(json::get_int_or(text, "pad_token_id", cfg.text.pad_token_id, tw));
+
+  JsonObject* vision = json::get_object_or_null(root, "vision_config", src);
+  if (!vision) throw Error(src + ": missing 'vision_config' (not a CLIPModel config.json?)");
+  const std::string vw = src + " vision_config";
+  read_encoder(vision, cfg.vision, vw);
+  cfg.vision.image_size = positive_int(vision, "image_size", cfg.vision.image_size, vw);
+  cfg.vision.patch_size = positive_int(vision, "patch_size", cfg.vision.patch_size, vw);
+  cfg.vision.num_channels = positive_int(vision, "num_channels", cfg.vision.num_channels, vw);
+  if (cfg.vision.image_size % cfg.vision.patch_size != 0)
+    throw Error(vw + ": image_size " + std::to_string(cfg.vision.image_size) +
+                " is not a multiple of patch_size " + std::to_string(cfg.vision.patch_size));
+  return cfg;
+}
+
+}  // namespace
+
+ClipConfig ClipConfig::from_file(const std::string& path) {
+  return config_from_document(json::Document::from_file(path));
+}
+
+ClipConfig ClipConfig::from_json(const std::string& json_text, const std::string& what) {
+  return config_from_document(json::Document(json_text, what));
+}
+
+}  // namespace moe

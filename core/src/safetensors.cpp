@@ -1,0 +1,339 @@
+#include "moe/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <mutex>
+
+#include "json_util.h"
+#include "moe/error.h"
+
+namespace moe {
+
+namespace {
+
+struct MappedFile {
+  void* addr = nullptr;
+  size_t size = 0;
+  ~MappedFile() {
+    if (addr && size) munmap(addr, size);
+  }
+};
+
+bool parse_dtype(const std::string& s, DType* out) {
+  static const std::pair<const char*, DType> table[] = {
+      {"F32", DType::F32}, {"F16", DType::F16}, {"BF16", DType::BF16}, {"I64", DType::I64},
+      {"I32", DType::I32}, {"I8", DType::I8},   {"U8", DType::U8},
+  };
+  for (const auto& [name, dt] : table) {
+    if (s == name) {
+      *out = dt;
+      return true;
+    }
+  }
+  return false;
+}
+
+bool is_directory(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+bool is_file(const std::string& path) {
+  struct stat st {};
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string dirname_of(const std::string& path) {
+  const auto slash = path.find_last_of('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+SafetensorsFile SafetensorsFile::open(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(path + ": cannot open: " + std::strerror(errno));
+  struct stat st {};
+  if (fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    throw Error(path + ": cannot stat: " + std::strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw Error(path + ": not a regular file");
+  }
+  auto mapped = std::make_shared<MappedFile>();
+  mapped->size = static_cast<size_t>(st.st_size);
+  if (mapped->size > 0) {
+    mapped->addr = mmap(nullptr, mapped->size, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (mapped->addr == MAP_FAILED) {
+      const int e = errno;
+      mapped->addr = nullptr;
+      ::close(fd);
+      throw Error(path + ": mmap failed: " + std::strerror(e));
+    }
+  }
+  ::close(fd);
+  const auto* bytes = static_cast<const uint8_t*>(mapped->addr);
+  const size_t size = mapped->size;
+  return parse(bytes, size, std::move(mapped), path);
+}
+
+SafetensorsFile SafetensorsFile::parse(const uint8_t* data, size_t size,
+                                       std::shared_ptr<const void> owner, std::string name) {
+  SafetensorsFile f;
+  f.path_ = std::move(name);
+  f.owner_ = std::move(owner);
+  const std::string& p = f.path_;
+  if (size < 8) throw Error(p + ": truncated: " + std::to_string(size) + " bytes, no header length");
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | data[i];  // little endian
+  if (header_len > kMaxHeaderBytes)
+    throw Error(p + ": header length " + std::to_string(header_len) + " exceeds the " +
+                std::to_string(kMaxHeaderBytes) + "-byte limit");
+  if (header_len > size - 8)
+    throw Error(p + ": truncated: header length " + std::to_string(header_len) +
+                " but only " + std::to_string(size - 8) + " bytes follow");
+  const uint64_t data_size = size - 8 - header_len;
+  f.data_section_ = data + 8 + header_len;
+
+  const char* header = reinterpret_cast<const char*>(data + 8);
+  if (!g_utf8_validate(header, static_cast<gssize>(header_len), nullptr))
+    throw Error(p + ": header is not valid UTF-8");
+  json::Document doc(std::string_view(header, header_len), p + " header");
+  JsonObject* root = doc.root_object();
+
+  std::vector<const TensorInfo*> by_offset;
+  GList* members = json_object_get_members(root);
+  for (GList* it = members; it; it = it->next) {
+    const std::string key = static_cast<const char*>(it->data);
+    JsonNode* node = json_object_get_member(root, key.c_str());
+    if (key == "__metadata__") {
+      if (!JSON_NODE_HOLDS_OBJECT(node)) {
+        g_list_free(members);
+        throw Error(p + ": __metadata__ is not an object");
+      }
+      JsonObject* meta = json_node_get_object(node);
+      GList* mk = json_object_get_members(meta);
+      for (GList* m = mk; m; m = m->next) {
+        JsonNode* v = json_object_get_member(meta, static_cast<const char*>(m->data));
+        if (!JSON_NODE_HOLDS_VALUE(v) || json_node_get_value_type(v) != G_TYPE_STRING) {
+          const std::string msg =
+              p + ": __metadata__ value '" + static_cast<const char*>(m->data) + "' is not a string";
+          g_list_free(mk);
+          g_list_free(members);
+          throw Error(msg);
+        }
+        f.metadata_[static_cast<const char*>(m->data)] = json_node_get_string(v);
+      }
+      g_list_free(mk);
+      continue;
+    }
+    try {
+      const std::string what = p + ": tensor '" + key + "'";
+      if (!JSON_NODE_HOLDS_OBJECT(node)) throw Error(what + ": entry is not an object");
+      JsonObject* obj = json_node_get_object(node);
+      TensorInfo info;
+      info.name = key;
+      const std::string dt = json::get_string(obj, "dtype", what);
+      if (!parse_dtype(dt, &info.dtype)) throw Error(what + ": unsupported dtype '" + dt + "'");
+      JsonNode* shape_node = json_object_get_member(obj, "shape");
+      if (!shape_node || !JSON_NODE_HOLDS_ARRAY(shape_node)) throw Error(what + ": missing shape array");
+      JsonArray* shape = json_node_get_array(shape_node);
+      // Limit the element count so numel * size cannot overflow before the range check.
+      const int64_t kMaxElems = std::numeric_limits<int64_t>::max() / 16;
+      int64_t numel = 1;
+      for (guint i = 0; i < json_array_get_length(shape); ++i) {
+        JsonNode* d = json_array_get_element(shape, i);
+        if (!JSON_NODE_HOLDS_VALUE(d) || json_node_get_value_type(d) != G_TYPE_INT64)
+          throw Error(what + ": shape entry " + std::to_string(i) + " is not an integer");
+        const int64_t v = json_node_get_int(d);
+        if (v < 0) throw Error(what + ": negative dimension " + std::to_string(v));
+        if (v != 0 && numel > kMaxElems / v) throw Error(what + ": shape too large");
+        numel *= v;
+        info.shape.push_back(v);
+      }
+      JsonNode* off_node = json_object_get_member(obj, "data_offsets");
+      if (!off_node || !JSON_NODE_HOLDS_ARRAY(off_node)) throw Error(what + ": missing data_offsets");
+      JsonArray* offs = json_node_get_array(off_node);
+      if (json_array_get_length(offs) != 2) throw Error(what + ": data_offsets must have 2 entries");
+      int64_t be[2];
+      for (guint i = 0; i < 2; ++i) {
+        JsonNode* d = json_array_get_element(offs, i);
+        if (!JSON_NODE_HOLDS_VALUE(d) || json_node_get_value_type(d) != G_TYPE_INT64 ||
+            json_node_get_int(d) < 0)
+          throw Error(what + ": data_offsets entry is not a non-negative integer");
+        be[i] = json_node_get_int(d);
+      }
+      info.begin = static_cast<uint64_t>(be[0]);
+      info.end = static_cast<uint64_t>(be[1]);
+      if (info.begin > info.end)
+        throw Error(what + ": data_offsets begin " + std::to_string(info.begin) + " > end " +
+                    std::to_string(info.end));
+      if (info.end > data_size)
+        throw Error(what + ": data_offsets end " + std::to_string(info.end) +
+                    " is past the data section (" + std::to_string(data_size) + " bytes)");
+      const uint64_t want = dtype_storage_bytes(info.dtype, numel);
+      if (info.end - info.begin != want)
+        throw Error(what + ": shape " + shape_to_string(info.shape) + " of " + dt + " needs " +
+                    std::to_string(want) + " bytes but data_offsets span " +
+                    std::to_string(info.end - info.begin));
+      f.index_.emplace(key, std::move(info));
+    } catch (...) {
+      g_list_free(members);
+      throw;
+    }
+  }
+  g_list_free(members);
+
+  for (const auto& [k, info] : f.index_) by_offset.push_back(&info);
+  std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  for (size_t i = 1; i < by_offset.size(); ++i) {
+    const TensorInfo* prev = by_offset[i - 1];
+    const TensorInfo* cur = by_offset[i];
+    if (cur->begin < prev->end && cur->end > cur->begin)
+      throw Error(p + ": tensors '" + prev->name + "' and '" + cur->name +
+                  "' overlap in the data section");
+  }
+  return f;
+}
+
+std::vector<std::string> SafetensorsFile::names() const {
+  std::vector<std::string> out;
+  out.reserve(index_.size());
+  for (const auto& kv : index_) out.push_back(kv.first);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+const TensorInfo& SafetensorsFile::info(const std::string& name) const {
+  auto it = index_.find(name);
+  if (it == index_.end()) throw Error(path_ + ": no tensor named '" + name + "'");
+  return it->second;
+}
+
+Tensor SafetensorsFile::get(const std::string& name) const {
+  const TensorInfo& i = info(name);
+  // The mapping is read-only; Tensor's mutable pointer is never written for file views.
+  void* ptr = const_cast<uint8_t*>(data_section_ + i.begin);
+  Tensor view = Tensor::view(i.dtype, i.shape, ptr, owner_);
+  // Writers pad the header to 8 bytes, but the format does not require it: copy a misaligned
+  // tensor rather than hand out a pointer that typed access would misread.
+  const size_t align = std::max<size_t>(1, dtype_storage_bytes(i.dtype, 1));
+  if (reinterpret_cast<uintptr_t>(ptr) % align != 0) return view.clone();
+  return view;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct Checkpoint::Shard {
+  std::string path;
+  std::once_flag opened;
+  std::unique_ptr<SafetensorsFile> file;
+  const SafetensorsFile& get() {
+    std::call_once(opened, [this] { file = std::make_unique<SafetensorsFile>(SafetensorsFile::open(path)); });
+    return *file;
+  }
+};
+
+Checkpoint Checkpoint::open(const std::string& path) {
+  Checkpoint c;
+  c.path_ = path;
+  std::string target = path;
+  if (is_directory(path)) {
+    if (is_file(path + "/model.safetensors")) target = path + "/model.safetensors";
+    else if (is_file(path + "/model.safetensors.index.json"))
+      target = path + "/model.safetensors.index.json";
+    else
+      throw Error(path + ": no model.safetensors or model.safetensors.index.json in this directory");
+  }
+  if (ends_with(target, ".json")) {
+    json::Document doc = json::Document::from_file(target);
+    JsonObject* map = json::get_object_or_null(doc.root_object(), "weight_map", target);
+    if (!map) throw Error(target + ": missing 'weight_map'");
+    const std::string dir = dirname_of(target);
+    std::unordered_map<std::string, size_t> shard_of_file;
+    GList* members = json_object_get_members(map);
+    for (GList* it = members; it; it = it->next) {
+      const char* tensor = static_cast<const char*>(it->data);
+      JsonNode* v = json_object_get_member(map, tensor);
+      if (!JSON_NODE_HOLDS_VALUE(v) || json_node_get_value_type(v) != G_TYPE_STRING) {
+        g_list_free(members);
+        throw Error(target + ": weight_map entry '" + tensor + "' is not a file name");
+      }
+      const std::string file = json_node_get_string(v);
+      if (file.find('/') != std::string::npos || file == "..") {
+        g_list_free(members);
+        throw Error(target + ": weight_map entry '" + tensor + "' names a path outside the checkpoint: " + file);
+      }
+      auto [pos, inserted] = shard_of_file.emplace(file, c.shards_.size());
+      if (inserted) {
+        auto shard = std::make_shared<Shard>();
+        shard->path = dir + "/" + file;
+        c.shards_.push_back(std::move(shard));
+      }
+      c.weight_map_[tensor] = pos->second;
+    }
+    g_list_free(members);
+    if (c.shards_.empty()) throw Error(target + ": weight_map is empty");
+    return c;
+  }
+  auto shard = std::make_shared<Shard>();
+  shard->path = target;
+  const SafetensorsFile& f = shard->get();
+  for (const auto& n : f.names()) c.weight_map_[n] = 0;
+  c.shards_.push_back(std::move(shard));
+  return c;
+}
+
+std::vector<std::string> Checkpoint::names() const {
+  std::vector<std::string> out;
+  for (const auto& kv : weight_map_) out.push_back(kv.first);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool Checkpoint::contains(const std::string& name) const { return weight_map_.count(name) != 0; }
+
+std::string Checkpoint::file_of(const std::string& name) const {
+  auto it = weight_map_.find(name);
+  if (it == weight_map_.end()) throw Error(path_ + ": no tensor named '" + name + "'");
+  return shards_[it->second]->path;
+}
+
+Tensor Checkpoint::get(const std::string& name) const {
+  auto it = weight_map_.find(name);
+  if (it == weight_map_.end()) throw Error(path_ + ": no tensor named '" + name + "'");
+  const SafetensorsFile& f = shards_[it->second]->get();
+  if (!f.contains(name))
+    throw Error(f.path() + ": tensor '" + name + "' listed in the index but missing from the shard");
+  return f.get(name);
+}
+
+Tensor Checkpoint::get_f32(const std::string& name, const Shape& expected) const {
+  Tensor t = get(name);
+  if (t.shape() != expected)
+    throw Error(file_of(name) + ": tensor '" + name + "' has shape " + shape_to_string(t.shape()) +
+                ", expected " + shape_to_string(expected));
+  if (t.dtype() == DType::I64 || t.dtype() == DType::I32 || t.dtype() == DType::I8 ||
+      t.dtype() == DType::U8)
+    throw Error(file_of(name) + ": tensor '" + name + "' has integer dtype " +
+                dtype_name(t.dtype()) + ", expected a floating-point weight");
+  return t.to_f32();
+}
+
+}  // namespace moe

@@ -1,0 +1,53 @@
+// gst-moe CPU kernels: the reference implementation of every engine operation.
+//
+// Contracts shared by all backends (the CUDA twins in kernels/cuda follow them exactly):
+// row-major contiguous f32 buffers; a "Linear weight" is [out, in] as PyTorch stores it;
+// functions never allocate unless they say so; sizes are int64_t element counts.
+#pragma once
+
+#include <cstdint>
+
+namespace moe::kernels::cpu {
+
+// y[m,n] = x[m,k] · w[n,k]^T (+ bias[n] when bias != nullptr). OpenBLAS sgemm.
+void linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+            int64_t k);
+
+// General row-major sgemm: C = alpha · op(A) · op(B) + beta · C.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+
+// y = (x - mean) / sqrt(var + eps) * gamma + beta per row (population variance, as PyTorch).
+void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows,
+                int64_t cols, float eps);
+
+// In place: exact GELU 0.5·x·(1 + erf(x/√2)) (PyTorch's default "gelu").
+void gelu(float* x, int64_t n);
+// In place: x · sigmoid(1.702 x) (OpenAI CLIP's "quick_gelu").
+void quick_gelu(float* x, int64_t n);
+// out[i] = silu(gate[i]) · up[i], silu(x) = x · sigmoid(x). out may alias gate or up.
+void silu_mul(const float* gate, const float* up, float* out, int64_t n);
+
+// In place, numerically stable softmax over each row.
+void softmax_rows(float* x, int64_t rows, int64_t cols);
+
+// In place: x / max(‖x‖₂, eps) per row (torch.nn.functional.normalize semantics).
+void l2_normalize_rows(float* x, int64_t rows, int64_t cols, float eps = 1e-12f);
+
+// y += x (n elements).
+void add_inplace(float* y, const float* x, int64_t n);
+
+// Multi-head scaled dot-product attention over one sequence.
+// q, k, v: [seq, heads·head_dim] with row stride `ld` (so one packed qkv buffer can be used);
+// out: [seq, heads·head_dim] contiguous. scale = head_dim^-0.5. With `causal`, position i
+// attends to positions ≤ i only. `scratch` holds at least seq·seq floats.
+void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t seq,
+               int64_t heads, int64_t head_dim, bool causal, float* scratch);
+
+// Router: softmax over all `experts` logits of each row in fp32, then the `top_k` largest
+// (descending; ties to the lower index). With `renormalize` the chosen weights are divided by
+// their sum (Mixtral); without, they stay softmax probabilities (Qwen2-MoE default).
+void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k,
+                  bool renormalize, int32_t* ids, float* weights);
+
+}  // namespace moe::kernels::cpu

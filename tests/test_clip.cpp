@@ -1,0 +1,166 @@
+// CLIP encoders against Hugging Face transformers (fixtures from tools/make_fixtures.py).
+#include <gtest/gtest.h>
+
+#include <json-glib/json-glib.h>
+
+#include <fstream>
+
+#include "moe/clip_model.h"
+#include "moe/error.h"
+#include "moe/moe_layer.h"
+#include "test_util.h"
+
+using moe::ClipModel;
+using moe::Tensor;
+using moe::test::expect_error;
+using moe::test::fixture_path;
+using moe::test::max_rel_error;
+
+namespace {
+
+constexpr double kTol = 1e-4;  // relative, as the issue asks
+
+std::vector<std::vector<int32_t>> real_ids(const moe::SafetensorsFile& io, const std::string& prefix) {
+  Tensor ids = io.get(prefix + "input_ids");
+  Tensor lens = io.get(prefix + "lengths");
+  std::vector<std::vector<int32_t>> out;
+  for (int64_t b = 0; b < ids.dim(0); ++b) {
+    const int32_t* row = ids.data<int32_t>() + b * ids.dim(1);
+    out.emplace_back(row, row + lens.data<int32_t>()[b]);
+  }
+  return out;
+}
+
+const ClipModel& tiny() {
+  static ClipModel m = ClipModel::load(fixture_path("clip_tiny"));
+  return m;
+}
+
+}  // namespace
+
+TEST(ClipConfig, ReadsHuggingFaceLayout) {
+  const moe::ClipConfig& c = tiny().config();
+  EXPECT_EQ(c.projection_dim, 24);
+  EXPECT_EQ(c.text.hidden_size, 32);
+  EXPECT_EQ(c.text.intermediate_size, 37);
+  EXPECT_EQ(c.text.eos_token_id, 999);
+  EXPECT_EQ(c.text.hidden_act, moe::Activation::QuickGelu);
+  EXPECT_EQ(c.vision.hidden_act, moe::Activation::Gelu);
+  EXPECT_EQ(c.vision.num_positions(), 17);
+}
+
+TEST(ClipText, MatchesTransformersBatched) {
+  auto io = moe::SafetensorsFile::open(fixture_path("clip_tiny_io.safetensors"));
+  auto r = tiny().encode_token_ids(real_ids(io, "text."));
+  EXPECT_LT(max_rel_error(r.pooled, io.get("text.pooled")), kTol);
+  EXPECT_LT(max_rel_error(r.embeds, io.get("text.text_embeds")), kTol);
+}
+
+TEST(ClipText, OneAtATimeEqualsBatchAndPaddingIsIgnored) {
+  auto io = moe::SafetensorsFile::open(fixture_path("clip_tiny_io.safetensors"));
+  const auto ids = real_ids(io, "text.");
+  const Tensor ref = io.get("text.text_embeds");
+  Tensor padded_ids = io.get("text.input_ids");
+  for (size_t b = 0; b < ids.size(); ++b) {
+    auto one = tiny().encode_token_ids({ids[b]});
+    EXPECT_LT(max_rel_error(one.embeds, ref.slice_rows(b, b + 1)), kTol) << "row " << b;
+    // The full 77-token row with padding after the end token: pooled at the end token.
+    const int32_t* row = padded_ids.data<int32_t>() + b * 77;
+    auto pad = tiny().encode_token_ids({std::vector<int32_t>(row, row + 77)});
+    EXPECT_LT(max_rel_error(pad.embeds, ref.slice_rows(b, b + 1)), kTol) << "row " << b;
+  }
+}
+
+TEST(ClipVision, MatchesTransformers) {
+  auto io = moe::SafetensorsFile::open(fixture_path("clip_tiny_io.safetensors"));
+  auto r = tiny().encode_pixels(io.get("vision.pixel_values"));
+  EXPECT_LT(max_rel_error(r.pooled, io.get("vision.pooled")), kTol);
+  EXPECT_LT(max_rel_error(r.embeds, io.get("vision.image_embeds")), kTol);
+}
+
+TEST(ClipText, RejectsBadTokenIds) {
+  expect_error([] { tiny().encode_token_ids({{998, 1000, 999}}); }, {"token id 1000", "outside the vocabulary"});
+  expect_error([] { tiny().encode_token_ids({{}}); }, {"no tokens"});
+  expect_error([] { tiny().encode_token_ids({std::vector<int32_t>(78, 5)}); }, {"78 tokens", "77 positions"});
+  expect_error([] { tiny().encode_texts({"hello"}); }, {"clip_tiny", "no tokenizer"});
+}
+
+TEST(ClipVision, RejectsWrongPixelShape) {
+  Tensor px = Tensor::zeros(moe::DType::F32, {1, 3, 33, 32});
+  expect_error([&] { tiny().encode_pixels(px); }, {"pixel_values", "[1,3,33,32]", "expected [B,3,32,32]"});
+}
+
+TEST(ClipModelLoad, ErrorsNameFileTensorAndReason) {
+  expect_error([] { ClipModel::load("/nonexistent/model"); }, {"/nonexistent/model", "no config.json"});
+  // Weights from another model: the first missing tensor is named.
+  const moe::ClipConfig cfg = tiny().config();
+  expect_error([&] { ClipModel::load(cfg, moe::Checkpoint::open(fixture_path("adapter_tiny/adapter.safetensors"))); },
+               {"adapter.safetensors", "text_model.embeddings.token_embedding.weight"});
+  // A config that disagrees with the weights: the tensor, its shape and the expected one.
+  moe::ClipConfig wrong = cfg;
+  wrong.text.hidden_size = 16;
+  wrong.text.num_attention_heads = 4;
+  expect_error([&] { ClipModel::load(wrong, moe::Checkpoint::open(fixture_path("clip_tiny"))); },
+               {"token_embedding.weight", "has shape [1000,32]", "expected [1000,16]"});
+  expect_error([] { moe::ClipConfig::from_json(R"({"model_type":"clip","text_config":{"hidden_act":"relu"},"vision_config":{}})", "cfg.json"); },
+               {"cfg.json text_config", "unsupported hidden_act 'relu'"});
+  expect_error([] { moe::ClipConfig::from_json(R"({"model_type":"bert"})", "cfg.json"); }, {"model_type is 'bert'"});
+  expect_error([] { moe::ClipConfig::from_json(R"({"text_config":{"hidden_size":30,"num_attention_heads":8},"vision_config":{}})", "cfg.json"); },
+               {"not divisible"});
+}
+
+// End to end from strings and raw RGB, with CLIP's real vocabulary (clip_tiny_bpe, fp16 weights).
+namespace {
+
+const ClipModel& tiny_bpe() {
+  static ClipModel m = ClipModel::load(fixture_path("clip_tiny_bpe"));
+  return m;
+}
+
+std::vector<std::string> fixture_texts(const moe::SafetensorsFile& io) {
+  JsonParser* parser = json_parser_new();
+  const std::string& texts = io.metadata().at("texts");
+  EXPECT_TRUE(json_parser_load_from_data(parser, texts.data(), static_cast<gssize>(texts.size()), nullptr));
+  JsonArray* arr = json_node_get_array(json_parser_get_root(parser));
+  std::vector<std::string> out;
+  for (guint i = 0; i < json_array_get_length(arr); ++i) out.emplace_back(json_array_get_string_element(arr, i));
+  g_object_unref(parser);
+  return out;
+}
+
+}  // namespace
+
+TEST(ClipEndToEnd, TextStringsMatchTransformers) {
+  auto io = moe::SafetensorsFile::open(fixture_path("clip_tiny_bpe_io.safetensors"));
+  const auto texts = fixture_texts(io);
+  ASSERT_EQ(texts.size(), 8u);
+  const auto ids = real_ids(io, "text.");
+  for (size_t i = 0; i < texts.size(); ++i) EXPECT_EQ(tiny_bpe().tokenizer().encode(texts[i]), ids[i]) << texts[i];
+  auto r = tiny_bpe().encode_texts(texts);
+  EXPECT_LT(max_rel_error(r.embeds, io.get("text.text_embeds")), kTol);
+}
+
+TEST(ClipEndToEnd, RawImagesMatchTransformers) {
+  auto io = moe::SafetensorsFile::open(fixture_path("clip_tiny_bpe_io.safetensors"));
+  std::vector<moe::ImageView> views;
+  std::vector<Tensor> keep;
+  for (const char* n : {"vision.rgb0", "vision.rgb1"}) {
+    keep.push_back(io.get(n));
+    const Tensor& t = keep.back();
+    views.push_back({t.data<uint8_t>(), static_cast<int>(t.dim(1)), static_cast<int>(t.dim(0)), static_cast<size_t>(t.dim(1) * 3)});
+  }
+  auto r = tiny_bpe().encode_images(views);
+  EXPECT_LT(max_rel_error(r.embeds, io.get("vision.image_embeds")), kTol);
+  // The same through the pixel path, fed the processor's own output.
+  auto p = tiny_bpe().encode_pixels(io.get("vision.pixel_values"));
+  EXPECT_LT(max_rel_error(p.embeds, io.get("vision.image_embeds")), kTol);
+}
+
+TEST(ClipEndToEnd, AdapterOnTextEmbeddingsMatchesTransformers) {
+  auto io = moe::SafetensorsFile::open(fixture_path("clip_tiny_bpe_io.safetensors"));
+  auto adapter = moe::MoeAdapter::load(fixture_path("adapter_tiny"));
+  auto out = adapter.apply(tiny_bpe().encode_texts(fixture_texts(io)).embeds);
+  EXPECT_LT(moe::test::max_abs_error(out.embeddings, io.get("adapter.output")), 1e-4);
+  const Tensor ids = io.get("adapter.selected_experts");
+  for (int64_t i = 0; i < ids.numel(); ++i) EXPECT_EQ(out.routing.expert_ids[i], ids.data<int32_t>()[i]);
+}

@@ -1,0 +1,247 @@
+// CLIP image preprocessing: compared with transformers.CLIPImageProcessor output recorded in
+// tests/fixtures/preprocess.safetensors, plus unit checks of the Pillow-exact bicubic resize.
+#include <glib.h>
+#include <glib/gstdio.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "moe/error.h"
+#include "moe/image.h"
+#include "moe/safetensors.h"
+#include "moe/tensor.h"
+#include "moe_build_config.h"
+
+namespace {
+
+std::string fixture_path(const std::string& rel) { return std::string(MOE_SOURCE_DIR) + "/tests/fixtures/" + rel; }
+
+template <typename Fn>
+void expect_error(Fn&& fn, std::initializer_list<std::string> fragments) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected moe::Error";
+  } catch (const moe::Error& e) {
+    const std::string msg = e.what();
+    for (const auto& f : fragments)
+      EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
+  }
+}
+
+moe::ImageView view_of(const std::vector<uint8_t>& px, int w, int h) {
+  return moe::ImageView{px.data(), w, h, static_cast<size_t>(w) * 3};
+}
+
+TEST(ClipImagePreprocess, MatchesHuggingFaceFixture) {
+  const moe::SafetensorsFile f = moe::SafetensorsFile::open(fixture_path("preprocess.safetensors"));
+  const moe::ImagePreprocessConfig cfg;  // CLIP defaults, as used to record the fixture
+  int images = 0;
+  for (int i = 0;; ++i) {
+    const std::string prefix = "image" + std::to_string(i);
+    if (!f.contains(prefix + ".rgb")) break;
+    ++images;
+    const moe::Tensor rgb = f.get(prefix + ".rgb");
+    ASSERT_EQ(rgb.dtype(), moe::DType::U8) << prefix;
+    ASSERT_EQ(rgb.rank(), 3) << prefix;
+    ASSERT_EQ(rgb.shape()[2], 3) << prefix;
+    const int h = static_cast<int>(rgb.shape()[0]);
+    const int w = static_cast<int>(rgb.shape()[1]);
+    const moe::ImageView view{rgb.data<uint8_t>(), w, h, static_cast<size_t>(w) * 3};
+
+    if (f.contains(prefix + ".resized_hw")) {
+      const moe::Tensor hw = f.get(prefix + ".resized_hw");
+      const auto [rw, rh] = moe::resized_size(cfg, w, h);
+      EXPECT_EQ(rh, hw.data<int32_t>()[0]) << prefix << " resized height";
+      EXPECT_EQ(rw, hw.data<int32_t>()[1]) << prefix << " resized width";
+    }
+
+    const moe::Tensor ref = f.get(prefix + ".pixel_values").to_f32();
+    ASSERT_EQ(ref.shape(), (moe::Shape{3, cfg.crop_height, cfg.crop_width})) << prefix;
+    std::vector<float> out(static_cast<size_t>(3 * cfg.crop_height * cfg.crop_width));
+    moe::preprocess_clip_image(view, cfg, out.data());
+
+    // Compare in the 0..1 pixel scale (|diff| * std): the reference is stored as float16.
+    const size_t plane = static_cast<size_t>(cfg.crop_height) * static_cast<size_t>(cfg.crop_width);
+    double max_diff = 0.0;
+    size_t beyond_f16_rounding = 0;
+    for (size_t k = 0; k < out.size(); ++k) {
+      const int c = static_cast<int>(k / plane);
+      const double r = ref.data<float>()[k];
+      const double raw = std::fabs(static_cast<double>(out[k]) - r);
+      max_diff = std::max(max_diff, raw * cfg.image_std[c]);
+      // An exact pipeline differs from the float16 reference by at most half a float16 step.
+      int e = 0;
+      std::frexp(std::max(std::fabs(r), 6.2e-5), &e);  // |r| in [2^(e-1), 2^e)
+      if (raw > std::ldexp(1.0, e - 1 - 11)) ++beyond_f16_rounding;
+    }
+    std::cout << "[ INFO     ] " << prefix << " " << w << "x" << h << ": max |diff| = " << max_diff * 255.0
+              << " / 255 (pixel scale), " << beyond_f16_rounding << " values beyond float16 rounding\n";
+    EXPECT_LE(max_diff, 2.0 / 255.0 + 1e-4) << prefix;
+    // Pillow-exact resize: expected to be 0; allow a handful for float rounding ties.
+    EXPECT_LE(beyond_f16_rounding, out.size() / 10000) << prefix;
+  }
+  EXPECT_GE(images, 1) << "no image<i>.rgb tensors in the fixture";
+}
+
+TEST(ResizeBicubic, IdentityReturnsSameBytes) {
+  // A padded stride: the output is packed.
+  const int w = 5, h = 4;
+  const size_t stride = w * 3 + 7;
+  std::vector<uint8_t> px(stride * h, 0xEE);
+  std::vector<uint8_t> packed;
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w * 3; ++x) {
+      px[y * stride + x] = static_cast<uint8_t>(y * 31 + x * 7);
+      packed.push_back(px[y * stride + x]);
+    }
+  EXPECT_EQ(moe::resize_bicubic_rgb8(moe::ImageView{px.data(), w, h, stride}, w, h), packed);
+}
+
+TEST(ResizeBicubic, UpscaleMatchesPillow) {
+  // Pillow 9.4: Image.fromarray(a).resize((4, 4), Image.BICUBIC)
+  const std::vector<uint8_t> a = {0, 10, 200, 255, 20, 100, 255, 30, 0, 0, 40, 50};
+  const std::vector<uint8_t> want = {0,   7,  227, 40,  10, 194, 215, 16, 128, 255, 19, 94,  53,  13, 166, 84,
+                                     16,  144, 171, 22, 104, 202, 25, 83, 202, 25,  43, 171, 28,  45, 84,  34,
+                                     57,  53,  37,  62, 255, 31,  0,  215, 34, 0,   40, 40,  33,  0,  43,  51};
+  EXPECT_EQ(moe::resize_bicubic_rgb8(view_of(a, 2, 2), 4, 4), want);
+
+  // A constant image stays constant.
+  const std::vector<uint8_t> flat(2 * 2 * 3, 100);
+  const std::vector<uint8_t> up = moe::resize_bicubic_rgb8(view_of(flat, 2, 2), 4, 4);
+  EXPECT_TRUE(std::all_of(up.begin(), up.end(), [](uint8_t v) { return v == 100; }));
+}
+
+TEST(ResizeBicubic, DownscaleMatchesPillow) {
+  // Pillow 9.4: (np.arange(105).reshape(5, 7, 3) * 2) resized to (3, 2), BICUBIC
+  std::vector<uint8_t> a(5 * 7 * 3);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint8_t>(i * 2);
+  const std::vector<uint8_t> want = {40, 42, 44, 54, 56, 58, 68, 70, 72, 136, 138, 140, 150, 152, 154, 164, 166, 168};
+  EXPECT_EQ(moe::resize_bicubic_rgb8(view_of(a, 7, 5), 3, 2), want);
+}
+
+TEST(ResizeBicubic, LargeImageIsFast) {
+  const int n = 1000;
+  std::vector<uint8_t> px(static_cast<size_t>(n) * n * 3);
+  for (size_t i = 0; i < px.size(); ++i) px[i] = static_cast<uint8_t>((i * 2654435761u) >> 24);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<uint8_t> out = moe::resize_bicubic_rgb8(view_of(px, n, n), 224, 224);
+  const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::cout << "[ INFO     ] 1000x1000 -> 224x224 bicubic: " << ms << " ms\n";
+  EXPECT_EQ(out.size(), 224u * 224u * 3u);
+  EXPECT_LT(ms, 500.0);  // a loose bound: shared CI machines and debug builds
+}
+
+TEST(ResizeBicubic, BadInputThrows) {
+  const std::vector<uint8_t> px(4 * 4 * 3, 0);
+  expect_error([&] { moe::resize_bicubic_rgb8(moe::ImageView{nullptr, 4, 4, 12}, 2, 2); }, {"null"});
+  expect_error([&] { moe::resize_bicubic_rgb8(moe::ImageView{px.data(), 0, 4, 12}, 2, 2); }, {"not positive"});
+  expect_error([&] { moe::resize_bicubic_rgb8(moe::ImageView{px.data(), 4, -1, 12}, 2, 2); }, {"not positive"});
+  expect_error([&] { moe::resize_bicubic_rgb8(moe::ImageView{px.data(), 4, 4, 11}, 2, 2); }, {"stride", "11"});
+  expect_error([&] { moe::resize_bicubic_rgb8(view_of(px, 4, 4), 0, 2); }, {"output size", "not positive"});
+  std::vector<float> out(3 * 224 * 224);
+  expect_error([&] { moe::preprocess_clip_image(moe::ImageView{nullptr, 4, 4, 12}, {}, out.data()); }, {"null"});
+  expect_error([&] { moe::preprocess_clip_image(view_of(px, 4, 4), {}, nullptr); }, {"output buffer"});
+}
+
+TEST(ClipImagePreprocess, OutputSizes) {
+  moe::ImagePreprocessConfig cfg;
+  // HF: shortest edge to 224, the other int(224 * long / short).
+  EXPECT_EQ(moe::resized_size(cfg, 320, 241), std::make_pair(297, 224));
+  EXPECT_EQ(moe::resized_size(cfg, 97, 131), std::make_pair(224, 302));
+  EXPECT_EQ(moe::resized_size(cfg, 224, 224), std::make_pair(224, 224));
+  EXPECT_EQ(moe::preprocess_output_size(cfg, 320, 241), std::make_pair(224, 224));
+  cfg.do_center_crop = false;
+  EXPECT_EQ(moe::preprocess_output_size(cfg, 320, 241), std::make_pair(297, 224));
+  cfg.do_resize = false;
+  EXPECT_EQ(moe::preprocess_output_size(cfg, 320, 241), std::make_pair(320, 241));
+}
+
+TEST(ClipImagePreprocess, SmallImageIsZeroPaddedWhenNotResized) {
+  moe::ImagePreprocessConfig cfg;
+  cfg.do_resize = false;
+  cfg.crop_width = 4;
+  cfg.crop_height = 3;
+  cfg.do_normalize = false;
+  const std::vector<uint8_t> px(2 * 1 * 3, 255);  // 2x1 white
+  std::vector<float> out(3 * 3 * 4, -1.0f);
+  moe::preprocess_clip_image(view_of(px, 2, 1), cfg, out.data());
+  // HF pads with ceil((crop - size) / 2) before: the pixels land at row 1, columns 1..2.
+  for (int c = 0; c < 3; ++c)
+    for (int y = 0; y < 3; ++y)
+      for (int x = 0; x < 4; ++x) {
+        const float want = (y == 1 && (x == 1 || x == 2)) ? 1.0f : 0.0f;
+        EXPECT_FLOAT_EQ(out[static_cast<size_t>((c * 3 + y) * 4 + x)], want) << c << "," << y << "," << x;
+      }
+}
+
+class ConfigDir {
+ public:
+  ConfigDir() {
+    gchar* dir = g_dir_make_tmp("moe-image-XXXXXX", nullptr);
+    if (dir == nullptr) throw std::runtime_error("cannot create temp dir");
+    path_ = dir;
+    g_free(dir);
+  }
+  ~ConfigDir() {
+    g_remove(file().c_str());
+    g_rmdir(path_.c_str());
+  }
+  void write(const std::string& json) { std::ofstream(file()) << json; }
+  std::string file() const { return path_ + "/preprocessor_config.json"; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+TEST(ImagePreprocessConfig, ReadsHuggingFaceLayout) {
+  ConfigDir dir;
+  // Missing file: CLIP defaults.
+  moe::ImagePreprocessConfig cfg = moe::ImagePreprocessConfig::from_directory(dir.path());
+  EXPECT_EQ(cfg.shortest_edge, 224);
+  EXPECT_EQ(cfg.crop_width, 224);
+
+  dir.write(R"({"crop_size": {"height": 336, "width": 320}, "do_center_crop": true, "do_normalize": false,
+                "image_mean": [0.5, 0.5, 0.5], "image_std": [0.25, 0.5, 1], "resample": 3,
+                "rescale_factor": 0.5, "size": {"shortest_edge": 336}})");
+  cfg = moe::ImagePreprocessConfig::from_directory(dir.path());
+  EXPECT_EQ(cfg.shortest_edge, 336);
+  EXPECT_EQ(cfg.crop_height, 336);
+  EXPECT_EQ(cfg.crop_width, 320);
+  EXPECT_FALSE(cfg.do_normalize);
+  EXPECT_FLOAT_EQ(cfg.rescale_factor, 0.5f);
+  EXPECT_FLOAT_EQ(cfg.image_std[0], 0.25f);
+  EXPECT_FLOAT_EQ(cfg.image_mean[2], 0.5f);
+
+  // Old-style ints.
+  dir.write(R"({"size": 288, "crop_size": 256})");
+  cfg = moe::ImagePreprocessConfig::from_directory(dir.path());
+  EXPECT_EQ(cfg.shortest_edge, 288);
+  EXPECT_EQ(cfg.crop_height, 256);
+  EXPECT_EQ(cfg.crop_width, 256);
+
+  dir.write(R"({"size": {"height": 100, "width": 50}})");
+  cfg = moe::ImagePreprocessConfig::from_directory(dir.path());
+  EXPECT_EQ(moe::resized_size(cfg, 640, 480), std::make_pair(50, 100));
+}
+
+TEST(ImagePreprocessConfig, RejectsUnsupportedValues) {
+  ConfigDir dir;
+  dir.write(R"({"resample": 2})");
+  expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "resample"});
+  dir.write(R"({"image_mean": [0.5, 0.5]})");
+  expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "image_mean"});
+  dir.write(R"({"size": {"longest_edge": 5}})");
+  expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "size"});
+  dir.write(R"({"crop_size": -3})");
+  expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "crop_size"});
+  dir.write("{not json");
+  expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "invalid JSON"});
+}
+
+}  // namespace

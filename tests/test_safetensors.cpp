@@ -1,0 +1,204 @@
+// Safetensors reader: valid files, every corner case of a bad header, sharded checkpoints, and
+// a deterministic mutation fuzz loop (parse must reject, never crash).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <fstream>
+#include <random>
+
+#include "moe/error.h"
+#include "moe/safetensors.h"
+#include "test_util.h"
+
+using moe::DType;
+using moe::SafetensorsFile;
+using moe::test::expect_error;
+using moe::test::fixture_path;
+
+namespace {
+
+std::string make_file(const std::string& header, const std::string& data) {
+  std::string out(8, '\0');
+  uint64_t n = header.size();
+  for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+  return out + header + data;
+}
+
+SafetensorsFile parse(const std::string& bytes, const std::string& name = "mem.safetensors") {
+  auto owner = std::make_shared<std::string>(bytes);
+  return SafetensorsFile::parse(reinterpret_cast<const uint8_t*>(owner->data()), owner->size(), owner, name);
+}
+
+std::string floats(std::initializer_list<float> v) {
+  std::string s(v.size() * 4, '\0');
+  std::memcpy(s.data(), std::data(v), s.size());
+  return s;
+}
+
+}  // namespace
+
+TEST(Safetensors, ParsesValidFile) {
+  const std::string data = floats({1, 2, 3, 4}) + std::string("\x00\x3c\x00\x40", 4);  // f16 1.0, 2.0
+  const std::string hdr =
+      R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
+      R"("b":{"dtype":"F16","shape":[2],"data_offsets":[16,20]}})";
+  auto f = parse(make_file(hdr, data));
+  EXPECT_EQ(f.names(), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(f.metadata().at("format"), "pt");
+  moe::Tensor a = f.get("a");
+  EXPECT_EQ(a.dtype(), DType::F32);
+  EXPECT_EQ(a.shape(), (moe::Shape{2, 2}));
+  EXPECT_FLOAT_EQ(a.data<float>()[3], 4.0f);
+  moe::Tensor b = f.get("b").to_f32();
+  EXPECT_FLOAT_EQ(b.data<float>()[0], 1.0f);
+  EXPECT_FLOAT_EQ(b.data<float>()[1], 2.0f);
+  expect_error([&] { f.get("c"); }, {"mem.safetensors", "'c'"});
+}
+
+TEST(Safetensors, ScalarAndEmptyTensors) {
+  const std::string hdr =
+      R"({"s":{"dtype":"F32","shape":[],"data_offsets":[0,4]},"e":{"dtype":"F32","shape":[0,3],"data_offsets":[4,4]}})";
+  auto f = parse(make_file(hdr, floats({7})));
+  EXPECT_FLOAT_EQ(f.get("s").data<float>()[0], 7.0f);
+  EXPECT_EQ(f.get("e").numel(), 0);
+}
+
+TEST(Safetensors, MisalignedDataIsCopied) {
+  // A 3-byte header padding leaves the data section misaligned for f32.
+  const std::string hdr = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}} )";
+  ASSERT_NE(hdr.size() % 4, 0u);
+  auto f = parse(make_file(hdr, floats({5, 6})));
+  moe::Tensor a = f.get("a");
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.raw_data()) % 4, 0u);
+  EXPECT_FLOAT_EQ(a.data<float>()[1], 6.0f);
+}
+
+TEST(Safetensors, RejectsTruncatedFile) {
+  expect_error([] { parse("abc"); }, {"mem.safetensors", "truncated"});
+  const std::string hdr = R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  std::string bytes = make_file(hdr, floats({1}));
+  expect_error([&] { parse(bytes.substr(0, 20)); }, {"truncated", "header length"});
+  // Header intact, data cut short.
+  expect_error([&] { parse(bytes.substr(0, bytes.size() - 2)); }, {"'a'", "past the data section"});
+}
+
+TEST(Safetensors, RejectsOversizedHeader) {
+  std::string bytes(16, '\0');
+  const uint64_t n = 200ull * 1024 * 1024;
+  for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xFF);
+  expect_error([&] { parse(bytes); }, {"exceeds"});
+}
+
+TEST(Safetensors, RejectsOutOfRangeOffsets) {
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", floats({1, 2}))); },
+               {"'a'", "past the data section"});
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", floats({1, 2}))); },
+               {"'a'", "begin 8 > end 4"});
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}})", floats({1}))); },
+               {"'a'", "non-negative"});
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", floats({1}))); },
+               {"'a'", "2 entries"});
+}
+
+TEST(Safetensors, RejectsOverlappingTensors) {
+  const std::string hdr =
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
+  expect_error([&] { parse(make_file(hdr, floats({1, 2, 3}))); }, {"'a'", "'b'", "overlap"});
+}
+
+TEST(Safetensors, RejectsUnknownDtype) {
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}})", "x")); },
+               {"'a'", "unsupported dtype 'F8_E4M3'"});
+  expect_error([] { parse(make_file(R"({"a":{"dtype":7,"shape":[1],"data_offsets":[0,1]}})", "x")); },
+               {"'a'", "dtype"});
+}
+
+TEST(Safetensors, RejectsShapeSizeMismatch) {
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", floats({1, 2}))); },
+               {"'a'", "needs 12 bytes", "span 8"});
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", floats({1}))); },
+               {"'a'", "negative dimension"});
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", floats({1}))); },
+               {"'a'", "not an integer"});
+  expect_error(
+      [] {
+        parse(make_file(R"({"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,4]}})",
+                        floats({1})));
+      },
+      {"'a'", "too large"});
+}
+
+TEST(Safetensors, RejectsMalformedHeader) {
+  expect_error([] { parse(make_file("{not json", "")); }, {"mem.safetensors", "invalid JSON"});
+  expect_error([] { parse(make_file("[1,2]", "")); }, {"not a JSON object"});
+  expect_error([] { parse(make_file(std::string("{\"\xff\":1}"), "")); }, {"UTF-8"});
+  expect_error([] { parse(make_file(R"({"__metadata__":{"k":1}})", "")); }, {"__metadata__", "'k'"});
+  expect_error([] { parse(make_file(R"({"a":[1]})", "")); }, {"'a'", "not an object"});
+}
+
+TEST(Safetensors, FuzzedBytesNeverCrash) {
+  const std::string hdr =
+      R"({"__metadata__":{"f":"pt"},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
+      R"("b":{"dtype":"BF16","shape":[2],"data_offsets":[16,20]}})";
+  const std::string good = make_file(hdr, floats({1, 2, 3, 4}) + "abcd");
+  std::mt19937 rng(1234);
+  int accepted = 0, rejected = 0;
+  for (int iter = 0; iter < 3000; ++iter) {
+    std::string m = good;
+    const int edits = 1 + static_cast<int>(rng() % 4);
+    for (int e = 0; e < edits; ++e) {
+      const size_t pos = rng() % m.size();
+      switch (rng() % 3) {
+        case 0: m[pos] = static_cast<char>(rng() & 0xFF); break;
+        case 1: m.erase(pos, 1 + rng() % 3); break;
+        default: m.insert(pos, 1, "0123456789[]{},:\"-"[rng() % 18]); break;
+      }
+      if (m.empty()) m = "x";
+    }
+    try {
+      auto f = parse(m);
+      for (const auto& n : f.names()) {
+        moe::Tensor t = f.get(n);
+        volatile float sink = t.to_f32().numel() ? t.to_f32().data<float>()[0] : 0.0f;
+        (void)sink;
+      }
+      ++accepted;
+    } catch (const moe::Error&) {
+      ++rejected;
+    }
+  }
+  EXPECT_GT(rejected, 0);
+  EXPECT_EQ(accepted + rejected, 3000);
+}
+
+TEST(Safetensors, OpenErrorsNameTheFile) {
+  expect_error([] { SafetensorsFile::open("/nonexistent/x.safetensors"); }, {"/nonexistent/x.safetensors", "cannot open"});
+  expect_error([] { SafetensorsFile::open(fixture_path("")); }, {"not a regular file"});
+}
+
+TEST(Checkpoint, ReadsShardedHuggingFaceCheckpoint) {
+  auto ck = moe::Checkpoint::open(fixture_path("mixtral_tiny"));
+  ASSERT_TRUE(ck.contains("model.layers.1.block_sparse_moe.gate.weight"));
+  const std::string file = ck.file_of("model.layers.1.block_sparse_moe.gate.weight");
+  EXPECT_NE(file.find("of-0000"), std::string::npos) << file;
+  moe::Tensor g = ck.get("model.layers.1.block_sparse_moe.gate.weight");
+  EXPECT_EQ(g.shape(), (moe::Shape{6, 16}));
+  // Every listed tensor resolves in its shard.
+  for (const auto& n : ck.names()) EXPECT_NO_THROW(ck.get(n)) << n;
+  expect_error([&] { ck.get_f32("model.layers.1.block_sparse_moe.gate.weight", {16, 6}); },
+               {"gate.weight", "has shape [6,16]", "expected [16,6]"});
+}
+
+TEST(Checkpoint, ReportsMissingShardAndBadIndex) {
+  const std::string dir = ::testing::TempDir() + "/moe_ckpt_missing";
+  ASSERT_EQ(0, system(("rm -rf " + dir + " && mkdir -p " + dir).c_str()));
+  std::ofstream(dir + "/model.safetensors.index.json")
+      << R"({"metadata":{},"weight_map":{"w":"model-00001-of-00002.safetensors"}})";
+  auto ck = moe::Checkpoint::open(dir);
+  expect_error([&] { ck.get("w"); }, {"model-00001-of-00002.safetensors", "cannot open"});
+  std::ofstream(dir + "/model.safetensors.index.json") << R"({"weight_map":{"w":"../etc/passwd"}})";
+  expect_error([&] { moe::Checkpoint::open(dir); }, {"outside the checkpoint"});
+  std::ofstream(dir + "/model.safetensors.index.json") << R"({"metadata":{}})";
+  expect_error([&] { moe::Checkpoint::open(dir); }, {"index.json", "weight_map"});
+  expect_error([] { moe::Checkpoint::open(::testing::TempDir()); }, {"no model.safetensors"});
+}

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages gst-moe needs to build, test and run. Idempotent: when every
+# package is already installed it does nothing (no apt-get update, no network).
+set -euo pipefail
+
+packages=(
+  # build
+  meson ninja-build pkg-config g++ python3
+  # engine
+  libglib2.0-dev libjson-glib-dev libopenblas-dev
+  # tests
+  libgtest-dev
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "install-deps: installing ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -ne 0 ] && sudo_cmd=(sudo)
+  "${sudo_cmd[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The CUDA toolkit is optional: the CPU build always works. Report what the build will find.
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  echo "install-deps: CUDA toolkit found ($(PATH=/usr/local/cuda/bin:$PATH nvcc --version | tail -1))"
+else
+  echo "install-deps: no CUDA toolkit (nvcc) found: only the CPU backend will be built"
+fi
