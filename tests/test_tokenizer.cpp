@@ -16,6 +16,10 @@
 #include "moe/error.h"
 #include "moe/tokenizer.h"
 #include "moe_build_config.h"
+#include "test_util.h"
+
+using moe::test::expect_error;
+using moe::test::fixture_path;
 
 namespace {
 
@@ -28,19 +32,6 @@ std::string ids_to_string(const std::vector<int32_t>& ids) {
   for (size_t i = 0; i < ids.size(); ++i) ss << (i ? ", " : "") << ids[i];
   ss << "]";
   return ss.str();
-}
-
-// Expects `fn` to throw moe::Error whose message contains every fragment.
-template <typename Fn>
-void expect_error(Fn&& fn, std::initializer_list<std::string> fragments) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected moe::Error";
-  } catch (const moe::Error& e) {
-    const std::string msg = e.what();
-    for (const auto& f : fragments)
-      EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
-  }
 }
 
 // A scratch directory removed with its files at the end of the test.

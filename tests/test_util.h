@@ -42,13 +42,13 @@ inline double max_abs_error(const Tensor& a, const Tensor& b) {
 
 // Asserts that calling `fn` throws moe::Error whose message contains every listed fragment.
 template <typename Fn>
-void expect_error(Fn&& fn, std::initializer_list<const char*> fragments) {
+void expect_error(Fn&& fn, std::initializer_list<std::string> fragments) {
   try {
     fn();
     ADD_FAILURE() << "expected moe::Error";
   } catch (const moe::Error& e) {
     const std::string msg = e.what();
-    for (const char* f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
+    for (const std::string& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
   }
 }
 

@@ -100,15 +100,8 @@ void attention(const float* q, const float* k, const float* v, int64_t ld, float
     for (int64_t i = 0; i < seq; ++i) {
       float* row = scratch + i * seq;
       const int64_t valid = causal ? i + 1 : seq;
-      const float mx = *std::max_element(row, row + valid);
-      float sum = 0.0f;
-      for (int64_t j = 0; j < valid; ++j) {
-        row[j] = std::exp(row[j] - mx);
-        sum += row[j];
-      }
-      const float inv = 1.0f / sum;
-      for (int64_t j = 0; j < valid; ++j) row[j] *= inv;
-      for (int64_t j = valid; j < seq; ++j) row[j] = 0.0f;
+      softmax_rows(row, 1, valid);
+      std::fill(row + valid, row + seq, 0.0f);
     }
     gemm(false, false, seq, head_dim, seq, 1.0f, scratch, seq, v + off, ld, 0.0f, out + off, width);
   }
