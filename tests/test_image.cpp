@@ -222,3 +222,140 @@ TEST(ImagePreprocessConfig, RejectsUnsupportedValues) {
 }
 
 }  // namespace
+
+// ===== Image decoding (moe/image_decode.h) =====
+
+#include "moe/image_decode.h"
+
+namespace {
+
+// A PNG file: IHDR for a w x h 8-bit RGB (channels 3) or RGBA (4) image, then `rows` (filter
+// byte + pixels per row) in stored (uncompressed) deflate blocks. Written by hand so that the
+// decoder is not checked against its own library.
+std::vector<uint8_t> png_file(int w, int h, int channels, const std::vector<uint8_t>& rows) {
+  auto be32 = [](std::vector<uint8_t>& v, uint32_t x) {
+    for (int s = 24; s >= 0; s -= 8) v.push_back(static_cast<uint8_t>(x >> s));
+  };
+  std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  auto chunk = [&](const char* type, const std::vector<uint8_t>& data) {
+    be32(png, static_cast<uint32_t>(data.size()));
+    std::vector<uint8_t> body(type, type + 4);
+    body.insert(body.end(), data.begin(), data.end());
+    uint32_t crc = 0xFFFFFFFFu;
+    for (uint8_t b : body) {
+      crc ^= b;
+      for (int k = 0; k < 8; ++k) crc = (crc & 1) ? 0xEDB88320u ^ (crc >> 1) : crc >> 1;
+    }
+    png.insert(png.end(), body.begin(), body.end());
+    be32(png, ~crc);
+  };
+  std::vector<uint8_t> ihdr;
+  be32(ihdr, static_cast<uint32_t>(w));
+  be32(ihdr, static_cast<uint32_t>(h));
+  ihdr.insert(ihdr.end(), {8, static_cast<uint8_t>(channels == 4 ? 6 : 2), 0, 0, 0});
+  chunk("IHDR", ihdr);
+  std::vector<uint8_t> z = {0x78, 0x01};
+  for (size_t at = 0;;) {
+    const size_t n = std::min<size_t>(65535, rows.size() - at);
+    const bool last = at + n == rows.size();
+    z.insert(z.end(), {static_cast<uint8_t>(last), static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
+                       static_cast<uint8_t>(~n), static_cast<uint8_t>(~n >> 8)});
+    z.insert(z.end(), rows.begin() + static_cast<std::ptrdiff_t>(at), rows.begin() + static_cast<std::ptrdiff_t>(at + n));
+    at += n;
+    if (last) break;
+  }
+  uint32_t a = 1, b = 0;
+  for (uint8_t v : rows) {
+    a = (a + v) % 65521;
+    b = (b + a) % 65521;
+  }
+  be32(z, (b << 16) | a);
+  chunk("IDAT", z);
+  chunk("IEND", {});
+  return png;
+}
+
+std::vector<uint8_t> make_png(const std::vector<uint8_t>& px, int w, int h, int channels) {
+  std::vector<uint8_t> rows;
+  const size_t row = static_cast<size_t>(w) * channels;
+  for (int y = 0; y < h; ++y) {
+    rows.push_back(0);  // filter: none
+    rows.insert(rows.end(), px.begin() + static_cast<std::ptrdiff_t>(y * row),
+                px.begin() + static_cast<std::ptrdiff_t>((y + 1) * row));
+  }
+  return png_file(w, h, channels, rows);
+}
+
+std::vector<uint8_t> pattern(int w, int h, int channels) {
+  std::vector<uint8_t> px(static_cast<size_t>(w) * h * channels);
+  for (size_t i = 0; i < px.size(); ++i) px[i] = static_cast<uint8_t>(i * 37 + i / 5);
+  return px;
+}
+
+TEST(DecodeImage, PngRoundTripGivesExactPixels) {
+  // Width 5: gdk-pixbuf pads RGB rows to 16 bytes; the result must be packed.
+  const int w = 5, h = 3;
+  const std::vector<uint8_t> px = pattern(w, h, 3);
+  const std::vector<uint8_t> png = make_png(px, w, h, 3);
+  const moe::RgbImage img = moe::decode_image(png.data(), png.size(), "test.png");
+  EXPECT_EQ(img.width, w);
+  EXPECT_EQ(img.height, h);
+  EXPECT_EQ(img.pixels, px);
+  const moe::ImageView v = img.view();
+  EXPECT_EQ(v.data, img.pixels.data());
+  EXPECT_EQ(v.stride, static_cast<size_t>(w) * 3);
+}
+
+TEST(DecodeImage, RgbaDropsAlphaWithoutCompositing) {
+  const int w = 4, h = 2;
+  std::vector<uint8_t> rgba = pattern(w, h, 4);
+  for (size_t i = 3; i < rgba.size(); i += 4) rgba[i] = static_cast<uint8_t>(i % 3 == 0 ? 0 : 128);  // transparent too
+  const std::vector<uint8_t> png = make_png(rgba, w, h, 4);
+  const moe::RgbImage img = moe::decode_image(png.data(), png.size(), "alpha.png");
+  std::vector<uint8_t> want;
+  for (size_t i = 0; i < rgba.size(); i += 4) want.insert(want.end(), rgba.begin() + i, rgba.begin() + i + 3);
+  EXPECT_EQ(img.pixels, want);
+}
+
+TEST(DecodeImage, GrayscaleExpandsToRgb) {
+  const std::string pgm = std::string("P5\n3 2\n255\n") + std::string("\x00\x10\x20\x80\xc0\xff", 6);
+  const moe::RgbImage img = moe::decode_image(reinterpret_cast<const uint8_t*>(pgm.data()), pgm.size(), "gray.pgm");
+  ASSERT_EQ(img.width, 3);
+  ASSERT_EQ(img.height, 2);
+  const uint8_t gray[] = {0x00, 0x10, 0x20, 0x80, 0xc0, 0xff};
+  for (int i = 0; i < 6; ++i)
+    for (int c = 0; c < 3; ++c) EXPECT_EQ(img.pixels[static_cast<size_t>(i) * 3 + c], gray[i]) << i << "," << c;
+}
+
+TEST(DecodeImage, BadDataErrorsNameTheImage) {
+  const std::vector<uint8_t> png = make_png(pattern(6, 5, 3), 6, 5, 3);
+  expect_error([&] { moe::decode_image(nullptr, 0, "request 'q1'"); }, {"request 'q1'", "empty"});
+  expect_error([&] { moe::decode_image(png.data(), 0, "request 'q1'"); }, {"request 'q1'", "empty"});
+  const std::string junk = "this is not an image at all";
+  expect_error([&] { moe::decode_image(reinterpret_cast<const uint8_t*>(junk.data()), junk.size(), "junk.bin"); },
+               {"junk.bin", "unknown image format"});
+  expect_error([&] { moe::decode_image(png.data(), png.size() / 2, "half.png"); }, {"half.png", "truncated"});
+  std::vector<uint8_t> corrupt = png;
+  corrupt[40] ^= 0xFF;  // inside IDAT: the chunk's CRC no longer matches
+  expect_error([&] { moe::decode_image(corrupt.data(), corrupt.size(), "crc.png"); }, {"crc.png"});
+}
+
+TEST(DecodeImage, RefusesHugeCanvasBeforeDecoding) {
+  // A 20000 x 20000 header (400 megapixels) followed by one row of data.
+  const std::vector<uint8_t> png = png_file(20000, 20000, 3, std::vector<uint8_t>(1 + 20000 * 3, 0));
+  expect_error([&] { moe::decode_image(png.data(), png.size(), "bomb.png"); }, {"bomb.png", "20000x20000", "limit"});
+}
+
+TEST(DecodeImage, FilesAreReadAndMissingOnesNamed) {
+  const std::vector<uint8_t> px = pattern(3, 4, 3);
+  const std::vector<uint8_t> png = make_png(px, 3, 4, 3);
+  ConfigDir dir;  // a temporary folder; the image goes where its config file would be
+  std::ofstream(dir.file(), std::ios::binary).write(reinterpret_cast<const char*>(png.data()), static_cast<std::streamsize>(png.size()));
+  EXPECT_EQ(moe::read_image_file(dir.file()), png);
+  EXPECT_EQ(moe::decode_image_file(dir.file()).pixels, px);
+  const std::string missing = dir.path() + "/nope.png";
+  expect_error([&] { moe::decode_image_file(missing); }, {"image file '" + missing + "'", "No such file"});
+  expect_error([&] { moe::read_image_file(dir.path()); }, {dir.path(), "cannot be read"});
+}
+
+}  // namespace

@@ -7,9 +7,12 @@ packages=(
   # build
   meson ninja-build pkg-config g++ python3
   # engine
-  libglib2.0-dev libjson-glib-dev libopenblas-dev
-  # tests
-  libgtest-dev
+  libglib2.0-dev libjson-glib-dev libopenblas-dev libfaiss-dev liblapack-dev libgdk-pixbuf-2.0-dev
+  # GStreamer plugin and ZeroMQ
+  libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-tools gstreamer1.0-plugins-base
+  gstreamer1.0-plugins-good libzmq3-dev cppzmq-dev
+  # tests and examples
+  libgtest-dev python3-zmq
 )
 
 missing=()

@@ -186,15 +186,20 @@ Tensor MoeLayer::router_logits(const Tensor& x) const {
   return logits;
 }
 
-Routing MoeLayer::route(const Tensor& x) const {
+Routing MoeLayer::route(const Tensor& x) const { return route(x, impl_->cfg.top_k); }
+
+Routing MoeLayer::route(const Tensor& x, int top_k) const {
   const MoeConfig& c = impl_->cfg;
+  if (top_k < 1 || top_k > c.num_experts)
+    throw Error("route: top_k " + std::to_string(top_k) + " outside [1, num_experts=" +
+                std::to_string(c.num_experts) + "]");
   Tensor logits = router_logits(x);
   Routing r;
   r.rows = x.dim(0);
-  r.top_k = c.top_k;
-  r.expert_ids.resize(static_cast<size_t>(r.rows * c.top_k));
+  r.top_k = top_k;
+  r.expert_ids.resize(static_cast<size_t>(r.rows * top_k));
   r.weights.resize(r.expert_ids.size());
-  cpu::topk_softmax(logits.data<float>(), r.rows, c.num_experts, c.top_k, c.norm_topk_prob,
+  cpu::topk_softmax(logits.data<float>(), r.rows, c.num_experts, top_k, c.norm_topk_prob,
                     r.expert_ids.data(), r.weights.data());
   return r;
 }

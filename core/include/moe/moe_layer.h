@@ -60,6 +60,8 @@ class MoeLayer {
   // Router logits [rows, num_experts] for x [rows, hidden] (f32).
   Tensor router_logits(const Tensor& x) const;
   Routing route(const Tensor& x) const;
+  // Routing with another number of experts per row (1..num_experts) than the config's top_k.
+  Routing route(const Tensor& x, int top_k) const;
   // Σ_k w_k · expert_k(x) (+ gated shared expert): the block's output, [rows, hidden].
   Tensor run_experts(const Tensor& x, const Routing& routing) const;
   // Reference: the same sum computed row by row with plain loops (no grouping, no BLAS).
@@ -91,6 +93,7 @@ class MoeAdapter {
 
   const MoeLayer& layer() const { return layer_; }
   Routing route(const Tensor& x) const { return layer_.route(x); }
+  Routing route(const Tensor& x, int top_k) const { return layer_.route(x, top_k); }
   // normalize(x + run_experts(x, routing)).
   Tensor apply_experts(const Tensor& x, const Routing& routing) const;
   AdapterOutput apply(const Tensor& x) const;

@@ -1,0 +1,103 @@
+// gst-moe: the nearest-neighbour index that answers search requests.
+//
+// Why FAISS: it is the field's standard ANN library (exact and graph indexes, a stable on-disk
+// format, used in production at scale); Debian ships it, and writing our own would be slower
+// and untested. FAISS types stay out of this header: callers see only AnnIndex.
+//
+// Similarity is cosine: vectors are L2-normalised on the way in (add and search), and the index
+// ranks by inner product, so a score is the cosine similarity in [-1, 1], higher is better.
+//
+// On disk an index is two files side by side:
+//   PATH               the FAISS index (faiss::write_index format)
+//   PATH.items.jsonl   the item table, JSON Lines: a header object
+//                        {"format":"gst-moe-items","version":1,"count":N,"dim":D,"index_type":"flat"|"hnsw"}
+//                      then one object per item, in index order:
+//                        {"item":i,"id":"...","uri":"...","caption":"..."}
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+namespace faiss {
+struct Index;
+}
+
+namespace moe {
+
+enum class AnnIndexType {
+  Flat,  // faiss::IndexFlatIP: exact, linear in the index size
+  Hnsw,  // faiss::IndexHNSWFlat over inner product: approximate, logarithmic
+};
+
+// "flat" / "hnsw" (the names used in the item table and by the elements).
+const char* ann_index_type_name(AnnIndexType type);
+
+struct AnnBuildOptions {
+  AnnIndexType type = AnnIndexType::Flat;
+  int hnsw_m = 32;            // HNSW: links per node (memory and recall grow with it)
+  int ef_construction = 80;   // HNSW: candidate list size while building (build time vs quality)
+};
+
+// What an index row stands for; returned with search hits.
+struct AnnItem {
+  std::string id;       // the catalog's identifier
+  std::string uri;      // where the item lives (an image file uri)
+  std::string caption;  // its text
+};
+
+struct AnnHit {
+  int64_t item;  // row in the index, 0-based; item(hit.item) describes it
+  float score;   // cosine similarity
+};
+
+class AnnIndex {
+ public:
+  // An empty index for `dim`-wide vectors. Throws moe::Error on invalid options.
+  static AnnIndex create(int dim, const AnnBuildOptions& options);
+  // Reads PATH and PATH.items.jsonl and checks that they agree. Throws moe::Error naming the
+  // file and the reason (FAISS's own message for an unreadable index, the line for a bad item).
+  static AnnIndex load(const std::string& path);
+
+  AnnIndex(AnnIndex&&) noexcept;
+  AnnIndex& operator=(AnnIndex&&) noexcept;
+  ~AnnIndex();
+
+  // Appends n vectors (row-major n x dim) and their items (items.size() == n). Not safe to
+  // call while another thread searches: build first, then search.
+  void add(const float* vectors, int64_t n, const std::vector<AnnItem>& items);
+
+  // Writes PATH and PATH.items.jsonl. Each goes to a temporary file in the same directory that
+  // is renamed into place only once complete, so a failed write never leaves half a file (and
+  // load() rejects a pair whose counts disagree). Throws moe::Error naming the file.
+  void save(const std::string& path) const;
+
+  // The best min(k, size()) hits for each of the n queries (row-major n x dim), best first; one
+  // batched FAISS call. k must be >= 1. ef_search is HNSW's candidate list size (recall vs
+  // speed; ignored by flat indexes). Safe to call from several threads at once. FAISS 1.7.3
+  // accepts faiss::SearchParametersHNSW but its HNSW search ignores the efSearch in it (results
+  // follow hnsw.efSearch only; tests/test_ann_index.cpp checks), so the ef is set on the index: HNSW searches of one index take a mutex around setting
+  // it and searching (flat searches run concurrently). FAISS parallelises each batch over
+  // OpenMP threads (OMP_NUM_THREADS caps them), so batching loses little to the lock. FAISS
+  // also bumps its global diagnostic counter faiss::hnsw_stats unsynchronised; nothing reads it.
+  std::vector<std::vector<AnnHit>> search(const float* queries, int64_t n, int k, int ef_search = 64) const;
+
+  int dim() const { return dim_; }
+  int64_t size() const;
+  AnnIndexType type() const { return type_; }
+  // The item at row i; throws moe::Error when i is out of range.
+  const AnnItem& item(int64_t i) const;
+
+ private:
+  AnnIndex(std::unique_ptr<faiss::Index> index, AnnIndexType type, int dim);
+
+  std::unique_ptr<faiss::Index> index_;
+  AnnIndexType type_;
+  int dim_;
+  std::vector<AnnItem> items_;
+  std::unique_ptr<std::mutex> search_mutex_;  // HNSW: guards hnsw.efSearch (see search())
+};
+
+}  // namespace moe

@@ -1,0 +1,343 @@
+#include "moe/ann_index.h"
+
+#include <faiss/IndexFlat.h>
+#include <faiss/IndexHNSW.h>
+#include <faiss/impl/FaissException.h>
+#include <faiss/index_io.h>
+#include <faiss/utils/distances.h>
+#include <fcntl.h>
+#include <json-glib/json-glib.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <utility>
+
+#include "json_util.h"
+#include "moe/error.h"
+
+namespace moe {
+
+namespace {
+
+constexpr const char* kItemsFormat = "gst-moe-items";
+constexpr int kItemsVersion = 1;
+
+std::string items_path_for(const std::string& path) { return path + ".items.jsonl"; }
+
+// FAISS messages read "Error in <function> at <file>:<line>: Error: '<cond>' failed: <reason>";
+// users need only the reason.
+std::string faiss_reason(const std::exception& e) {
+  std::string msg = e.what();
+  if (msg.rfind("Error in ", 0) == 0) {
+    const size_t at = msg.find(" at ");
+    const size_t colon = at == std::string::npos ? at : msg.find(": ", at);
+    if (colon != std::string::npos) msg.erase(0, colon + 2);
+  }
+  if (msg.rfind("Error: '", 0) == 0) {
+    const size_t failed = msg.find("' failed: ");
+    if (failed != std::string::npos) msg.erase(0, failed + 10);
+  }
+  // FAISS reports a short read with a stale errno ("read error in F: 0 != 1 (No such file...)").
+  if (msg.find("read error") != std::string::npos) return "truncated or corrupt file (FAISS: " + msg + ")";
+  return msg;
+}
+
+std::vector<float> normalized_copy(const float* x, int64_t n, int dim) {
+  std::vector<float> out(x, x + n * dim);
+  faiss::fvec_renorm_L2(static_cast<size_t>(dim), static_cast<size_t>(n), out.data());
+  return out;
+}
+
+// A file written under a temporary name beside `path` and renamed onto it by commit(); if it
+// is never committed, the temporary file is removed and `path` is untouched.
+class AtomicFile {
+ public:
+  explicit AtomicFile(std::string path) : path_(std::move(path)) {
+    static std::atomic<unsigned> counter{0};
+    tmp_ = path_ + ".tmp-" + std::to_string(getpid()) + "-" + std::to_string(counter++);
+    const int fd = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (fd < 0) throw Error("'" + path_ + "' cannot be written: " + std::strerror(errno));
+    stream_ = fdopen(fd, "wb");
+    if (!stream_) {
+      const int err = errno;
+      ::close(fd);
+      ::unlink(tmp_.c_str());
+      throw Error("'" + path_ + "' cannot be written: " + std::strerror(err));
+    }
+  }
+  ~AtomicFile() {
+    if (stream_) std::fclose(stream_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  AtomicFile(const AtomicFile&) = delete;
+  AtomicFile& operator=(const AtomicFile&) = delete;
+
+  FILE* stream() const { return stream_; }
+  const std::string& path() const { return path_; }
+
+  // Flushes to disk and closes; the rename is commit(), so that two files can be renamed together.
+  void finish() {
+    bool ok = std::fflush(stream_) == 0 && !std::ferror(stream_) && fsync(fileno(stream_)) == 0;
+    int err = ok ? 0 : errno;
+    if (std::fclose(stream_) != 0 && ok) {
+      ok = false;
+      err = errno;
+    }
+    stream_ = nullptr;
+    if (!ok) throw Error("'" + path_ + "' cannot be written: " + std::strerror(err));
+  }
+  void commit() {
+    if (std::rename(tmp_.c_str(), path_.c_str()) != 0)
+      throw Error("'" + path_ + "' cannot be written: " + std::strerror(errno));
+    committed_ = true;
+  }
+
+ private:
+  std::string path_, tmp_;
+  FILE* stream_ = nullptr;
+  bool committed_ = false;
+};
+
+// One compact JSON object per call, for the item table.
+class LineWriter {
+ public:
+  LineWriter() : gen_(json_generator_new()) {}
+  ~LineWriter() { g_object_unref(gen_); }
+  LineWriter(const LineWriter&) = delete;
+  LineWriter& operator=(const LineWriter&) = delete;
+
+  std::string line(JsonBuilder* builder) {
+    JsonNode* root = json_builder_get_root(builder);
+    json_generator_set_root(gen_, root);
+    gchar* text = json_generator_to_data(gen_, nullptr);
+    std::string out(text);
+    out += '\n';
+    g_free(text);
+    json_node_unref(root);
+    return out;
+  }
+
+ private:
+  JsonGenerator* gen_;
+};
+
+void add_string(JsonBuilder* b, const char* key, const std::string& value) {
+  json_builder_set_member_name(b, key);
+  json_builder_add_string_value(b, value.c_str());
+}
+
+void add_int(JsonBuilder* b, const char* key, int64_t value) {
+  json_builder_set_member_name(b, key);
+  json_builder_add_int_value(b, value);
+}
+
+void write_all(AtomicFile& file, const std::string& text) {
+  if (std::fwrite(text.data(), 1, text.size(), file.stream()) != text.size())
+    throw Error("'" + file.path() + "' cannot be written: " + std::strerror(errno));
+}
+
+}  // namespace
+
+const char* ann_index_type_name(AnnIndexType type) { return type == AnnIndexType::Hnsw ? "hnsw" : "flat"; }
+
+AnnIndex::AnnIndex(std::unique_ptr<faiss::Index> index, AnnIndexType type, int dim)
+    : index_(std::move(index)), type_(type), dim_(dim), search_mutex_(std::make_unique<std::mutex>()) {}
+AnnIndex::AnnIndex(AnnIndex&&) noexcept = default;
+AnnIndex& AnnIndex::operator=(AnnIndex&&) noexcept = default;
+AnnIndex::~AnnIndex() = default;
+
+AnnIndex AnnIndex::create(int dim, const AnnBuildOptions& options) {
+  if (dim < 1) throw Error("ANN index: dimension must be >= 1, got " + std::to_string(dim));
+  try {
+    if (options.type == AnnIndexType::Flat)
+      return AnnIndex(std::make_unique<faiss::IndexFlatIP>(dim), AnnIndexType::Flat, dim);
+    if (options.hnsw_m < 2) throw Error("ANN index: HNSW M must be >= 2, got " + std::to_string(options.hnsw_m));
+    if (options.ef_construction < 1)
+      throw Error("ANN index: HNSW efConstruction must be >= 1, got " + std::to_string(options.ef_construction));
+    auto hnsw = std::make_unique<faiss::IndexHNSWFlat>(dim, options.hnsw_m, faiss::METRIC_INNER_PRODUCT);
+    hnsw->hnsw.efConstruction = options.ef_construction;
+    return AnnIndex(std::move(hnsw), AnnIndexType::Hnsw, dim);
+  } catch (const faiss::FaissException& e) {
+    throw Error("ANN index: cannot create a " + std::string(ann_index_type_name(options.type)) + " index of dimension " +
+                std::to_string(dim) + ": " + faiss_reason(e));
+  }
+}
+
+int64_t AnnIndex::size() const { return index_->ntotal; }
+
+const AnnItem& AnnIndex::item(int64_t i) const {
+  if (i < 0 || i >= static_cast<int64_t>(items_.size()))
+    throw Error("ANN index: item " + std::to_string(i) + " out of range (index has " + std::to_string(items_.size()) +
+                " items)");
+  return items_[static_cast<size_t>(i)];
+}
+
+void AnnIndex::add(const float* vectors, int64_t n, const std::vector<AnnItem>& items) {
+  if (n < 0 || static_cast<int64_t>(items.size()) != n)
+    throw Error("ANN index: add of " + std::to_string(n) + " vectors with " + std::to_string(items.size()) +
+                " items (they must match)");
+  if (n == 0) return;
+  const std::vector<float> unit = normalized_copy(vectors, n, dim_);
+  try {
+    index_->add(n, unit.data());
+  } catch (const faiss::FaissException& e) {
+    throw Error("ANN index: cannot add " + std::to_string(n) + " vectors: " + faiss_reason(e));
+  }
+  items_.insert(items_.end(), items.begin(), items.end());
+}
+
+std::vector<std::vector<AnnHit>> AnnIndex::search(const float* queries, int64_t n, int k, int ef_search) const {
+  if (k < 1) throw Error("ANN search: k must be >= 1, got " + std::to_string(k));
+  if (ef_search < 1) throw Error("ANN search: ef_search must be >= 1, got " + std::to_string(ef_search));
+  if (n < 0) throw Error("ANN search: negative query count " + std::to_string(n));
+  std::vector<std::vector<AnnHit>> out(static_cast<size_t>(n));
+  if (n == 0 || size() == 0) return out;
+
+  const int64_t kk = std::min<int64_t>(k, size());
+  const std::vector<float> unit = normalized_copy(queries, n, dim_);
+  std::vector<float> scores(static_cast<size_t>(n * kk));
+  std::vector<faiss::Index::idx_t> labels(static_cast<size_t>(n * kk));
+  try {
+    if (type_ == AnnIndexType::Hnsw) {
+      // FAISS 1.7.3 reads ef only from the index (see the header); HNSW returns at most ef hits.
+      auto* hnsw = static_cast<faiss::IndexHNSW*>(index_.get());
+      std::lock_guard<std::mutex> lock(*search_mutex_);
+      hnsw->hnsw.efSearch = static_cast<int>(std::max<int64_t>(ef_search, kk));
+      hnsw->search(n, unit.data(), kk, scores.data(), labels.data());
+    } else {
+      index_->search(n, unit.data(), kk, scores.data(), labels.data());
+    }
+  } catch (const faiss::FaissException& e) {
+    throw Error("ANN search: " + faiss_reason(e));
+  }
+  for (int64_t q = 0; q < n; ++q) {
+    auto& hits = out[static_cast<size_t>(q)];
+    hits.reserve(static_cast<size_t>(kk));
+    for (int64_t j = 0; j < kk; ++j) {
+      const auto label = labels[static_cast<size_t>(q * kk + j)];
+      if (label >= 0) hits.push_back({label, scores[static_cast<size_t>(q * kk + j)]});  // -1: HNSW found fewer
+    }
+  }
+  return out;
+}
+
+void AnnIndex::save(const std::string& path) const {
+  AtomicFile index_file(path);
+  AtomicFile items_file(items_path_for(path));
+  try {
+    faiss::write_index(index_.get(), index_file.stream());
+  } catch (const faiss::FaissException& e) {
+    throw Error("'" + path + "' cannot be written: " + faiss_reason(e));
+  }
+  index_file.finish();
+
+  LineWriter writer;
+  JsonBuilder* b = json_builder_new();
+  json_builder_begin_object(b);
+  add_string(b, "format", kItemsFormat);
+  add_int(b, "version", kItemsVersion);
+  add_int(b, "count", static_cast<int64_t>(items_.size()));
+  add_int(b, "dim", dim_);
+  add_string(b, "index_type", ann_index_type_name(type_));
+  json_builder_end_object(b);
+  try {
+    write_all(items_file, writer.line(b));
+    for (size_t i = 0; i < items_.size(); ++i) {
+      json_builder_reset(b);
+      json_builder_begin_object(b);
+      add_int(b, "item", static_cast<int64_t>(i));
+      add_string(b, "id", items_[i].id);
+      add_string(b, "uri", items_[i].uri);
+      add_string(b, "caption", items_[i].caption);
+      json_builder_end_object(b);
+      write_all(items_file, writer.line(b));
+    }
+  } catch (...) {
+    g_object_unref(b);
+    throw;
+  }
+  g_object_unref(b);
+  items_file.finish();
+  // Items first: a crash between the renames leaves a pair whose counts disagree, which load()
+  // rejects, rather than a new index silently described by old items.
+  items_file.commit();
+  index_file.commit();
+}
+
+AnnIndex AnnIndex::load(const std::string& path) {
+  std::unique_ptr<faiss::Index> index;
+  try {
+    index.reset(faiss::read_index(path.c_str()));
+  } catch (const faiss::FaissException& e) {
+    throw Error("ANN index '" + path + "' cannot be read: " + faiss_reason(e));
+  } catch (const std::exception& e) {  // corrupt sizes surface as std::bad_alloc / length_error
+    throw Error("ANN index '" + path + "' cannot be read: corrupt file (" + e.what() + ")");
+  }
+
+  AnnIndexType type;
+  if (dynamic_cast<faiss::IndexHNSWFlat*>(index.get()))
+    type = AnnIndexType::Hnsw;
+  else if (dynamic_cast<faiss::IndexFlatIP*>(index.get()))
+    type = AnnIndexType::Flat;
+  else
+    throw Error("ANN index '" + path + "': unsupported FAISS index type (expected IndexFlatIP or IndexHNSWFlat)");
+  if (index->metric_type != faiss::METRIC_INNER_PRODUCT)
+    throw Error("ANN index '" + path + "': metric is not inner product (cosine search needs it)");
+  const int dim = index->d;
+  const int64_t count = index->ntotal;
+  AnnIndex out(std::move(index), type, dim);
+
+  const std::string items_path = items_path_for(path);
+  std::ifstream in(items_path, std::ios::binary);
+  if (!in) throw Error("ANN item table '" + items_path + "' cannot be read: " + std::strerror(errno));
+  std::string line;
+  if (!std::getline(in, line)) throw Error("ANN item table '" + items_path + "': empty file (no header line)");
+  {
+    const std::string what = "ANN item table '" + items_path + "' line 1 (header)";
+    json::Document doc(line, what);
+    JsonObject* h = doc.root_object();
+    if (json::get_string(h, "format", what) != kItemsFormat)
+      throw Error(what + ": format is not '" + kItemsFormat + "'");
+    if (json::get_int(h, "version", what) != kItemsVersion)
+      throw Error(what + ": unsupported version " + std::to_string(json::get_int(h, "version", what)));
+    const int64_t header_count = json::get_int(h, "count", what);
+    const int64_t header_dim = json::get_int(h, "dim", what);
+    const std::string header_type = json::get_string(h, "index_type", what);
+    if (header_count != count)
+      throw Error(what + ": count " + std::to_string(header_count) + " but the index '" + path + "' holds " +
+                  std::to_string(count) + " vectors");
+    if (header_dim != dim)
+      throw Error(what + ": dim " + std::to_string(header_dim) + " but the index '" + path + "' has dimension " +
+                  std::to_string(dim));
+    if (header_type != ann_index_type_name(type))
+      throw Error(what + ": index_type '" + header_type + "' but the index '" + path + "' is " +
+                  ann_index_type_name(type));
+  }
+  out.items_.reserve(static_cast<size_t>(count));
+  int64_t line_no = 1;
+  while (std::getline(in, line)) {
+    ++line_no;
+    const std::string what = "ANN item table '" + items_path + "' line " + std::to_string(line_no);
+    const int64_t i = static_cast<int64_t>(out.items_.size());
+    if (i == count) throw Error(what + ": more items than the " + std::to_string(count) + " in the header");
+    json::Document doc(line, what);
+    JsonObject* obj = doc.root_object();
+    if (json::get_int(obj, "item", what) != i)
+      throw Error(what + ": item " + std::to_string(json::get_int(obj, "item", what)) + " where " +
+                  std::to_string(i) + " was expected (items must be in index order)");
+    out.items_.push_back({json::get_string_or(obj, "id", "", what), json::get_string_or(obj, "uri", "", what),
+                          json::get_string_or(obj, "caption", "", what)});
+  }
+  if (in.bad()) throw Error("ANN item table '" + items_path + "': read error");
+  if (static_cast<int64_t>(out.items_.size()) != count)
+    throw Error("ANN item table '" + items_path + "' has " + std::to_string(out.items_.size()) +
+                " items but the header and the index '" + path + "' say " + std::to_string(count));
+  return out;
+}
+
+}  // namespace moe

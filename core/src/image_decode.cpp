@@ -1,0 +1,159 @@
+#include "moe/image_decode.h"
+
+#include <gdk-pixbuf/gdk-pixbuf.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "moe/error.h"
+
+namespace moe {
+
+namespace {
+
+// What the loader's signals tell while it decodes.
+struct LoadProgress {
+  int64_t width = 0, height = 0;
+  bool too_big = false;
+  std::vector<bool> rows_done;  // rows the loader reported as decoded
+};
+
+// Sees the canvas size as soon as the header is parsed, before any pixel memory exists.
+void on_size_prepared(GdkPixbufLoader* loader, gint width, gint height, gpointer data) {
+  auto* progress = static_cast<LoadProgress*>(data);
+  progress->width = width;
+  progress->height = height;
+  if (static_cast<int64_t>(width) * height > kMaxDecodedImagePixels) {
+    progress->too_big = true;
+    // A size of 0 makes the loaders stop before allocating the canvas (as gdk_pixbuf_get_file_info does).
+    gdk_pixbuf_loader_set_size(loader, 0, 0);
+  } else {
+    progress->rows_done.assign(static_cast<size_t>(std::max(height, 0)), false);
+  }
+}
+
+void on_area_updated(GdkPixbufLoader*, gint, gint y, gint, gint height, gpointer data) {
+  auto* progress = static_cast<LoadProgress*>(data);
+  const int64_t end = std::min<int64_t>(static_cast<int64_t>(y) + height, static_cast<int64_t>(progress->rows_done.size()));
+  for (int64_t r = std::max(y, 0); r < end; ++r) progress->rows_done[static_cast<size_t>(r)] = true;
+}
+
+// For several formats gdk-pixbuf hands back whatever it decoded of a truncated file without an
+// error, the rest left blank; PIL refuses such files ("image file is truncated"), and a partly
+// blank image must not be encoded as if it were whole.
+bool is_truncated(const std::string& format, const uint8_t* data, size_t size, const LoadProgress& progress) {
+  // GIF: frames may cover only part of the canvas, and the loader reports truncation itself.
+  if (format == "gif") return false;
+  // JPEG: libjpeg fills missing scanlines, so every row is reported; a complete file has an
+  // end-of-image marker after its last start-of-scan.
+  if (format == "jpeg") {
+    size_t last_sos = 0;
+    bool eoi_after = false;
+    for (size_t i = 0; i + 1 < size; ++i) {
+      if (data[i] != 0xFF) continue;
+      if (data[i + 1] == 0xDA) {
+        last_sos = i;
+        eoi_after = false;
+      } else if (data[i + 1] == 0xD9 && last_sos > 0) {
+        eoi_after = true;
+      }
+    }
+    return !eoi_after;
+  }
+  return std::find(progress.rows_done.begin(), progress.rows_done.end(), false) != progress.rows_done.end();
+}
+
+std::string describe(const GError* error) { return error != nullptr ? error->message : "unknown error"; }
+
+}  // namespace
+
+RgbImage decode_image(const uint8_t* data, size_t size, const std::string& what) {
+  if (data == nullptr || size == 0) throw Error(what + ": empty image data");
+
+  GdkPixbufLoader* loader = gdk_pixbuf_loader_new();
+  LoadProgress progress;
+  g_signal_connect(loader, "size-prepared", G_CALLBACK(on_size_prepared), &progress);
+  g_signal_connect(loader, "area-updated", G_CALLBACK(on_area_updated), &progress);
+
+  // Fed in chunks so that an oversized image is refused once its header has been read.
+  constexpr size_t kChunk = 64 * 1024;
+  GError* error = nullptr;
+  bool ok = true;
+  for (size_t at = 0; at < size && ok && !progress.too_big; at += kChunk)
+    ok = gdk_pixbuf_loader_write(loader, data + at, std::min(kChunk, size - at), &error);
+  // close() must always be called; its error (e.g. truncated data) matters only when writing went well.
+  if (!gdk_pixbuf_loader_close(loader, ok && !progress.too_big ? &error : nullptr)) ok = false;
+
+  auto fail = [&](const std::string& reason) {
+    g_clear_error(&error);
+    g_object_unref(loader);
+    throw Error(what + ": " + reason);
+  };
+  if (progress.too_big)
+    fail("image of " + std::to_string(progress.width) + "x" + std::to_string(progress.height) +
+         " pixels exceeds the limit of " + std::to_string(kMaxDecodedImagePixels) + " pixels");
+  if (!ok) {
+    if (error != nullptr && error->domain == GDK_PIXBUF_ERROR && error->code == GDK_PIXBUF_ERROR_UNKNOWN_TYPE)
+      fail("unknown image format (not a file type the installed gdk-pixbuf loaders read)");
+    fail("corrupt or truncated image data (" + describe(error) + ")");
+  }
+  GdkPixbufFormat* format = gdk_pixbuf_loader_get_format(loader);
+  gchar* name = format != nullptr ? gdk_pixbuf_format_get_name(format) : nullptr;
+  const std::string format_name = name != nullptr ? name : "";
+  g_free(name);
+  if (is_truncated(format_name, data, size, progress))
+    fail("truncated " + format_name + " image data (the file ends before the image does)");
+  GdkPixbuf* pixbuf = gdk_pixbuf_loader_get_pixbuf(loader);
+  if (pixbuf == nullptr) fail("corrupt or truncated image data (no image decoded)");
+  const int channels = gdk_pixbuf_get_n_channels(pixbuf);
+  if (gdk_pixbuf_get_colorspace(pixbuf) != GDK_COLORSPACE_RGB || gdk_pixbuf_get_bits_per_sample(pixbuf) != 8 ||
+      (channels != 3 && channels != 4))
+    fail("unsupported pixel layout (" + std::to_string(channels) + " channels of " +
+         std::to_string(gdk_pixbuf_get_bits_per_sample(pixbuf)) + " bits)");
+
+  RgbImage image;
+  image.width = gdk_pixbuf_get_width(pixbuf);
+  image.height = gdk_pixbuf_get_height(pixbuf);
+  const size_t rowstride = static_cast<size_t>(gdk_pixbuf_get_rowstride(pixbuf));
+  const guint8* src = gdk_pixbuf_read_pixels(pixbuf);
+  const size_t row_bytes = static_cast<size_t>(image.width) * 3;
+  image.pixels.resize(row_bytes * static_cast<size_t>(image.height));
+  for (int y = 0; y < image.height; ++y) {
+    const guint8* in = src + static_cast<size_t>(y) * rowstride;
+    uint8_t* out = image.pixels.data() + static_cast<size_t>(y) * row_bytes;
+    if (channels == 3) {
+      std::memcpy(out, in, row_bytes);
+    } else {  // RGBA: drop alpha, as PIL's convert("RGB") does
+      for (int x = 0; x < image.width; ++x, in += 4, out += 3) {
+        out[0] = in[0];
+        out[1] = in[1];
+        out[2] = in[2];
+      }
+    }
+  }
+  g_object_unref(loader);  // owns the pixbuf
+  return image;
+}
+
+std::vector<uint8_t> read_image_file(const std::string& path) {
+  const std::string what = "image file '" + path + "'";
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) throw Error(what + " cannot be read: " + g_strerror(errno));
+  std::vector<uint8_t> bytes;
+  uint8_t chunk[64 * 1024];
+  size_t n = 0;
+  while ((n = std::fread(chunk, 1, sizeof chunk, f)) > 0) bytes.insert(bytes.end(), chunk, chunk + n);
+  const int read_errno = std::ferror(f) ? errno : 0;
+  std::fclose(f);
+  if (read_errno != 0) throw Error(what + " cannot be read: " + g_strerror(read_errno));
+  return bytes;
+}
+
+RgbImage decode_image_file(const std::string& path) {
+  const std::vector<uint8_t> bytes = read_image_file(path);
+  return decode_image(bytes.data(), bytes.size(), "image file '" + path + "'");
+}
+
+}  // namespace moe

@@ -1,0 +1,69 @@
+#!/usr/bin/python3
+"""Send queries to a running gst-moe service and print the results as they come back.
+
+    examples/client.py "red striped mug" "small blue shoe" --image photo.png
+        [--requests tcp://127.0.0.1:5555] [--results tcp://127.0.0.1:5556] [--k 5]
+
+Requests are PUSHed to the service's zmq-query; results are read from its zmq-publish stream
+and matched to the requests by id (docs/zmq-schema.md). Needs python3-zmq (Debian).
+"""
+import argparse
+import json
+import sys
+import time
+import uuid
+
+import zmq
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("texts", nargs="*", help="text queries")
+    ap.add_argument("--image", action="append", default=[], help="image file to query with")
+    ap.add_argument("--requests", default="tcp://127.0.0.1:5555")
+    ap.add_argument("--results", default="tcp://127.0.0.1:5556")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for all results")
+    args = ap.parse_args()
+
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt_string(zmq.SUBSCRIBE, "")
+    sub.connect(args.results)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(args.requests)
+    time.sleep(0.3)  # let the subscription reach the publisher before results flow
+
+    session = uuid.uuid4().hex[:8]
+    pending = {}
+    for i, text in enumerate(args.texts):
+        pending[f"{session}-t{i}"] = {"text": text}
+    for i, path in enumerate(args.image):
+        pending[f"{session}-i{i}"] = {"image": path}
+    for rid, body in pending.items():
+        push.send_string(json.dumps({"id": rid, "k": args.k, **body}))
+
+    deadline = time.time() + args.timeout
+    while pending and time.time() < deadline:
+        if not sub.poll(200):
+            continue
+        doc = json.loads(sub.recv_multipart()[-1])
+        req = pending.pop(doc.get("id"), None)
+        if req is None:
+            continue  # someone else's result
+        print(f'\n{doc["id"]}: {req.get("text") or req.get("image")}')
+        if doc["type"] == "error":
+            print(f'  error in {doc["error"]["stage"]}: {doc["error"]["reason"]}')
+            continue
+        for r in doc["results"]:
+            print(f'  {r["rank"]:2d}. {r["score"]:.3f}  {r["caption"] or r["uri"]}')
+        print("  experts: " + ", ".join(f'#{e["expert"]} ({e["weight"]:.2f})' for e in doc["experts"]))
+    if pending:
+        print(f"\nno answer within {args.timeout}s for: {', '.join(pending)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

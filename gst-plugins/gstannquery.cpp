@@ -1,0 +1,595 @@
+/* ann-query: nearest-neighbour search over a FAISS index, and the build of that index.
+ *
+ * Search (mode=search, the default): the index named by `index` (and the item table beside
+ * it) is loaded at READY->PAUSED. Each tensor buffer's rows are searched in one batched call;
+ * every row leaves as one application/json buffer holding its result document, and every
+ * failed request of the batch as one holding its error document. Each output buffer carries a
+ * GstMoeBatchMeta with exactly that request (one row, or one failed entry), so downstream
+ * elements can route per request.
+ *
+ * Build (mode=build): every row is added to a new index (vector + the request's id, uri and
+ * text as the item's caption); failed requests are answered with error documents as they
+ * arrive. At EOS the index and its item table are written and one index-built summary
+ * document is pushed before EOS. The summary is not a request and carries no meta.
+ *
+ * The documents are written by gstmoeresult.h; docs/zmq-schema.md describes them. */
+#include "gstannquery.h"
+
+#include <glib/gstdio.h>
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gstmoemeta.h"
+#include "gstmoeresult.h"
+#include "moe/ann_index.h"
+#include "moe/error.h"
+
+GST_DEBUG_CATEGORY_STATIC(gst_ann_query_debug);
+#define GST_CAT_DEFAULT gst_ann_query_debug
+
+#define STAGE_NAME "ann-query"
+
+enum {
+  PROP_0,
+  PROP_INDEX,
+  PROP_K,
+  PROP_MODE,
+  PROP_INDEX_TYPE,
+  PROP_HNSW_M,
+  PROP_EF_CONSTRUCTION,
+  PROP_EF_SEARCH,
+};
+
+constexpr guint kDefaultK = 10;
+constexpr guint kMaxK = 1024;  // also the most a request's own "k" may ask for
+constexpr GstAnnQueryMode kDefaultMode = GST_ANN_QUERY_MODE_SEARCH;
+constexpr GstAnnQueryIndexType kDefaultIndexType = GST_ANN_QUERY_INDEX_TYPE_FLAT;
+constexpr guint kDefaultHnswM = 32;
+constexpr guint kDefaultEfConstruction = 80;
+constexpr guint kDefaultEfSearch = 64;
+
+namespace {
+
+// What one run (READY->PAUSED to PAUSED->READY) works with; only the streaming thread touches
+// it while the pads are active.
+struct Session {
+  GstAnnQueryMode mode = kDefaultMode;
+  std::string index_path;                  // as set in `index`
+  moe::AnnBuildOptions build;              // build mode
+  std::optional<moe::AnnIndex> index;      // search: loaded; build: created at the first caps
+  std::string index_name;                  // basename of index_path, for the result documents
+  int width = 0;                           // negotiated tensor width; 0 before caps
+  int64_t build_failed = 0;                // build mode: error documents sent
+};
+
+}  // namespace
+
+struct _GstAnnQuery {
+  GstElement parent;
+  GstPad* sinkpad;
+  GstPad* srcpad;
+
+  // Properties, under the object lock. The ones marked MUTABLE_READY are read at READY->PAUSED.
+  gchar* index_path;
+  guint k;
+  GstAnnQueryMode mode;
+  GstAnnQueryIndexType index_type;
+  guint hnsw_m;
+  guint ef_construction;
+  guint ef_search;
+
+  Session* session;  // non-NULL in PAUSED and PLAYING
+};
+
+static GstStaticPadTemplate sink_template =
+    GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
+static GstStaticPadTemplate src_template =
+    GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_JSON_CAPS));
+
+GType gst_ann_query_mode_get_type(void) {
+  static GType type = 0;
+  static const GEnumValue values[] = {
+      {GST_ANN_QUERY_MODE_SEARCH, "Answer each request with its nearest catalog items", "search"},
+      {GST_ANN_QUERY_MODE_BUILD, "Add every row to a new index, written at EOS", "build"},
+      {0, nullptr, nullptr},
+  };
+  if (g_once_init_enter(&type)) {
+    GType t = g_enum_register_static("GstAnnQueryMode", values);
+    g_once_init_leave(&type, t);
+  }
+  return type;
+}
+
+GType gst_ann_query_index_type_get_type(void) {
+  static GType type = 0;
+  static const GEnumValue values[] = {
+      {GST_ANN_QUERY_INDEX_TYPE_FLAT, "Exact inner-product search (linear in the catalog size)", "flat"},
+      {GST_ANN_QUERY_INDEX_TYPE_HNSW, "HNSW graph: approximate, fast on large catalogs", "hnsw"},
+      {0, nullptr, nullptr},
+  };
+  if (g_once_init_enter(&type)) {
+    GType t = g_enum_register_static("GstAnnQueryIndexType", values);
+    g_once_init_leave(&type, t);
+  }
+  return type;
+}
+
+#define gst_ann_query_parent_class parent_class
+G_DEFINE_TYPE_WITH_CODE(GstAnnQuery, gst_ann_query, GST_TYPE_ELEMENT,
+                        GST_DEBUG_CATEGORY_INIT(gst_ann_query_debug, "ann-query", 0,
+                                                "ANN search and index build"));
+GST_ELEMENT_REGISTER_DEFINE(ann_query, "ann-query", GST_RANK_NONE, GST_TYPE_ANN_QUERY)
+
+/* ---- output ---------------------------------------------------------------------------- */
+
+// One application/json buffer holding `doc`, stamped like the input buffer it answers.
+static GstBuffer* json_buffer(const std::string& doc, GstBuffer* in) {
+  GstBuffer* out = gst_buffer_new_memdup(doc.data(), doc.size());
+  if (in) {
+    GST_BUFFER_PTS(out) = GST_BUFFER_PTS(in);
+    GST_BUFFER_DTS(out) = GST_BUFFER_DTS(in);
+  }
+  return out;
+}
+
+// Adds a buffer with the error document of `failed` and a meta holding just that entry.
+static void add_error_buffer(GstBufferList* list, gstmoe::FailedRequest failed, const gstmoe::BatchRecords& batch,
+                             GstBuffer* in) {
+  GstBuffer* out = json_buffer(gstmoe::error_document(failed), in);
+  gstmoe::BatchRecords single;
+  single.encoder = batch.encoder;
+  single.adapter = batch.adapter;
+  single.failed.push_back(std::move(failed));
+  gst_buffer_add_moe_batch_meta(out, single);
+  gst_buffer_list_add(list, out);
+}
+
+// Moves every row of `batch` to its failed list with `reason`.
+static void fail_rows(gstmoe::BatchRecords& batch, const std::string& reason) {
+  for (gstmoe::RequestRecord& row : batch.rows) batch.failed.push_back({std::move(row), STAGE_NAME, reason});
+  batch.rows.clear();
+}
+
+/* ---- search mode ----------------------------------------------------------------------- */
+
+// Searches every row of `batch` in one call and adds one result buffer per row to `list`.
+static void search_rows(GstAnnQuery* self, Session& s, gstmoe::BatchRecords& batch, const float* vectors,
+                        GstBuffer* in, GstBufferList* list) {
+  if (batch.rows.empty()) return;
+  GST_OBJECT_LOCK(self);
+  const int default_k = static_cast<int>(self->k);
+  const int ef_search = static_cast<int>(self->ef_search);
+  GST_OBJECT_UNLOCK(self);
+
+  std::vector<int> ks;
+  for (const gstmoe::RequestRecord& row : batch.rows)
+    ks.push_back(row.k > 0 ? std::min(row.k, static_cast<int>(kMaxK)) : default_k);
+  const int k_max = *std::max_element(ks.begin(), ks.end());
+
+  const int64_t start = g_get_monotonic_time();
+  std::vector<std::vector<moe::AnnHit>> hits;
+  try {
+    hits = s.index->search(vectors, static_cast<int64_t>(batch.rows.size()), k_max, ef_search);
+  } catch (const moe::Error& e) {
+    GST_WARNING_OBJECT(self, "search failed: %s", e.what());
+    fail_rows(batch, std::string("search in '") + s.index_path + "' failed: " + e.what());
+    return;
+  }
+  const double search_ms = gstmoe::elapsed_ms(start, g_get_monotonic_time());
+  const gstmoe::ModelIds model{batch.encoder, batch.adapter, s.index_name};
+
+  for (size_t i = 0; i < batch.rows.size(); ++i) {
+    gstmoe::RequestRecord& row = batch.rows[i];
+    row.timings_ms.emplace_back("search", search_ms);
+    std::vector<gstmoe::ResultHit> results;
+    const size_t n = std::min(hits[i].size(), static_cast<size_t>(ks[i]));
+    for (size_t j = 0; j < n; ++j) {
+      const moe::AnnItem& item = s.index->item(hits[i][j].item);
+      results.push_back({hits[i][j].item, item.uri, item.caption, hits[i][j].score});
+    }
+    GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, g_get_monotonic_time()), in);
+    gstmoe::BatchRecords single;
+    single.encoder = batch.encoder;
+    single.adapter = batch.adapter;
+    single.rows.push_back(std::move(row));
+    gst_buffer_add_moe_batch_meta(out, single);
+    gst_buffer_list_add(list, out);
+  }
+  batch.rows.clear();
+}
+
+/* ---- build mode ------------------------------------------------------------------------ */
+
+// Adds every row of `batch` to the index being built (the request's text is the caption).
+static void collect_rows(GstAnnQuery* self, Session& s, gstmoe::BatchRecords& batch, const float* vectors) {
+  if (batch.rows.empty()) return;
+  std::vector<moe::AnnItem> items;
+  items.reserve(batch.rows.size());
+  for (const gstmoe::RequestRecord& row : batch.rows) items.push_back({row.id, row.uri, row.text});
+  try {
+    s.index->add(vectors, static_cast<int64_t>(items.size()), items);
+    batch.rows.clear();
+  } catch (const moe::Error& e) {
+    GST_WARNING_OBJECT(self, "add failed: %s", e.what());
+    fail_rows(batch, std::string("adding to the index '") + s.index_path + "' failed: " + e.what());
+  }
+}
+
+// At EOS: writes the index and pushes the summary. FALSE (with an element error) on failure.
+static gboolean finish_build(GstAnnQuery* self, Session& s) {
+  if (!s.index || s.index->size() == 0) {
+    GST_ELEMENT_ERROR(self, STREAM, FAILED, ("no items to index"),
+                      ("end of stream with no row to add to '%s' (%" G_GINT64_FORMAT " failed requests)",
+                       s.index_path.c_str(), s.build_failed));
+    return FALSE;
+  }
+  try {
+    s.index->save(s.index_path);
+  } catch (const moe::Error& e) {
+    GST_ELEMENT_ERROR(self, RESOURCE, WRITE, ("%s", e.what()), ("writing the ANN index '%s'", s.index_path.c_str()));
+    return FALSE;
+  }
+  GST_INFO_OBJECT(self, "wrote %" G_GINT64_FORMAT " items of dimension %d to %s", s.index->size(), s.index->dim(),
+                  s.index_path.c_str());
+  const std::string doc = gstmoe::index_built_document(s.index_path, s.index->size(), s.index->dim(),
+                                                       moe::ann_index_type_name(s.index->type()), s.build_failed);
+  const GstFlowReturn ret = gst_pad_push(self->srcpad, json_buffer(doc, nullptr));
+  if (ret != GST_FLOW_OK) GST_DEBUG_OBJECT(self, "index-built summary not delivered: %s", gst_flow_get_name(ret));
+  return TRUE;
+}
+
+/* ---- pads ------------------------------------------------------------------------------ */
+
+static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* in) {
+  GstAnnQuery* self = GST_ANN_QUERY(parent);
+  Session& s = *self->session;
+  if (s.width == 0) {
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, (nullptr), ("received a buffer before the tensor caps"));
+    gst_buffer_unref(in);
+    return GST_FLOW_NOT_NEGOTIATED;
+  }
+  GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(in);
+  if (!meta || !meta->records) {
+    GST_ELEMENT_ERROR(self, STREAM, FORMAT, ("Tensor buffer without request records"),
+                      ("ann-query answers requests and needs the GstMoeBatchMeta that moe-encode attaches"));
+    gst_buffer_unref(in);
+    return GST_FLOW_ERROR;
+  }
+  gstmoe::BatchRecords batch = *meta->records;
+
+  GstMapInfo map;
+  if (!gst_buffer_map(in, &map, GST_MAP_READ)) {
+    GST_ELEMENT_ERROR(self, RESOURCE, READ, (nullptr), ("cannot map the input buffer"));
+    gst_buffer_unref(in);
+    return GST_FLOW_ERROR;
+  }
+  const size_t expected = batch.rows.size() * static_cast<size_t>(s.width) * sizeof(float);
+  if (map.size != expected) {
+    // Which bytes belong to which request is unknowable: answer every request with an error.
+    const std::string reason = "tensor buffer holds " + std::to_string(map.size) + " bytes but its meta lists " +
+                               std::to_string(batch.rows.size()) + " rows of width " + std::to_string(s.width);
+    GST_ELEMENT_WARNING(self, STREAM, FORMAT, ("Malformed tensor buffer"), ("%s", reason.c_str()));
+    fail_rows(batch, reason);
+  }
+  const float* vectors = reinterpret_cast<const float*>(map.data);
+
+  GstBufferList* list = gst_buffer_list_new();
+  if (s.mode == GST_ANN_QUERY_MODE_SEARCH)
+    search_rows(self, s, batch, vectors, in, list);
+  else
+    collect_rows(self, s, batch, vectors);
+  if (s.mode == GST_ANN_QUERY_MODE_BUILD) s.build_failed += static_cast<int64_t>(batch.failed.size());
+  for (gstmoe::FailedRequest& f : batch.failed) add_error_buffer(list, std::move(f), batch, in);
+  gst_buffer_unmap(in, &map);
+  gst_buffer_unref(in);
+
+  if (gst_buffer_list_length(list) == 0) {
+    gst_buffer_list_unref(list);
+    return GST_FLOW_OK;
+  }
+  return gst_pad_push_list(self->srcpad, list);
+}
+
+// Accepts the upstream tensor width (it must match a loaded index, and may not change in the
+// middle of a build) and announces application/json downstream.
+static gboolean handle_caps(GstAnnQuery* self, Session& s, GstCaps* caps) {
+  int width = 0;
+  if (!gstmoe::parse_tensor_caps(caps, &width)) {
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Unsupported input caps"),
+                      ("expected fixed " GST_MOE_TENSOR_MEDIA_TYPE " f32 caps, got %" GST_PTR_FORMAT, caps));
+    return FALSE;
+  }
+  if (s.mode == GST_ANN_QUERY_MODE_SEARCH && width != s.index->dim()) {
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
+                      ("Embedding width %d does not match the dimension %d of the index '%s'", width, s.index->dim(),
+                       s.index_path.c_str()),
+                      ("upstream produces %d-wide vectors; query an index built with the same encoder and adapter",
+                       width));
+    return FALSE;
+  }
+  if (s.mode == GST_ANN_QUERY_MODE_BUILD && s.index && width != s.index->dim()) {
+    if (s.index->size() > 0) {
+      GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
+                        ("Embedding width changed from %d to %d while building '%s'", s.index->dim(), width,
+                         s.index_path.c_str()),
+                        ("one index holds vectors of one width"));
+      return FALSE;
+    }
+    s.index.reset();
+  }
+  if (s.mode == GST_ANN_QUERY_MODE_BUILD && !s.index) {
+    try {
+      s.index = moe::AnnIndex::create(width, s.build);
+    } catch (const moe::Error& e) {
+      GST_ELEMENT_ERROR(self, LIBRARY, INIT, ("%s", e.what()), ("creating the index for '%s'", s.index_path.c_str()));
+      return FALSE;
+    }
+  }
+  s.width = width;
+  if (gst_pad_has_current_caps(self->srcpad)) return TRUE;
+  GstCaps* json_caps = gst_caps_new_empty_simple(GST_MOE_JSON_CAPS);
+  const gboolean ok = gst_pad_push_event(self->srcpad, gst_event_new_caps(json_caps));
+  gst_caps_unref(json_caps);
+  return ok;
+}
+
+static gboolean gst_ann_query_sink_event(GstPad* pad, GstObject* parent, GstEvent* event) {
+  GstAnnQuery* self = GST_ANN_QUERY(parent);
+  Session* s = self->session;
+  if (!s) return gst_pad_event_default(pad, parent, event);
+  switch (GST_EVENT_TYPE(event)) {
+    case GST_EVENT_CAPS: {
+      GstCaps* caps = nullptr;
+      gst_event_parse_caps(event, &caps);
+      const gboolean ok = handle_caps(self, *s, caps);
+      gst_event_unref(event);
+      return ok;
+    }
+    case GST_EVENT_FLUSH_STOP:
+      // Nothing is held in search mode. A build keeps what it has added: a flush (a seek, a
+      // restart of the source) does not mean the catalog rows seen so far are invalid.
+      if (s->mode == GST_ANN_QUERY_MODE_BUILD && s->index && s->index->size() > 0)
+        GST_WARNING_OBJECT(self, "flush while building: keeping the %" G_GINT64_FORMAT " rows already added",
+                           s->index->size());
+      return gst_pad_event_default(pad, parent, event);
+    case GST_EVENT_EOS:
+      if (s->mode == GST_ANN_QUERY_MODE_BUILD && !finish_build(self, *s)) {
+        gst_event_unref(event);
+        return FALSE;
+      }
+      return gst_pad_event_default(pad, parent, event);
+    default:
+      return gst_pad_event_default(pad, parent, event);
+  }
+}
+
+/* ---- state ----------------------------------------------------------------------------- */
+
+// Reads the properties and loads the index (search) or checks that it can be written (build).
+static gboolean start(GstAnnQuery* self) {
+  auto s = std::make_unique<Session>();
+  GST_OBJECT_LOCK(self);
+  s->mode = self->mode;
+  s->index_path = self->index_path ? self->index_path : "";
+  s->build.type =
+      self->index_type == GST_ANN_QUERY_INDEX_TYPE_HNSW ? moe::AnnIndexType::Hnsw : moe::AnnIndexType::Flat;
+  s->build.hnsw_m = static_cast<int>(self->hnsw_m);
+  s->build.ef_construction = static_cast<int>(self->ef_construction);
+  GST_OBJECT_UNLOCK(self);
+
+  if (s->index_path.empty()) {
+    GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("No index file set"),
+                      ("set the 'index' property to the FAISS file to %s",
+                       s->mode == GST_ANN_QUERY_MODE_SEARCH ? "search" : "write"));
+    return FALSE;
+  }
+  gchar* base = g_path_get_basename(s->index_path.c_str());
+  s->index_name = base;
+  g_free(base);
+
+  if (s->mode == GST_ANN_QUERY_MODE_SEARCH) {
+    try {
+      s->index = moe::AnnIndex::load(s->index_path);
+    } catch (const moe::Error& e) {
+      GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()), ("loading the ANN index '%s'", s->index_path.c_str()));
+      return FALSE;
+    }
+    GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s", s->index_path.c_str(),
+                    s->index->size(), s->index->dim(), moe::ann_index_type_name(s->index->type()));
+    if (s->index->size() == 0) GST_WARNING_OBJECT(self, "index '%s' is empty: results will be empty", s->index_path.c_str());
+  } else {
+    // Fail now rather than at EOS, after the whole catalog was encoded.
+    gchar* dir = g_path_get_dirname(s->index_path.c_str());
+    const bool writable = g_file_test(dir, G_FILE_TEST_IS_DIR) && g_access(dir, W_OK) == 0;
+    if (!writable)
+      GST_ELEMENT_ERROR(self, RESOURCE, OPEN_WRITE, ("Cannot write the ANN index '%s'", s->index_path.c_str()),
+                        ("directory '%s' does not exist or is not writable", dir));
+    g_free(dir);
+    if (!writable) return FALSE;
+  }
+  self->session = s.release();
+  return TRUE;
+}
+
+static void stop(GstAnnQuery* self) {
+  delete self->session;
+  self->session = nullptr;
+}
+
+static GstStateChangeReturn gst_ann_query_change_state(GstElement* element, GstStateChange transition) {
+  GstAnnQuery* self = GST_ANN_QUERY(element);
+  if (transition == GST_STATE_CHANGE_READY_TO_PAUSED && !start(self)) return GST_STATE_CHANGE_FAILURE;
+
+  const GstStateChangeReturn ret = GST_ELEMENT_CLASS(parent_class)->change_state(element, transition);
+  if (ret == GST_STATE_CHANGE_FAILURE) {
+    if (transition == GST_STATE_CHANGE_READY_TO_PAUSED) stop(self);
+    return ret;
+  }
+  if (transition == GST_STATE_CHANGE_PAUSED_TO_READY) stop(self);  // pads are inactive now
+  return ret;
+}
+
+/* ---- GObject --------------------------------------------------------------------------- */
+
+static void gst_ann_query_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
+  GstAnnQuery* self = GST_ANN_QUERY(object);
+  GST_OBJECT_LOCK(self);
+  switch (prop_id) {
+    case PROP_INDEX:
+      g_free(self->index_path);
+      self->index_path = g_value_dup_string(value);
+      break;
+    case PROP_K:
+      self->k = g_value_get_uint(value);
+      break;
+    case PROP_MODE:
+      self->mode = static_cast<GstAnnQueryMode>(g_value_get_enum(value));
+      break;
+    case PROP_INDEX_TYPE:
+      self->index_type = static_cast<GstAnnQueryIndexType>(g_value_get_enum(value));
+      break;
+    case PROP_HNSW_M:
+      self->hnsw_m = g_value_get_uint(value);
+      break;
+    case PROP_EF_CONSTRUCTION:
+      self->ef_construction = g_value_get_uint(value);
+      break;
+    case PROP_EF_SEARCH:
+      self->ef_search = g_value_get_uint(value);
+      break;
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+  GST_OBJECT_UNLOCK(self);
+}
+
+static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
+  GstAnnQuery* self = GST_ANN_QUERY(object);
+  GST_OBJECT_LOCK(self);
+  switch (prop_id) {
+    case PROP_INDEX:
+      g_value_set_string(value, self->index_path);
+      break;
+    case PROP_K:
+      g_value_set_uint(value, self->k);
+      break;
+    case PROP_MODE:
+      g_value_set_enum(value, self->mode);
+      break;
+    case PROP_INDEX_TYPE:
+      g_value_set_enum(value, self->index_type);
+      break;
+    case PROP_HNSW_M:
+      g_value_set_uint(value, self->hnsw_m);
+      break;
+    case PROP_EF_CONSTRUCTION:
+      g_value_set_uint(value, self->ef_construction);
+      break;
+    case PROP_EF_SEARCH:
+      g_value_set_uint(value, self->ef_search);
+      break;
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+  GST_OBJECT_UNLOCK(self);
+}
+
+static void gst_ann_query_finalize(GObject* object) {
+  GstAnnQuery* self = GST_ANN_QUERY(object);
+  g_free(self->index_path);
+  stop(self);
+  G_OBJECT_CLASS(parent_class)->finalize(object);
+}
+
+static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
+  GObjectClass* gobject_class = G_OBJECT_CLASS(klass);
+  GstElementClass* element_class = GST_ELEMENT_CLASS(klass);
+  gobject_class->set_property = gst_ann_query_set_property;
+  gobject_class->get_property = gst_ann_query_get_property;
+  gobject_class->finalize = gst_ann_query_finalize;
+  element_class->change_state = GST_DEBUG_FUNCPTR(gst_ann_query_change_state);
+
+  const auto ready = static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY);
+  const auto playing =
+      static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_PLAYING);
+  g_object_class_install_property(
+      gobject_class, PROP_INDEX,
+      g_param_spec_string("index", "Index file",
+                          "FAISS index file to search (mode=search) or to write (mode=build); its item table is "
+                          "INDEX.items.jsonl beside it",
+                          nullptr, ready));
+  g_object_class_install_property(
+      gobject_class, PROP_K,
+      g_param_spec_uint("k", "Results",
+                        "Results per request, for requests that do not ask for their own number (\"k\")", 1, kMaxK,
+                        kDefaultK, playing));
+  g_object_class_install_property(
+      gobject_class, PROP_MODE,
+      g_param_spec_enum("mode", "Mode", "Search the index, or build it from the incoming rows",
+                        GST_TYPE_ANN_QUERY_MODE, kDefaultMode, ready));
+  g_object_class_install_property(
+      gobject_class, PROP_INDEX_TYPE,
+      g_param_spec_enum("index-type", "Index type",
+                        "Kind of index to build (mode=build; a searched index has its own kind)",
+                        GST_TYPE_ANN_QUERY_INDEX_TYPE, kDefaultIndexType, ready));
+  g_object_class_install_property(
+      gobject_class, PROP_HNSW_M,
+      g_param_spec_uint("hnsw-m", "HNSW M",
+                        "Links per node of an HNSW index being built: more links, better recall, more memory", 4, 128,
+                        kDefaultHnswM, ready));
+  g_object_class_install_property(
+      gobject_class, PROP_EF_CONSTRUCTION,
+      g_param_spec_uint("ef-construction", "HNSW efConstruction",
+                        "Candidate list size while building an HNSW index: larger builds a better graph, slower", 8,
+                        1024, kDefaultEfConstruction, ready));
+  g_object_class_install_property(
+      gobject_class, PROP_EF_SEARCH,
+      g_param_spec_uint("ef-search", "HNSW efSearch",
+                        "Candidate list size when searching an HNSW index (raised to k when smaller): larger finds "
+                        "more true neighbours, slower; ignored by flat indexes",
+                        1, 4096, kDefaultEfSearch, playing));
+
+  gst_element_class_add_static_pad_template(element_class, &sink_template);
+  gst_element_class_add_static_pad_template(element_class, &src_template);
+  gst_element_class_set_static_metadata(
+      element_class, "ANN query", "Filter/Analyzer",
+      "Answers each embedded request (one row of a tensor batch) with the k nearest catalog items of a FAISS index "
+      "(cosine similarity): one JSON result document per request, one error document per request that failed "
+      "upstream. With mode=build it instead adds every row (the request's id, uri and text become the item) to a new "
+      "index, writes INDEX and INDEX.items.jsonl at end of stream and sends one index-built document.\n"
+      "Build: gst-launch-1.0 -e moe-catalog-src location=photos/ ! moe-encode model=clip/ ! moe-route model=adapter/ "
+      "! moe-expert model=adapter/ ! ann-query mode=build index=catalog.faiss ! fakesink\n"
+      "Search: gst-launch-1.0 zmq-query ! moe-encode model=clip/ ! moe-route model=adapter/ ! "
+      "moe-expert model=adapter/ ! ann-query index=catalog.faiss k=5 ! zmq-publish",
+      "gst-moe developers");
+
+  gst_type_mark_as_plugin_api(GST_TYPE_ANN_QUERY_MODE, static_cast<GstPluginAPIFlags>(0));
+  gst_type_mark_as_plugin_api(GST_TYPE_ANN_QUERY_INDEX_TYPE, static_cast<GstPluginAPIFlags>(0));
+}
+
+static void gst_ann_query_init(GstAnnQuery* self) {
+  self->sinkpad = gst_pad_new_from_static_template(&sink_template, "sink");
+  gst_pad_set_chain_function(self->sinkpad, GST_DEBUG_FUNCPTR(gst_ann_query_chain));
+  gst_pad_set_event_function(self->sinkpad, GST_DEBUG_FUNCPTR(gst_ann_query_sink_event));
+  gst_element_add_pad(GST_ELEMENT(self), self->sinkpad);
+
+  self->srcpad = gst_pad_new_from_static_template(&src_template, "src");
+  gst_pad_use_fixed_caps(self->srcpad);
+  gst_element_add_pad(GST_ELEMENT(self), self->srcpad);
+
+  self->index_path = nullptr;
+  self->k = kDefaultK;
+  self->mode = kDefaultMode;
+  self->index_type = kDefaultIndexType;
+  self->hnsw_m = kDefaultHnswM;
+  self->ef_construction = kDefaultEfConstruction;
+  self->ef_search = kDefaultEfSearch;
+  self->session = nullptr;
+}

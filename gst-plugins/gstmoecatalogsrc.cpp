@@ -1,0 +1,353 @@
+/* moe-catalog-src: the items of an image catalog as application/x-moe-request buffers.
+ *
+ * Building a search index means encoding every catalog image once; this source feeds them to
+ * moe-encode the same way query images arrive, so both go through the same decoder and
+ * encoder. `location` is either a folder of images (taken in name order) or a JSON Lines
+ * catalog that also gives ids and captions; a folder holding a catalog.jsonl means that catalog.
+ *
+ * An item that cannot be read (a missing file, a malformed catalog line) does not stop the
+ * build: it becomes a zero-row buffer whose meta carries the failure, so that it is reported
+ * downstream like any failed request.
+ */
+#include "gstmoecatalogsrc.h"
+
+#include <json-glib/json-glib.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gstmoemeta.h"
+#include "moe/error.h"
+#include "moe/image_decode.h"
+
+GST_DEBUG_CATEGORY_STATIC(gst_moe_catalog_src_debug);
+#define GST_CAT_DEFAULT gst_moe_catalog_src_debug
+
+namespace {
+
+constexpr const char* kStage = "moe-catalog-src";
+constexpr const char* kCatalogName = "catalog.jsonl";
+constexpr const char* kImageExtensions[] = {"png", "jpg", "jpeg", "bmp", "gif", "ppm", "webp", "tif", "tiff"};
+
+struct CatalogItem {
+  std::string id;
+  std::string path;     // absolute
+  std::string caption;
+  std::string error;    // set for a malformed catalog line
+};
+
+struct CatalogState {
+  std::string location;  // under the object lock
+  std::vector<CatalogItem> items;
+  size_t next = 0;
+};
+
+}  // namespace
+
+struct _GstMoeCatalogSrc {
+  GstPushSrc parent;
+  CatalogState* st;
+};
+
+enum { PROP_0, PROP_LOCATION };
+
+static GstStaticPadTemplate src_template =
+    GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_REQUEST_CAPS));
+
+G_DEFINE_TYPE(GstMoeCatalogSrc, gst_moe_catalog_src, GST_TYPE_PUSH_SRC);
+GST_ELEMENT_REGISTER_DEFINE(moe_catalog_src, "moe-catalog-src", GST_RANK_NONE, GST_TYPE_MOE_CATALOG_SRC);
+
+/* ----- reading the catalog ----- */
+
+static std::string take_string(gchar* s) {
+  std::string out = s != nullptr ? s : "";
+  g_free(s);
+  return out;
+}
+
+// The default id: the file name without its extension.
+static std::string id_from_path(const std::string& path) {
+  std::string name = take_string(g_path_get_basename(path.c_str()));
+  const size_t dot = name.rfind('.');
+  if (dot != std::string::npos && dot > 0) name.erase(dot);
+  return name;
+}
+
+static bool has_image_extension(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  if (dot == std::string::npos) return false;
+  const std::string ext = take_string(g_ascii_strdown(name.c_str() + dot + 1, -1));
+  return std::any_of(std::begin(kImageExtensions), std::end(kImageExtensions),
+                     [&](const char* e) { return ext == e; });
+}
+
+// The image files of a folder, in name order. Returns false with `error` set if it cannot be listed.
+static bool list_folder(const std::string& dir, std::vector<CatalogItem>* items, std::string* error) {
+  GError* err = nullptr;
+  GDir* d = g_dir_open(dir.c_str(), 0, &err);
+  if (d == nullptr) {
+    *error = err->message;
+    g_error_free(err);
+    return false;
+  }
+  std::vector<std::string> names;
+  while (const gchar* name = g_dir_read_name(d)) {
+    const std::string path = take_string(g_build_filename(dir.c_str(), name, nullptr));
+    if (has_image_extension(name) && g_file_test(path.c_str(), G_FILE_TEST_IS_REGULAR)) names.emplace_back(name);
+  }
+  g_dir_close(d);
+  std::sort(names.begin(), names.end());
+  for (const std::string& name : names) {
+    CatalogItem item;
+    item.path = take_string(g_build_filename(dir.c_str(), name.c_str(), nullptr));
+    item.id = id_from_path(name);
+    items->push_back(std::move(item));
+  }
+  return true;
+}
+
+// One JSONL line: {"path": ..., "caption": ..., "id": ...}. A malformed line gives an item with
+// `error` set (and whatever id it had).
+static CatalogItem parse_line(JsonParser* parser, const std::string& line, const std::string& folder,
+                              const std::string& where) {
+  CatalogItem item;
+  GError* err = nullptr;
+  if (!json_parser_load_from_data(parser, line.data(), static_cast<gssize>(line.size()), &err)) {
+    item.error = where + ": invalid JSON (" + err->message + ")";
+    g_error_free(err);
+    return item;
+  }
+  JsonNode* root = json_parser_get_root(parser);
+  if (root == nullptr || !JSON_NODE_HOLDS_OBJECT(root)) {
+    item.error = where + ": not a JSON object";
+    return item;
+  }
+  JsonObject* obj = json_node_get_object(root);
+  auto member = [&](const char* key) { return json_object_get_member(obj, key); };
+  auto is_type = [](JsonNode* n, GType t) { return n != nullptr && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == t; };
+
+  if (JsonNode* id = member("id")) {
+    if (is_type(id, G_TYPE_STRING))
+      item.id = json_node_get_string(id);
+    else if (is_type(id, G_TYPE_INT64))
+      item.id = std::to_string(json_node_get_int(id));
+    else
+      item.error = where + ": \"id\" must be a string or an integer";
+  }
+  if (JsonNode* caption = member("caption")) {
+    if (is_type(caption, G_TYPE_STRING))
+      item.caption = json_node_get_string(caption);
+    else if (item.error.empty())
+      item.error = where + ": \"caption\" must be a string";
+  }
+  JsonNode* path = member("path");
+  if (!is_type(path, G_TYPE_STRING) || *json_node_get_string(path) == '\0') {
+    if (item.error.empty()) item.error = where + ": \"path\" (a non-empty string) is missing";
+    return item;
+  }
+  item.path = take_string(g_canonicalize_filename(json_node_get_string(path), folder.c_str()));
+  if (item.id.empty() && item.error.empty()) item.id = id_from_path(item.path);
+  return item;
+}
+
+// The items of a JSONL catalog. Returns false with `error` set if the file cannot be read.
+static bool read_catalog(const std::string& file, std::vector<CatalogItem>* items, std::string* error) {
+  gchar* text = nullptr;
+  gsize size = 0;
+  GError* err = nullptr;
+  if (!g_file_get_contents(file.c_str(), &text, &size, &err)) {
+    *error = err->message;
+    g_error_free(err);
+    return false;
+  }
+  const std::string folder = take_string(g_path_get_dirname(file.c_str()));
+  JsonParser* parser = json_parser_new();
+  const std::string all(text, size);
+  g_free(text);
+  size_t start = 0;
+  for (int line_no = 1; start < all.size(); ++line_no) {
+    size_t end = all.find('\n', start);
+    if (end == std::string::npos) end = all.size();
+    const std::string line = all.substr(start, end - start);
+    start = end + 1;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines
+    items->push_back(parse_line(parser, line, folder, "catalog '" + file + "' line " + std::to_string(line_no)));
+  }
+  g_object_unref(parser);
+  return true;
+}
+
+/* ----- GstBaseSrc ----- */
+
+static gboolean gst_moe_catalog_src_start(GstBaseSrc* src) {
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(src);
+  CatalogState* st = self->st;
+  GST_OBJECT_LOCK(self);
+  const std::string location = st->location;
+  GST_OBJECT_UNLOCK(self);
+  st->items.clear();
+  st->next = 0;
+
+  if (location.empty()) {
+    GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("No catalog location set: set 'location' to a folder or a .jsonl file"),
+                      (nullptr));
+    return FALSE;
+  }
+  const std::string path = take_string(g_canonicalize_filename(location.c_str(), nullptr));
+  if (!g_file_test(path.c_str(), G_FILE_TEST_EXISTS)) {
+    GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("Catalog location '%s' does not exist", location.c_str()), (nullptr));
+    return FALSE;
+  }
+  std::string file = path;  // what was read, for messages
+  bool ok;
+  std::string error;
+  if (g_file_test(path.c_str(), G_FILE_TEST_IS_DIR)) {
+    const std::string catalog = take_string(g_build_filename(path.c_str(), kCatalogName, nullptr));
+    if (g_file_test(catalog.c_str(), G_FILE_TEST_EXISTS)) {
+      file = catalog;
+      ok = read_catalog(catalog, &st->items, &error);
+    } else {
+      ok = list_folder(path, &st->items, &error);
+    }
+  } else {
+    ok = read_catalog(path, &st->items, &error);
+  }
+  if (!ok) {
+    GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("Cannot read the catalog '%s': %s", file.c_str(), error.c_str()),
+                      (nullptr));
+    return FALSE;
+  }
+  GST_INFO_OBJECT(self, "%zu catalog items from %s", st->items.size(), file.c_str());
+  return TRUE;
+}
+
+static gboolean gst_moe_catalog_src_stop(GstBaseSrc* src) {
+  CatalogState* st = GST_MOE_CATALOG_SRC(src)->st;
+  st->items.clear();
+  st->next = 0;
+  return TRUE;
+}
+
+static GstFlowReturn gst_moe_catalog_src_create(GstPushSrc* src, GstBuffer** out) {
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(src);
+  CatalogState* st = self->st;
+  if (st->next >= st->items.size()) return GST_FLOW_EOS;
+  const guint64 index = st->next++;
+  const CatalogItem& item = st->items[index];
+
+  gstmoe::RequestRecord request;
+  request.id = item.id;
+  request.modality = gstmoe::Modality::Image;
+  request.text = item.caption;
+  if (!item.path.empty()) request.uri = take_string(g_filename_to_uri(item.path.c_str(), nullptr, nullptr));
+  request.arrival_wall_us = g_get_real_time();
+  request.arrival_mono_us = g_get_monotonic_time();
+
+  gstmoe::BatchRecords records;
+  std::string error = item.error;
+  GstBuffer* buf = nullptr;
+  if (error.empty()) {
+    try {
+      auto* bytes = new std::vector<uint8_t>(moe::read_image_file(item.path));
+      buf = gst_buffer_new_wrapped_full(GST_MEMORY_FLAG_READONLY, bytes->data(), bytes->size(), 0, bytes->size(), bytes,
+                                        [](gpointer p) { delete static_cast<std::vector<uint8_t>*>(p); });
+      records.rows.push_back(std::move(request));
+    } catch (const moe::Error& e) {
+      error = e.what();
+    }
+  }
+  if (!error.empty()) {
+    GST_WARNING_OBJECT(self, "item %" G_GUINT64_FORMAT " skipped: %s", index, error.c_str());
+    buf = gst_buffer_new();
+    records.failed.push_back({std::move(request), kStage, error});
+  }
+  GST_BUFFER_OFFSET(buf) = index;
+  GST_BUFFER_OFFSET_END(buf) = index + 1;
+  gst_buffer_add_moe_batch_meta(buf, records);
+  *out = buf;
+  return GST_FLOW_OK;
+}
+
+/* ----- GObject ----- */
+
+static void gst_moe_catalog_src_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(object);
+  switch (prop_id) {
+    case PROP_LOCATION: {
+      GST_OBJECT_LOCK(self);
+      if (GST_STATE(self) > GST_STATE_READY) {
+        GST_OBJECT_UNLOCK(self);
+        g_warning("moe-catalog-src: changing 'location' is only possible in the NULL or READY state");
+        return;
+      }
+      const gchar* s = g_value_get_string(value);
+      self->st->location = s != nullptr ? s : "";
+      GST_OBJECT_UNLOCK(self);
+      break;
+    }
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+}
+
+static void gst_moe_catalog_src_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(object);
+  switch (prop_id) {
+    case PROP_LOCATION:
+      GST_OBJECT_LOCK(self);
+      g_value_set_string(value, self->st->location.empty() ? nullptr : self->st->location.c_str());
+      GST_OBJECT_UNLOCK(self);
+      break;
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+}
+
+static void gst_moe_catalog_src_finalize(GObject* object) {
+  delete GST_MOE_CATALOG_SRC(object)->st;
+  G_OBJECT_CLASS(gst_moe_catalog_src_parent_class)->finalize(object);
+}
+
+static void gst_moe_catalog_src_class_init(GstMoeCatalogSrcClass* klass) {
+  GObjectClass* gobject_class = G_OBJECT_CLASS(klass);
+  GstElementClass* element_class = GST_ELEMENT_CLASS(klass);
+  GstBaseSrcClass* basesrc_class = GST_BASE_SRC_CLASS(klass);
+  GstPushSrcClass* pushsrc_class = GST_PUSH_SRC_CLASS(klass);
+  gobject_class->set_property = gst_moe_catalog_src_set_property;
+  gobject_class->get_property = gst_moe_catalog_src_get_property;
+  gobject_class->finalize = gst_moe_catalog_src_finalize;
+  basesrc_class->start = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_start);
+  basesrc_class->stop = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_stop);
+  pushsrc_class->create = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_create);
+
+  g_object_class_install_property(
+      gobject_class, PROP_LOCATION,
+      g_param_spec_string(
+          "location", "Location",
+          "A folder of images (png, jpg, jpeg, bmp, gif, ppm, webp, tif, tiff; taken in name order; its catalog.jsonl "
+          "instead when it has one) or a JSON Lines catalog: one {\"path\": ..., \"caption\": ..., \"id\": ...} per "
+          "line, paths relative to the catalog's folder, id defaulting to the file name without extension",
+          nullptr, static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+
+  gst_element_class_add_static_pad_template(element_class, &src_template);
+  gst_element_class_set_static_metadata(
+      element_class, "Image catalog source", "Source/File",
+      "Reads an image catalog (a folder of images or a JSON Lines file) and emits one application/x-moe-request "
+      "buffer per item: the image file's bytes, with a GstMoeBatchMeta row giving its id, file:// uri and caption. "
+      "Unreadable items travel on as failed requests. Example: gst-launch-1.0 moe-catalog-src location=catalog/ ! "
+      "moe-encode model=models/clip-vit-base-patch32 max-batch=32 ! fakesink",
+      "gst-moe developers");
+
+  GST_DEBUG_CATEGORY_INIT(gst_moe_catalog_src_debug, "moe-catalog-src", 0, "image catalog source");
+}
+
+static void gst_moe_catalog_src_init(GstMoeCatalogSrc* self) {
+  self->st = new CatalogState();
+  // Buffers count items, not bytes or time.
+  gst_base_src_set_format(GST_BASE_SRC(self), GST_FORMAT_DEFAULT);
+}

@@ -1,0 +1,862 @@
+/* moe-encode: CLIP encoder. Turns requests (query texts, video frames, or request buffers
+ * carrying a text or an encoded image) into batches of CLIP embeddings.
+ *
+ * Why batches: the engine encodes a batch with one GEMM per layer, much faster per request than
+ * one call each, so requests wait here until `max-batch` of them are pending or the oldest has
+ * waited `max-latency`; a timer thread pushes partial batches. Each output buffer is a
+ * rows x projection_dim f32 tensor whose GstMoeBatchMeta says which request every row answers,
+ * so a batch may mix texts and images and nothing downstream relies on buffer order.
+ *
+ * A request the engine cannot encode (invalid UTF-8, an image that does not decode...) is not
+ * an element error: it moves to the meta's failed list (stage "moe-encode") and travels on to
+ * ann-query, which answers it with an error document. Model problems are element errors.
+ */
+#include "gstmoeencode.h"
+
+#include <gst/video/video.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "gstmoemeta.h"
+#include "moe/error.h"
+#include "moe/image_decode.h"
+#include "moe/model_cache.h"
+
+GST_DEBUG_CATEGORY_STATIC(gst_moe_encode_debug);
+#define GST_CAT_DEFAULT gst_moe_encode_debug
+
+namespace {
+
+constexpr const char* kStage = "moe-encode";
+constexpr guint kDefaultMaxBatch = 8;
+constexpr guint kMaxMaxBatch = 4096;
+constexpr guint64 kDefaultMaxLatency = 10 * GST_MSECOND;
+constexpr guint64 kMaxMaxLatency = 3600 * GST_SECOND;
+
+#define MOE_ENCODE_VIDEO_FORMATS \
+  "{ RGB, RGBx, xRGB, BGR, BGRx, xBGR, RGBA, BGRA, ARGB, ABGR, I420, YV12, NV12, NV21, YUY2, UYVY, GRAY8 }"
+
+enum class InputKind { None, Text, Video, Request };
+
+using Clock = std::chrono::steady_clock;
+
+// One request waiting for its batch, already turned into what the engine takes.
+struct Pending {
+  gstmoe::RequestRecord record;  // record.text is what text requests encode
+  moe::RgbImage image;           // image requests
+  std::string error;    // set when the request failed on arrival; it then only travels as a failure
+};
+
+struct Batch {
+  std::vector<Pending> requests;                   // in arrival order
+  std::vector<gstmoe::FailedRequest> passed_on;    // failures that arrived in upstream metas
+  Clock::time_point opened;                        // when its first entry arrived here
+  GstClockTime pts = GST_CLOCK_TIME_NONE;          // the first entry's PTS
+  size_t size() const { return requests.size() + passed_on.size(); }
+  bool empty() const { return size() == 0; }
+};
+
+// The C++ side of the element; GObject only holds a pointer to it.
+struct EncodeState {
+  // Properties: model_path under the object lock, the others under `lock`.
+  std::string model_path;
+  guint max_batch = kDefaultMaxBatch;
+  guint64 max_latency = kDefaultMaxLatency;
+
+  // READY and above.
+  std::shared_ptr<const moe::ClipModel> model;
+  std::string encoder_name;
+  std::atomic<int> width{0};  // projection_dim; read by queries from any thread
+
+  // Streaming-thread state (serialised by the sink pad's stream lock).
+  InputKind kind = InputKind::None;
+  GstVideoInfo video_info;
+  GstVideoConverter* converter = nullptr;  // non-RGB video -> packed RGB
+  GstSegment segment;
+  bool uri_queried = false;
+  std::string stream_uri;
+  guint64 frames = 0;    // video frames in this stream, for "frame:<n>"
+  guint64 requests = 0;  // requests seen, the id of last resort
+
+  // The pending batch and the timer thread.
+  std::mutex lock;
+  std::condition_variable wake;
+  Batch batch;
+  bool timer_stop = false;
+  std::thread timer;
+  // Held from taking a batch until it is pushed, and while forwarding serialized events, so that
+  // the timer and the streaming thread never reorder output.
+  std::mutex push_lock;
+  // A failed push whose result could not be returned upstream at once (from the timer or an
+  // event); the next chain call returns it.
+  std::atomic<GstFlowReturn> deferred_flow{GST_FLOW_OK};
+};
+
+}  // namespace
+
+struct _GstMoeEncode {
+  GstElement parent;
+  GstPad* sinkpad;
+  GstPad* srcpad;
+  EncodeState* st;
+};
+
+enum { PROP_0, PROP_MODEL, PROP_MAX_BATCH, PROP_MAX_LATENCY };
+
+static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE(
+    "sink", GST_PAD_SINK, GST_PAD_ALWAYS,
+    GST_STATIC_CAPS("text/x-raw, format=(string)utf8; " GST_VIDEO_CAPS_MAKE(MOE_ENCODE_VIDEO_FORMATS) "; " GST_MOE_REQUEST_CAPS));
+
+static GstStaticPadTemplate src_template =
+    GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
+
+G_DEFINE_TYPE(GstMoeEncode, gst_moe_encode, GST_TYPE_ELEMENT);
+GST_ELEMENT_REGISTER_DEFINE(moe_encode, "moe-encode", GST_RANK_NONE, GST_TYPE_MOE_ENCODE);
+
+/* ----- requests ----- */
+
+// "<seconds>" with at most microsecond precision and no trailing zeros, for "#t=" fragments.
+static std::string media_seconds(GstClockTime t) {
+  std::string s = std::to_string(t / GST_SECOND) + "." + std::to_string(1000000 + (t % GST_SECOND) / 1000).substr(1);
+  s.erase(s.find_last_not_of('0') + 1);
+  if (s.back() == '.') s.pop_back();
+  return s;
+}
+
+// The uri of the stream feeding the sink pad, asked once per stream (empty when unknown).
+static const std::string& upstream_uri(GstMoeEncode* self) {
+  EncodeState* st = self->st;
+  if (!st->uri_queried) {
+    st->uri_queried = true;
+    GstQuery* query = gst_query_new_uri();
+    gchar* uri = nullptr;
+    if (gst_pad_peer_query(self->sinkpad, query)) gst_query_parse_uri(query, &uri);
+    st->stream_uri = uri != nullptr ? uri : "";
+    GST_DEBUG_OBJECT(self, "upstream uri: %s", uri != nullptr ? uri : "(none)");
+    g_free(uri);
+    gst_query_unref(query);
+  }
+  return st->stream_uri;
+}
+
+// The uri of a video frame without one in its meta: the stream's uri at the frame's time
+// (a media fragment), else its position in the stream.
+static std::string frame_uri(GstMoeEncode* self, GstBuffer* buf, guint64 frame) {
+  EncodeState* st = self->st;
+  const std::string& uri = upstream_uri(self);
+  GstClockTime t = GST_BUFFER_PTS(buf);
+  if (GST_CLOCK_TIME_IS_VALID(t) && st->segment.format == GST_FORMAT_TIME)
+    t = gst_segment_to_stream_time(&st->segment, GST_FORMAT_TIME, t);
+  if (!uri.empty() && GST_CLOCK_TIME_IS_VALID(t)) return uri + "#t=" + media_seconds(t);
+  return "frame:" + std::to_string(frame);
+}
+
+// A video frame as packed RGB8: copied when it is RGB already, else through GstVideoConverter.
+static void frame_to_rgb(GstMoeEncode* self, GstBuffer* buf, moe::RgbImage* image, std::string* error) {
+  EncodeState* st = self->st;
+  GstVideoFrame in;
+  if (!gst_video_frame_map(&in, &st->video_info, buf, GST_MAP_READ)) {
+    *error = "video frame of " + std::to_string(gst_buffer_get_size(buf)) + " bytes does not match its caps (" +
+             std::to_string(st->video_info.size) + " bytes expected)";
+    return;
+  }
+  const int w = GST_VIDEO_INFO_WIDTH(&st->video_info), h = GST_VIDEO_INFO_HEIGHT(&st->video_info);
+  const size_t row = static_cast<size_t>(w) * 3;
+  image->width = w;
+  image->height = h;
+  image->pixels.resize(row * static_cast<size_t>(h));
+  if (st->converter == nullptr) {
+    const auto* src = static_cast<const uint8_t*>(GST_VIDEO_FRAME_PLANE_DATA(&in, 0));
+    const size_t stride = static_cast<size_t>(GST_VIDEO_FRAME_PLANE_STRIDE(&in, 0));
+    for (int y = 0; y < h; ++y) std::memcpy(image->pixels.data() + y * row, src + y * stride, row);
+  } else {
+    // Convert straight into the image's memory, described as an RGB frame with a packed stride.
+    GstVideoInfo out_info;
+    gst_video_info_set_format(&out_info, GST_VIDEO_FORMAT_RGB, w, h);
+    out_info.stride[0] = static_cast<gint>(row);
+    out_info.size = image->pixels.size();
+    GstBuffer* out_buf = gst_buffer_new_wrapped_full(static_cast<GstMemoryFlags>(0), image->pixels.data(),
+                                                     image->pixels.size(), 0, image->pixels.size(), nullptr, nullptr);
+    GstVideoFrame out;
+    gst_video_frame_map(&out, &out_info, out_buf, GST_MAP_WRITE);
+    gst_video_converter_frame(st->converter, &in, &out);
+    gst_video_frame_unmap(&out);
+    gst_buffer_unref(out_buf);
+  }
+  gst_video_frame_unmap(&in);
+}
+
+// The payload of a text or request buffer as a string.
+static std::string buffer_bytes(GstBuffer* buf) {
+  std::string bytes(gst_buffer_get_size(buf), '\0');
+  gst_buffer_extract(buf, 0, bytes.data(), bytes.size());
+  return bytes;
+}
+
+// Checks a text request here, since the engine would reject invalid UTF-8 for the whole batch.
+static void set_text(Pending* p, const std::string& text) {
+  const gchar* end = nullptr;
+  if (g_utf8_validate_len(text.data(), text.size(), &end)) {
+    p->record.text = text;
+    return;
+  }
+  p->error = "text request '" + p->record.id + "' is not valid UTF-8 (invalid byte at offset " +
+             std::to_string(end - text.data()) + ")";
+  // The error document quotes the query: keep it valid UTF-8 (U+FFFD for bad bytes).
+  gchar* valid = g_utf8_make_valid(text.data(), static_cast<gssize>(text.size()));
+  p->record.text = valid;
+  g_free(valid);
+}
+
+static void set_encoded_image(Pending* p, GstBuffer* buf) {
+  std::string what = "image request '" + p->record.id + "'";
+  if (!p->record.uri.empty()) what += " (" + p->record.uri + ")";
+  GstMapInfo map;
+  if (!gst_buffer_map(buf, &map, GST_MAP_READ)) {
+    p->error = what + ": cannot map the buffer";
+    return;
+  }
+  try {
+    p->image = moe::decode_image(map.data, map.size, what);
+  } catch (const std::exception& e) {  // moe::Error, or out of memory: a bad request either way
+    p->error = e.what();
+  }
+  gst_buffer_unmap(buf, &map);
+}
+
+// Fills what an upstream meta may leave unset: the id (buffer offset, else the request count)
+// and the arrival times.
+static void complete_record(gstmoe::RequestRecord* r, GstBuffer* buf, guint64 n, int64_t wall, int64_t mono) {
+  if (r->id.empty()) r->id = std::to_string(GST_BUFFER_OFFSET_IS_VALID(buf) ? GST_BUFFER_OFFSET(buf) : n);
+  if (r->arrival_wall_us == 0) r->arrival_wall_us = wall;
+  if (r->arrival_mono_us == 0) r->arrival_mono_us = mono;
+}
+
+// Turns an input buffer into pending requests (normally one) and the upstream failures it
+// carries. Runs in the streaming thread.
+static void collect_requests(GstMoeEncode* self, GstBuffer* buf, std::vector<Pending>* out,
+                             std::vector<gstmoe::FailedRequest>* passed_on) {
+  EncodeState* st = self->st;
+  const int64_t wall = g_get_real_time(), mono = g_get_monotonic_time();
+  const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+  const gstmoe::BatchRecords* in = meta != nullptr ? meta->records : nullptr;
+  if (in != nullptr) *passed_on = in->failed;
+  const guint64 n = st->requests++;
+
+  if (st->kind == InputKind::Request && (in == nullptr || in->rows.size() != 1)) {
+    // Only an upstream failure: not a request of its own.
+    if (in != nullptr && in->rows.empty() && !in->failed.empty()) return;
+    // A malformed request buffer: every request it names is answered with an error.
+    const std::vector<gstmoe::RequestRecord> rows =
+        in != nullptr && !in->rows.empty() ? in->rows : std::vector<gstmoe::RequestRecord>(1);
+    for (const gstmoe::RequestRecord& row : rows) {
+      Pending p;
+      p.record = row;
+      complete_record(&p.record, buf, n, wall, mono);
+      p.error = "request '" + p.record.id + "': its buffer carries " +
+                (in == nullptr ? std::string("no GstMoeBatchMeta") : std::to_string(in->rows.size()) + " request rows") +
+                ", expected exactly one request per buffer";
+      out->push_back(std::move(p));
+    }
+    return;
+  }
+
+  Pending p;
+  if (in != nullptr && !in->rows.empty()) p.record = in->rows.front();
+  complete_record(&p.record, buf, n, wall, mono);
+  switch (st->kind) {
+    case InputKind::Text:
+      p.record.modality = gstmoe::Modality::Text;
+      set_text(&p, buffer_bytes(buf));
+      break;
+    case InputKind::Video: {
+      const guint64 frame = st->frames++;
+      p.record.modality = gstmoe::Modality::Image;
+      if (p.record.uri.empty()) p.record.uri = frame_uri(self, buf, frame);
+      frame_to_rgb(self, buf, &p.image, &p.error);
+      break;
+    }
+    case InputKind::Request:
+      if (p.record.modality == gstmoe::Modality::Text)
+        set_text(&p, buffer_bytes(buf));
+      else
+        set_encoded_image(&p, buf);
+      break;
+    case InputKind::None:  // refused by the chain function
+      break;
+  }
+  out->push_back(std::move(p));
+}
+
+/* ----- encoding ----- */
+
+// Encodes `inputs` with one engine call; if the engine rejects the batch, encodes them one at a
+// time so that only the culprits fail. Returns the embeddings row-major, one row per input (left
+// zero where errors[i] is set).
+template <typename Input, typename Encode>
+static std::vector<float> encode_group(const std::vector<Input>& inputs, size_t width, Encode encode,
+                                       std::vector<std::string>* errors) {
+  std::vector<float> rows(inputs.size() * width, 0.0f);
+  errors->assign(inputs.size(), std::string());
+  if (inputs.empty()) return rows;
+  try {
+    const moe::Tensor e = encode(inputs).embeds;
+    std::copy(e.data<float>(), e.data<float>() + rows.size(), rows.begin());
+    return rows;
+  } catch (const std::exception& e) {
+    if (inputs.size() == 1) {
+      (*errors)[0] = e.what();
+      return rows;
+    }
+  }
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    try {
+      const moe::Tensor e = encode(std::vector<Input>{inputs[i]}).embeds;
+      std::copy(e.data<float>(), e.data<float>() + width, rows.begin() + static_cast<std::ptrdiff_t>(i * width));
+    } catch (const std::exception& e) {
+      (*errors)[i] = e.what();
+    }
+  }
+  return rows;
+}
+
+// Encodes a batch into one tensor buffer: texts with one encode_texts call, images with one
+// encode_images call, rows in arrival order; failures go to the meta's failed list.
+static GstBuffer* encode_batch(GstMoeEncode* self, Batch& batch) {
+  EncodeState* st = self->st;
+  const size_t width = static_cast<size_t>(st->width.load());
+  const int64_t start = g_get_monotonic_time();
+
+  std::vector<std::string> texts;
+  std::vector<moe::ImageView> images;
+  std::vector<size_t> slot(batch.requests.size());  // index into texts or images
+  for (size_t i = 0; i < batch.requests.size(); ++i) {
+    const Pending& p = batch.requests[i];
+    if (!p.error.empty()) continue;
+    if (p.record.modality == gstmoe::Modality::Text) {
+      slot[i] = texts.size();
+      texts.push_back(p.record.text);
+    } else {
+      slot[i] = images.size();
+      images.push_back(p.image.view());
+    }
+  }
+  const moe::ClipModel& model = *st->model;
+  std::vector<std::string> text_errors, image_errors;
+  const std::vector<float> text_rows =
+      encode_group(texts, width, [&](const auto& v) { return model.encode_texts(v); }, &text_errors);
+  const std::vector<float> image_rows =
+      encode_group(images, width, [&](const auto& v) { return model.encode_images(v); }, &image_errors);
+  const int64_t end = g_get_monotonic_time();
+  const double encode_ms = gstmoe::elapsed_ms(start, end);
+
+  gstmoe::BatchRecords records;
+  records.encoder = st->encoder_name;
+  std::vector<const float*> row_data;
+  for (size_t i = 0; i < batch.requests.size(); ++i) {
+    Pending& p = batch.requests[i];
+    const bool is_text = p.record.modality == gstmoe::Modality::Text;
+    if (p.error.empty()) {
+      const std::string& engine_error = is_text ? text_errors[slot[i]] : image_errors[slot[i]];
+      if (!engine_error.empty())
+        p.error = std::string(is_text ? "text" : "image") + " request '" + p.record.id +
+                  "' cannot be encoded: " + engine_error;
+    }
+    if (!p.error.empty()) {
+      records.failed.push_back({std::move(p.record), kStage, std::move(p.error)});
+      continue;
+    }
+    p.record.timings_ms.emplace_back("queue", gstmoe::elapsed_ms(p.record.arrival_mono_us, start));
+    p.record.timings_ms.emplace_back("encode", encode_ms);
+    records.rows.push_back(std::move(p.record));
+    row_data.push_back((is_text ? text_rows.data() : image_rows.data()) + slot[i] * width);
+  }
+  for (gstmoe::FailedRequest& f : batch.passed_on) records.failed.push_back(std::move(f));
+
+  GstBuffer* out;
+  if (row_data.empty()) {
+    out = gst_buffer_new();
+  } else {
+    out = gst_buffer_new_allocate(nullptr, row_data.size() * width * sizeof(float), nullptr);
+    GstMapInfo map;
+    gst_buffer_map(out, &map, GST_MAP_WRITE);
+    for (size_t r = 0; r < row_data.size(); ++r)
+      std::memcpy(map.data + r * width * sizeof(float), row_data[r], width * sizeof(float));
+    gst_buffer_unmap(out, &map);
+  }
+  GST_BUFFER_PTS(out) = batch.pts;
+  GST_BUFFER_DTS(out) = GST_CLOCK_TIME_NONE;
+  GST_BUFFER_DURATION(out) = GST_CLOCK_TIME_NONE;
+  GST_LOG_OBJECT(self, "batch: %zu rows, %zu failed, encoded in %.3f ms", records.rows.size(), records.failed.size(),
+                 encode_ms);
+  gst_buffer_add_moe_batch_meta(out, records);
+  return out;
+}
+
+// Takes the pending batch (only when its wait is over if `only_due`) and pushes it.
+// The caller holds push_lock.
+static GstFlowReturn push_pending(GstMoeEncode* self, bool only_due) {
+  EncodeState* st = self->st;
+  Batch batch;
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    if (st->batch.empty()) return GST_FLOW_OK;
+    if (only_due && Clock::now() < st->batch.opened + std::chrono::nanoseconds(st->max_latency)) return GST_FLOW_OK;
+    batch = std::move(st->batch);
+    st->batch = Batch();
+  }
+  return gst_pad_push(self->srcpad, encode_batch(self, batch));
+}
+
+// Pushes partial batches once their oldest entry has waited max-latency.
+static void timer_loop(GstMoeEncode* self) {
+  EncodeState* st = self->st;
+  std::unique_lock<std::mutex> lk(st->lock);
+  while (!st->timer_stop) {
+    if (st->batch.empty()) {
+      st->wake.wait(lk);
+      continue;
+    }
+    const Clock::time_point due = st->batch.opened + std::chrono::nanoseconds(st->max_latency);
+    if (Clock::now() < due) {
+      st->wake.wait_until(lk, due);
+      continue;
+    }
+    lk.unlock();
+    {
+      std::lock_guard<std::mutex> push(st->push_lock);
+      const GstFlowReturn ret = push_pending(self, /*only_due=*/true);
+      if (ret != GST_FLOW_OK) {
+        GST_DEBUG_OBJECT(self, "timer push: %s", gst_flow_get_name(ret));
+        st->deferred_flow = ret;
+      }
+    }
+    lk.lock();
+  }
+}
+
+static void start_timer(GstMoeEncode* self) {
+  EncodeState* st = self->st;
+  st->timer_stop = false;
+  st->timer = std::thread(timer_loop, self);
+}
+
+static void stop_timer(GstMoeEncode* self) {
+  EncodeState* st = self->st;
+  if (!st->timer.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    st->timer_stop = true;
+  }
+  st->wake.notify_all();
+  st->timer.join();
+}
+
+static void drop_pending(GstMoeEncode* self, const char* why) {
+  EncodeState* st = self->st;
+  std::lock_guard<std::mutex> lk(st->lock);
+  if (!st->batch.empty()) GST_INFO_OBJECT(self, "%s: dropping %zu pending requests", why, st->batch.size());
+  st->batch = Batch();
+}
+
+/* ----- pads ----- */
+
+static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer* buf) {
+  GstMoeEncode* self = GST_MOE_ENCODE(parent);
+  EncodeState* st = self->st;
+  const GstFlowReturn deferred = st->deferred_flow;
+  if (deferred != GST_FLOW_OK) {
+    gst_buffer_unref(buf);
+    return deferred;
+  }
+  if (st->kind == InputKind::None) {  // no (valid) caps event: the buffer's meaning is unknown
+    gst_buffer_unref(buf);
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Received a buffer before valid caps"), (nullptr));
+    return GST_FLOW_NOT_NEGOTIATED;
+  }
+
+  std::vector<Pending> requests;
+  std::vector<gstmoe::FailedRequest> passed_on;
+  collect_requests(self, buf, &requests, &passed_on);
+  const GstClockTime pts = GST_BUFFER_PTS(buf);
+  gst_buffer_unref(buf);
+
+  bool full;
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    Batch& b = st->batch;
+    if (b.empty()) {
+      b.opened = Clock::now();
+      b.pts = pts;
+    }
+    for (Pending& p : requests) b.requests.push_back(std::move(p));
+    for (gstmoe::FailedRequest& f : passed_on) b.passed_on.push_back(std::move(f));
+    full = b.size() >= st->max_batch || st->max_latency == 0;
+  }
+  if (!full) {
+    st->wake.notify_all();
+    return GST_FLOW_OK;
+  }
+  std::lock_guard<std::mutex> push(st->push_lock);
+  return push_pending(self, /*only_due=*/false);
+}
+
+// Pushes the pending batch ahead of a serialized event; the caller holds push_lock.
+static void push_before_event(GstMoeEncode* self, GstEvent* event) {
+  const GstFlowReturn ret = push_pending(self, /*only_due=*/false);
+  if (ret == GST_FLOW_OK) return;
+  self->st->deferred_flow = ret;
+  // After EOS no chain call will return the error upstream: report it here, as queue does.
+  if (GST_EVENT_TYPE(event) == GST_EVENT_EOS && (ret == GST_FLOW_NOT_LINKED || ret < GST_FLOW_EOS))
+    GST_ELEMENT_FLOW_ERROR(self, ret);
+}
+
+// Sets the fixed output caps once per stream; the caller holds push_lock.
+static gboolean ensure_src_caps(GstMoeEncode* self) {
+  if (gst_pad_has_current_caps(self->srcpad)) return TRUE;
+  GstCaps* caps = gstmoe::tensor_caps(self->st->width);
+  const gboolean ok = gst_pad_set_caps(self->srcpad, caps);
+  if (!ok) {
+    GstCaps* peer = gst_pad_peer_query_caps(self->srcpad, nullptr);
+    gchar* ours = gst_caps_to_string(caps);
+    gchar* theirs = gst_caps_to_string(peer);
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Downstream does not accept the embeddings caps %s", ours),
+                      ("downstream accepts %s", theirs));
+    g_free(ours);
+    g_free(theirs);
+    gst_caps_unref(peer);
+  }
+  gst_caps_unref(caps);
+  return ok;
+}
+
+static gboolean set_sink_caps(GstMoeEncode* self, GstCaps* caps) {
+  EncodeState* st = self->st;
+  const GstStructure* s = gst_caps_get_structure(caps, 0);
+  if (st->converter != nullptr) {
+    gst_video_converter_free(st->converter);
+    st->converter = nullptr;
+  }
+  if (gst_structure_has_name(s, "text/x-raw")) {
+    st->kind = InputKind::Text;
+  } else if (gst_structure_has_name(s, GST_MOE_REQUEST_CAPS)) {
+    st->kind = InputKind::Request;
+  } else {
+    if (!gst_video_info_from_caps(&st->video_info, caps)) {
+      gchar* str = gst_caps_to_string(caps);
+      GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Invalid video caps from upstream: %s", str), (nullptr));
+      g_free(str);
+      st->kind = InputKind::None;
+      return FALSE;
+    }
+    st->kind = InputKind::Video;
+    if (GST_VIDEO_INFO_FORMAT(&st->video_info) != GST_VIDEO_FORMAT_RGB) {
+      GstVideoInfo rgb;
+      gst_video_info_set_format(&rgb, GST_VIDEO_FORMAT_RGB, GST_VIDEO_INFO_WIDTH(&st->video_info),
+                                GST_VIDEO_INFO_HEIGHT(&st->video_info));
+      st->converter = gst_video_converter_new(&st->video_info, &rgb, nullptr);
+    }
+  }
+  GST_DEBUG_OBJECT(self, "sink caps %" GST_PTR_FORMAT, caps);
+  return ensure_src_caps(self);
+}
+
+static gboolean gst_moe_encode_sink_event(GstPad* pad, GstObject* parent, GstEvent* event) {
+  GstMoeEncode* self = GST_MOE_ENCODE(parent);
+  EncodeState* st = self->st;
+  switch (GST_EVENT_TYPE(event)) {
+    case GST_EVENT_FLUSH_START:
+      // Not serialized: must not wait for a push that is blocked downstream.
+      drop_pending(self, "flush");
+      return gst_pad_event_default(pad, parent, event);
+    case GST_EVENT_FLUSH_STOP: {
+      std::lock_guard<std::mutex> push(st->push_lock);  // after any push racing the flush
+      drop_pending(self, "flush");  // what a chain call still running at FLUSH_START queued
+      st->deferred_flow = GST_FLOW_OK;
+      return gst_pad_event_default(pad, parent, event);
+    }
+    case GST_EVENT_CAPS: {
+      std::lock_guard<std::mutex> push(st->push_lock);
+      push_before_event(self, event);  // the next requests may be of another kind
+      GstCaps* caps;
+      gst_event_parse_caps(event, &caps);
+      const gboolean ok = set_sink_caps(self, caps);
+      gst_event_unref(event);  // the output caps are ours, not upstream's
+      return ok;
+    }
+    case GST_EVENT_SEGMENT:
+      gst_event_copy_segment(event, &st->segment);
+      break;
+    case GST_EVENT_STREAM_START:
+      st->uri_queried = false;
+      st->frames = 0;
+      break;
+    default:
+      break;
+  }
+  if (!GST_EVENT_IS_SERIALIZED(event)) return gst_pad_event_default(pad, parent, event);
+  // EOS, segments, tags, gaps...: whatever is pending goes out first, in order.
+  std::lock_guard<std::mutex> push(st->push_lock);
+  push_before_event(self, event);
+  return gst_pad_event_default(pad, parent, event);
+}
+
+static gboolean gst_moe_encode_src_query(GstPad* pad, GstObject* parent, GstQuery* query) {
+  GstMoeEncode* self = GST_MOE_ENCODE(parent);
+  EncodeState* st = self->st;
+  switch (GST_QUERY_TYPE(query)) {
+    case GST_QUERY_LATENCY: {
+      if (!gst_pad_peer_query(self->sinkpad, query)) return FALSE;
+      gboolean live;
+      GstClockTime min, max;
+      gst_query_parse_latency(query, &live, &min, &max);
+      guint64 wait;
+      {
+        std::lock_guard<std::mutex> lk(st->lock);
+        wait = st->max_latency;
+      }
+      // A request may wait up to max-latency here for its batch to fill.
+      min += wait;
+      if (GST_CLOCK_TIME_IS_VALID(max)) max += wait;
+      gst_query_set_latency(query, live, min, max);
+      GST_DEBUG_OBJECT(self, "latency: min %" GST_TIME_FORMAT " max %" GST_TIME_FORMAT, GST_TIME_ARGS(min),
+                       GST_TIME_ARGS(max));
+      return TRUE;
+    }
+    case GST_QUERY_CAPS: {
+      // Fixed to the model's projection_dim once it is loaded.
+      const int width = st->width;
+      GstCaps* caps = width > 0 ? gstmoe::tensor_caps(width) : gst_pad_get_pad_template_caps(pad);
+      GstCaps* filter;
+      gst_query_parse_caps(query, &filter);
+      if (filter != nullptr) {
+        GstCaps* both = gst_caps_intersect_full(filter, caps, GST_CAPS_INTERSECT_FIRST);
+        gst_caps_unref(caps);
+        caps = both;
+      }
+      gst_query_set_caps_result(query, caps);
+      gst_caps_unref(caps);
+      return TRUE;
+    }
+    default:
+      return gst_pad_query_default(pad, parent, query);
+  }
+}
+
+/* ----- element ----- */
+
+static gboolean load_model(GstMoeEncode* self) {
+  EncodeState* st = self->st;
+  GST_OBJECT_LOCK(self);
+  const std::string path = st->model_path;
+  GST_OBJECT_UNLOCK(self);
+  if (path.empty()) {
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("No CLIP model set: set the 'model' property to a model directory"),
+                      (nullptr));
+    return FALSE;
+  }
+  try {
+    st->model = moe::shared_clip_model(path);
+  } catch (const std::exception& e) {  // moe::Error names the file and the reason
+    if (g_file_test(path.c_str(), G_FILE_TEST_EXISTS))
+      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("Cannot load the CLIP model: %s", e.what()), ("model=%s", path.c_str()));
+    else
+      GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("Cannot load the CLIP model: %s", e.what()),
+                        ("model directory '%s' does not exist", path.c_str()));
+    return FALSE;
+  }
+  gchar* base = g_path_get_basename(path.c_str());
+  st->encoder_name = base;
+  g_free(base);
+  st->width = st->model->config().projection_dim;
+  GST_INFO_OBJECT(self, "loaded CLIP model %s (projection_dim %d)", path.c_str(), st->width.load());
+  return TRUE;
+}
+
+static void reset_stream(EncodeState* st) {
+  st->kind = InputKind::None;
+  if (st->converter != nullptr) gst_video_converter_free(st->converter);
+  st->converter = nullptr;
+  gst_segment_init(&st->segment, GST_FORMAT_TIME);
+  st->uri_queried = false;
+  st->stream_uri.clear();
+  st->frames = 0;
+  st->requests = 0;
+  st->deferred_flow = GST_FLOW_OK;
+}
+
+static GstStateChangeReturn gst_moe_encode_change_state(GstElement* element, GstStateChange transition) {
+  GstMoeEncode* self = GST_MOE_ENCODE(element);
+  EncodeState* st = self->st;
+  switch (transition) {
+    case GST_STATE_CHANGE_NULL_TO_READY:
+      if (!load_model(self)) return GST_STATE_CHANGE_FAILURE;
+      break;
+    case GST_STATE_CHANGE_READY_TO_PAUSED:
+      reset_stream(st);
+      start_timer(self);
+      break;
+    default:
+      break;
+  }
+
+  const GstStateChangeReturn ret = GST_ELEMENT_CLASS(gst_moe_encode_parent_class)->change_state(element, transition);
+  if (ret == GST_STATE_CHANGE_FAILURE) {
+    if (transition == GST_STATE_CHANGE_READY_TO_PAUSED) stop_timer(self);
+    return ret;
+  }
+
+  switch (transition) {
+    case GST_STATE_CHANGE_PAUSED_TO_READY:
+      // The pads are inactive now: no chain call runs and pushes return FLUSHING.
+      stop_timer(self);
+      drop_pending(self, "stop");
+      reset_stream(st);
+      break;
+    case GST_STATE_CHANGE_READY_TO_NULL:
+      st->model.reset();
+      st->width = 0;
+      break;
+    default:
+      break;
+  }
+  return ret;
+}
+
+static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
+  GstMoeEncode* self = GST_MOE_ENCODE(object);
+  EncodeState* st = self->st;
+  switch (prop_id) {
+    case PROP_MODEL: {
+      GST_OBJECT_LOCK(self);
+      if (GST_STATE(self) != GST_STATE_NULL) {
+        GST_OBJECT_UNLOCK(self);
+        g_warning("moe-encode: changing 'model' is only possible in the NULL state");
+        return;
+      }
+      const gchar* s = g_value_get_string(value);
+      st->model_path = s != nullptr ? s : "";
+      GST_OBJECT_UNLOCK(self);
+      break;
+    }
+    case PROP_MAX_BATCH: {
+      std::lock_guard<std::mutex> lk(st->lock);
+      st->max_batch = g_value_get_uint(value);
+      break;
+    }
+    case PROP_MAX_LATENCY: {
+      {
+        std::lock_guard<std::mutex> lk(st->lock);
+        st->max_latency = g_value_get_uint64(value);
+      }
+      st->wake.notify_all();  // a pending batch may be due now
+      gst_element_post_message(GST_ELEMENT(self), gst_message_new_latency(GST_OBJECT(self)));
+      break;
+    }
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+}
+
+static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
+  GstMoeEncode* self = GST_MOE_ENCODE(object);
+  EncodeState* st = self->st;
+  switch (prop_id) {
+    case PROP_MODEL:
+      GST_OBJECT_LOCK(self);
+      g_value_set_string(value, st->model_path.empty() ? nullptr : st->model_path.c_str());
+      GST_OBJECT_UNLOCK(self);
+      break;
+    case PROP_MAX_BATCH: {
+      std::lock_guard<std::mutex> lk(st->lock);
+      g_value_set_uint(value, st->max_batch);
+      break;
+    }
+    case PROP_MAX_LATENCY: {
+      std::lock_guard<std::mutex> lk(st->lock);
+      g_value_set_uint64(value, st->max_latency);
+      break;
+    }
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+}
+
+static void gst_moe_encode_finalize(GObject* object) {
+  GstMoeEncode* self = GST_MOE_ENCODE(object);
+  stop_timer(self);  // only running if the element was disposed without going to NULL
+  reset_stream(self->st);
+  delete self->st;
+  G_OBJECT_CLASS(gst_moe_encode_parent_class)->finalize(object);
+}
+
+static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
+  GObjectClass* gobject_class = G_OBJECT_CLASS(klass);
+  GstElementClass* element_class = GST_ELEMENT_CLASS(klass);
+  gobject_class->set_property = gst_moe_encode_set_property;
+  gobject_class->get_property = gst_moe_encode_get_property;
+  gobject_class->finalize = gst_moe_encode_finalize;
+  element_class->change_state = GST_DEBUG_FUNCPTR(gst_moe_encode_change_state);
+
+  g_object_class_install_property(
+      gobject_class, PROP_MODEL,
+      g_param_spec_string("model", "Model",
+                          "Hugging Face CLIP model directory (config.json, model.safetensors, vocab.json, merges.txt, "
+                          "preprocessor_config.json); loaded when going to READY, shared with other elements naming "
+                          "the same directory; can only be changed in the NULL state",
+                          nullptr, static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS)));
+  g_object_class_install_property(
+      gobject_class, PROP_MAX_BATCH,
+      g_param_spec_uint("max-batch", "Maximum batch",
+                        "Most requests encoded together: a batch is pushed as soon as it holds this many", 1,
+                        kMaxMaxBatch, kDefaultMaxBatch,
+                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_PLAYING)));
+  g_object_class_install_property(
+      gobject_class, PROP_MAX_LATENCY,
+      g_param_spec_uint64("max-latency", "Maximum latency",
+                          "Longest time (ns) a partial batch waits for more requests before it is encoded; EOS and "
+                          "serialized events push it at once; 0 encodes every request on arrival. Added to the "
+                          "pipeline latency",
+                          0, kMaxMaxLatency, kDefaultMaxLatency,
+                          static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_PLAYING)));
+
+  gst_element_class_add_static_pad_template(element_class, &sink_template);
+  gst_element_class_add_static_pad_template(element_class, &src_template);
+  gst_element_class_set_static_metadata(
+      element_class, "CLIP encoder", "Filter/Converter/Text/Video",
+      "Encodes query texts (one per text/x-raw buffer), video frames, or application/x-moe-request buffers (a text or "
+      "an encoded image file) with a CLIP model into batches of embeddings (application/x-moe-tensor, width = the "
+      "model's projection_dim). Each row's request (id, modality, uri, timings) is in the buffer's GstMoeBatchMeta; "
+      "requests that cannot be encoded travel on in its failed list. Example: gst-launch-1.0 videotestsrc "
+      "num-buffers=16 ! moe-encode model=models/clip-vit-base-patch32 max-batch=4 ! fakesink",
+      "gst-moe developers");
+
+  GST_DEBUG_CATEGORY_INIT(gst_moe_encode_debug, "moe-encode", 0, "CLIP encoder");
+}
+
+static void gst_moe_encode_init(GstMoeEncode* self) {
+  self->st = new EncodeState();
+  gst_video_info_init(&self->st->video_info);
+  gst_segment_init(&self->st->segment, GST_FORMAT_TIME);
+
+  self->sinkpad = gst_pad_new_from_static_template(&sink_template, "sink");
+  gst_pad_set_chain_function(self->sinkpad, GST_DEBUG_FUNCPTR(gst_moe_encode_chain));
+  gst_pad_set_event_function(self->sinkpad, GST_DEBUG_FUNCPTR(gst_moe_encode_sink_event));
+  gst_element_add_pad(GST_ELEMENT(self), self->sinkpad);
+
+  self->srcpad = gst_pad_new_from_static_template(&src_template, "src");
+  gst_pad_set_query_function(self->srcpad, GST_DEBUG_FUNCPTR(gst_moe_encode_src_query));
+  gst_element_add_pad(GST_ELEMENT(self), self->srcpad);
+}

@@ -1,0 +1,95 @@
+/* gst-moe: what flows between the elements.
+ *
+ * Caps (see docs/elements.md):
+ *   application/x-moe-request                 one request per buffer: the query text (UTF-8) or
+ *                                             the encoded image file bytes; the meta has 1 row
+ *   application/x-moe-tensor, dtype=f32,      one batch: rows x width f32, row-major; the meta
+ *     width=[1,65536]                         has one record per row, in row order
+ *   application/json                          one result document per buffer (ann-query)
+ *
+ * GstMoeBatchMeta carries, for every row, the request record (id, modality, query text or
+ * uri, arrival time, routing, stage timings) plus the requests that failed upstream, so that
+ * every request that entered is answered exactly once, and nothing relies on buffer order.
+ * The meta has no tags: it survives every transform.
+ */
+#pragma once
+
+#include <gst/gst.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#define GST_MOE_REQUEST_CAPS "application/x-moe-request"
+#define GST_MOE_TENSOR_MEDIA_TYPE "application/x-moe-tensor"
+#define GST_MOE_TENSOR_CAPS GST_MOE_TENSOR_MEDIA_TYPE ", dtype=(string)f32, width=(int)[1,65536]"
+#define GST_MOE_JSON_CAPS "application/json"
+
+namespace gstmoe {
+
+enum class Modality { Text, Image };
+const char* modality_name(Modality m);
+
+// One request, from the moment it enters the pipeline to its result document.
+struct RequestRecord {
+  std::string id;            // from the client, an upstream meta, the buffer offset or a counter
+  Modality modality = Modality::Text;
+  std::string text;          // the query text (text requests) or the caption (catalog images)
+  std::string uri;           // the image's uri (image requests)
+  int64_t arrival_wall_us = 0;  // g_get_real_time() when it entered (for reports)
+  int64_t arrival_mono_us = 0;  // g_get_monotonic_time() when it entered (for timings)
+  int k = 0;                    // results wanted; 0: ann-query's k
+  std::vector<int32_t> experts;        // after moe-route: chosen experts, best first
+  std::vector<float> expert_weights;   // their weights
+  std::vector<std::pair<std::string, double>> timings_ms;  // stage -> milliseconds, in order
+};
+
+// A request that could not be processed; it travels to the result stream as an error record.
+struct FailedRequest {
+  RequestRecord request;
+  std::string stage;   // element that failed it: "zmq-query", "moe-encode", ...
+  std::string reason;  // human-readable, names the thing and the reason
+};
+
+struct BatchRecords {
+  std::vector<RequestRecord> rows;     // rows[i] describes tensor row i
+  std::vector<FailedRequest> failed;   // answered with an error record by ann-query
+  std::string encoder;                 // model identifiers, for the result documents
+  std::string adapter;
+};
+
+}  // namespace gstmoe
+
+G_BEGIN_DECLS
+
+typedef struct _GstMoeBatchMeta GstMoeBatchMeta;
+
+struct _GstMoeBatchMeta {
+  GstMeta meta;
+  gstmoe::BatchRecords* records;  // owned
+};
+
+GType gst_moe_batch_meta_api_get_type(void);
+#define GST_MOE_BATCH_META_API_TYPE (gst_moe_batch_meta_api_get_type())
+const GstMetaInfo* gst_moe_batch_meta_get_info(void);
+#define GST_MOE_BATCH_META_INFO (gst_moe_batch_meta_get_info())
+
+// Attaches a meta holding a copy of `records` (buffer must be writable).
+GstMoeBatchMeta* gst_buffer_add_moe_batch_meta(GstBuffer* buffer, const gstmoe::BatchRecords& records);
+#define gst_buffer_get_moe_batch_meta(b) \
+  ((GstMoeBatchMeta*)gst_buffer_get_meta((b), GST_MOE_BATCH_META_API_TYPE))
+
+G_END_DECLS
+
+namespace gstmoe {
+
+// The tensor caps for `width` f32 columns.
+GstCaps* tensor_caps(int width);
+// Reads width from tensor caps; false if the caps are not fixed x-moe-tensor f32 caps.
+bool parse_tensor_caps(const GstCaps* caps, int* width);
+
+// Milliseconds between two g_get_monotonic_time() readings.
+inline double elapsed_ms(int64_t from_us, int64_t to_us) { return static_cast<double>(to_us - from_us) / 1000.0; }
+
+}  // namespace gstmoe

@@ -1,0 +1,230 @@
+#include "gstmoeresult.h"
+
+#include <json-glib/json-glib.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <utility>
+
+namespace gstmoe {
+
+namespace {
+
+// Rounds to `decimals` places: scores and weights keep 6 (well below float noise in cosine
+// similarities), milliseconds keep 3 (microseconds).
+double rounded(double v, int decimals) {
+  const double scale = std::pow(10.0, decimals);
+  return std::round(v * scale) / scale;
+}
+
+// JSON text must be UTF-8: invalid bytes (a caption from a file name in another encoding)
+// become U+FFFD rather than making the whole document unreadable.
+void add_string(JsonBuilder* b, const std::string& value) {
+  if (g_utf8_validate(value.data(), static_cast<gssize>(value.size()), nullptr)) {
+    json_builder_add_string_value(b, value.c_str());
+  } else {
+    gchar* valid = g_utf8_make_valid(value.data(), static_cast<gssize>(value.size()));
+    json_builder_add_string_value(b, valid);
+    g_free(valid);
+  }
+}
+
+void member_string(JsonBuilder* b, const char* key, const std::string& value) {
+  json_builder_set_member_name(b, key);
+  add_string(b, value);
+}
+
+void member_string_or_null(JsonBuilder* b, const char* key, const std::string& value) {
+  json_builder_set_member_name(b, key);
+  if (value.empty())
+    json_builder_add_null_value(b);
+  else
+    add_string(b, value);
+}
+
+void member_number(JsonBuilder* b, const char* key, double value, int decimals) {
+  json_builder_set_member_name(b, key);
+  if (std::isfinite(value))
+    json_builder_add_double_value(b, rounded(value, decimals));
+  else
+    json_builder_add_null_value(b);  // JSON has no NaN/Inf
+}
+
+void member_int(JsonBuilder* b, const char* key, int64_t value) {
+  json_builder_set_member_name(b, key);
+  json_builder_add_int_value(b, value);
+}
+
+bool is_number_char(char c) {
+  return (c >= '0' && c <= '9') || c == '-' || c == '+' || c == '.' || c == 'e' || c == 'E';
+}
+
+// JSON-GLib 1.6 writes every double with 17 significant digits ("0.83120000000000005"). This
+// rewrites each non-integer number token outside strings in the shortest form that reads back
+// as the same double ("0.8312"), so the rounding above shows on the wire.
+std::string shortest_numbers(const std::string& json) {
+  std::string out;
+  out.reserve(json.size());
+  bool in_string = false;
+  for (size_t i = 0; i < json.size();) {
+    const char c = json[i];
+    if (in_string) {
+      if (c == '\\' && i + 1 < json.size()) {
+        out.append(json, i, 2);
+        i += 2;
+        continue;
+      }
+      in_string = c != '"';
+      out += c;
+      ++i;
+    } else if (c == '-' || (c >= '0' && c <= '9')) {
+      size_t end = i;
+      while (end < json.size() && is_number_char(json[end])) ++end;
+      const std::string token = json.substr(i, end - i);
+      if (token.find_first_of(".eE") == std::string::npos) {
+        out += token;
+      } else {
+        char buf[32];
+        const auto res = std::to_chars(buf, buf + sizeof buf, g_ascii_strtod(token.c_str(), nullptr));
+        out.append(buf, res.ptr);
+      }
+      i = end;
+    } else {
+      in_string = c == '"';
+      out += c;
+      ++i;
+    }
+  }
+  return out;
+}
+
+// Finishes the builder's document and returns it as compact text.
+std::string generate(JsonBuilder* b) {
+  JsonNode* root = json_builder_get_root(b);
+  JsonGenerator* gen = json_generator_new();
+  json_generator_set_root(gen, root);
+  gchar* text = json_generator_to_data(gen, nullptr);
+  std::string out = shortest_numbers(text);
+  g_free(text);
+  g_object_unref(gen);
+  json_node_unref(root);
+  g_object_unref(b);
+  return out;
+}
+
+// The members every request document starts with: type, id, modality, query, uri.
+void request_members(JsonBuilder* b, const char* type, const RequestRecord& r) {
+  member_string(b, "type", type);
+  member_string_or_null(b, "id", r.id);
+  member_string(b, "modality", modality_name(r.modality));
+  member_string_or_null(b, "query", r.modality == Modality::Text ? r.text : std::string());
+  member_string_or_null(b, "uri", r.modality == Modality::Image ? r.uri : std::string());
+}
+
+void arrival_member(JsonBuilder* b, const RequestRecord& r) {
+  member_string_or_null(b, "arrival_time", r.arrival_wall_us > 0 ? rfc3339_utc(r.arrival_wall_us) : std::string());
+}
+
+}  // namespace
+
+std::string rfc3339_utc(int64_t wall_us) {
+  const int64_t secs = wall_us / G_USEC_PER_SEC - (wall_us % G_USEC_PER_SEC < 0 ? 1 : 0);
+  GDateTime* whole = g_date_time_new_from_unix_utc(secs);
+  if (!whole) return std::string();
+  GDateTime* dt = g_date_time_add(whole, wall_us - secs * G_USEC_PER_SEC);
+  g_date_time_unref(whole);
+  gchar* text = g_date_time_format(dt, "%Y-%m-%dT%H:%M:%S.%fZ");
+  g_date_time_unref(dt);
+  std::string out = text ? text : "";
+  g_free(text);
+  return out;
+}
+
+std::string result_document(const RequestRecord& r, int k, const std::vector<ResultHit>& hits, const ModelIds& model,
+                            int64_t now_mono_us) {
+  JsonBuilder* b = json_builder_new();
+  json_builder_begin_object(b);
+  request_members(b, "result", r);
+  member_int(b, "k", k);
+
+  json_builder_set_member_name(b, "results");
+  json_builder_begin_array(b);
+  for (size_t i = 0; i < hits.size(); ++i) {
+    json_builder_begin_object(b);
+    member_int(b, "rank", static_cast<int64_t>(i) + 1);
+    member_int(b, "item", hits[i].item);
+    member_string_or_null(b, "uri", hits[i].uri);
+    member_string_or_null(b, "caption", hits[i].caption);
+    member_number(b, "score", hits[i].score, 6);
+    json_builder_end_object(b);
+  }
+  json_builder_end_array(b);
+
+  json_builder_set_member_name(b, "experts");
+  json_builder_begin_array(b);
+  for (size_t i = 0; i < r.experts.size(); ++i) {
+    json_builder_begin_object(b);
+    member_int(b, "expert", r.experts[i]);
+    member_number(b, "weight", i < r.expert_weights.size() ? r.expert_weights[i] : NAN, 6);
+    json_builder_end_object(b);
+  }
+  json_builder_end_array(b);
+
+  json_builder_set_member_name(b, "model");
+  json_builder_begin_object(b);
+  member_string_or_null(b, "encoder", model.encoder);
+  member_string_or_null(b, "adapter", model.adapter);
+  member_string_or_null(b, "index", model.index);
+  json_builder_end_object(b);
+
+  // A stage recorded twice (e.g. two moe-expert elements) is summed: object keys must be unique.
+  std::vector<std::pair<std::string, double>> stages;
+  for (const auto& [stage, ms] : r.timings_ms) {
+    auto it = std::find_if(stages.begin(), stages.end(), [&](const auto& s) { return s.first == stage; });
+    if (it == stages.end())
+      stages.emplace_back(stage, ms);
+    else
+      it->second += ms;
+  }
+  json_builder_set_member_name(b, "timings_ms");
+  json_builder_begin_object(b);
+  for (const auto& [stage, ms] : stages)
+    if (stage != "total") member_number(b, stage.c_str(), ms, 3);
+  member_number(b, "total", elapsed_ms(r.arrival_mono_us, now_mono_us), 3);
+  json_builder_end_object(b);
+
+  arrival_member(b, r);
+  json_builder_end_object(b);
+  return generate(b);
+}
+
+std::string error_document(const FailedRequest& failed) {
+  JsonBuilder* b = json_builder_new();
+  json_builder_begin_object(b);
+  request_members(b, "error", failed.request);
+  json_builder_set_member_name(b, "error");
+  json_builder_begin_object(b);
+  member_string(b, "stage", failed.stage);
+  member_string(b, "reason", failed.reason);
+  json_builder_end_object(b);
+  arrival_member(b, failed.request);
+  json_builder_end_object(b);
+  return generate(b);
+}
+
+std::string index_built_document(const std::string& index_path, int64_t items, int dim, const char* index_type,
+                                 int64_t failed) {
+  JsonBuilder* b = json_builder_new();
+  json_builder_begin_object(b);
+  member_string(b, "type", "index-built");
+  member_string(b, "index", index_path);
+  member_int(b, "items", items);
+  member_int(b, "dim", dim);
+  member_string(b, "index_type", index_type);
+  member_int(b, "failed", failed);
+  json_builder_end_object(b);
+  return generate(b);
+}
+
+}  // namespace gstmoe

@@ -1,0 +1,53 @@
+/* gst-moe: the JSON documents that leave the pipeline (ann-query output, published as is by
+ * zmq-publish). docs/zmq-schema.md is the reference subscribers program against; every field
+ * written here is described there.
+ *
+ *   result       one per answered request: the hits, routing, model identifiers, timings
+ *   error        one per failed request: the stage that failed it and why
+ *   index-built  one per build run (ann-query mode=build), at EOS
+ *
+ * Documents are compact (one line, no trailing newline), UTF-8. Empty strings that stand for
+ * "none" (an id the client did not send, the query of an image request, the uri of a text
+ * request, an absent model) are written as null. */
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gstmoemeta.h"
+
+namespace gstmoe {
+
+// One hit of a search, resolved to its catalog item.
+struct ResultHit {
+  int64_t item = 0;     // row in the index
+  std::string uri;      // the item's uri ("" -> null)
+  std::string caption;  // the item's caption ("" -> null)
+  double score = 0.0;   // cosine similarity
+};
+
+// The identifiers in a result document's "model" object ("" -> null).
+struct ModelIds {
+  std::string encoder;  // basename of the CLIP model directory
+  std::string adapter;  // basename of the MoE adapter directory
+  std::string index;    // basename of the index file
+};
+
+// The result document for `request`: `k` is the number of results that was asked for (hits may
+// be fewer when the index is smaller). timings_ms gets "total" = arrival to `now_mono_us`
+// (g_get_monotonic_time()).
+std::string result_document(const RequestRecord& request, int k, const std::vector<ResultHit>& hits,
+                            const ModelIds& model, int64_t now_mono_us);
+
+// The error document for a failed request.
+std::string error_document(const FailedRequest& failed);
+
+// The summary ann-query mode=build sends after writing an index.
+std::string index_built_document(const std::string& index_path, int64_t items, int dim, const char* index_type,
+                                 int64_t failed);
+
+// RFC 3339 UTC with microseconds ("2026-11-30T09:00:00.123456Z") for g_get_real_time() values.
+std::string rfc3339_utc(int64_t wall_us);
+
+}  // namespace gstmoe

@@ -1,0 +1,369 @@
+// moe::AnnIndex: exact search against a brute-force reference, HNSW recall, the on-disk format
+// and its validation.
+#include <glib.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moe/ann_index.h"
+#include "moe/error.h"
+#include "test_util.h"
+
+namespace {
+
+using moe::AnnBuildOptions;
+using moe::AnnHit;
+using moe::AnnIndex;
+using moe::AnnIndexType;
+using moe::AnnItem;
+using moe::test::expect_error;
+
+// n x dim Gaussian vectors, each scaled to unit length.
+std::vector<float> random_unit_vectors(int64_t n, int dim, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(static_cast<size_t>(n * dim));
+  for (int64_t i = 0; i < n; ++i) {
+    double norm = 0;
+    for (int j = 0; j < dim; ++j) {
+      const float x = dist(rng);
+      v[i * dim + j] = x;
+      norm += static_cast<double>(x) * x;
+    }
+    for (int j = 0; j < dim; ++j) v[i * dim + j] = static_cast<float>(v[i * dim + j] / std::sqrt(norm));
+  }
+  return v;
+}
+
+std::vector<AnnItem> numbered_items(int64_t n) {
+  std::vector<AnnItem> items;
+  for (int64_t i = 0; i < n; ++i)
+    items.push_back({"id-" + std::to_string(i), "file:///catalog/" + std::to_string(i) + ".png",
+                     "caption " + std::to_string(i)});
+  return items;
+}
+
+// The exact top-k by inner product, best first.
+std::vector<std::vector<AnnHit>> brute_force(const std::vector<float>& base, const std::vector<float>& queries,
+                                             int dim, int k) {
+  const int64_t nb = static_cast<int64_t>(base.size()) / dim, nq = static_cast<int64_t>(queries.size()) / dim;
+  std::vector<std::vector<AnnHit>> out;
+  for (int64_t q = 0; q < nq; ++q) {
+    std::vector<AnnHit> all;
+    for (int64_t i = 0; i < nb; ++i) {
+      double dot = 0;
+      for (int j = 0; j < dim; ++j) dot += static_cast<double>(queries[q * dim + j]) * base[i * dim + j];
+      all.push_back({i, static_cast<float>(dot)});
+    }
+    std::sort(all.begin(), all.end(), [](const AnnHit& a, const AnnHit& b) { return a.score > b.score; });
+    all.resize(std::min<size_t>(all.size(), static_cast<size_t>(k)));
+    out.push_back(all);
+  }
+  return out;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    gchar* dir = g_dir_make_tmp("test_ann_index-XXXXXX", nullptr);
+    path_ = dir;
+    g_free(dir);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+}
+
+void expect_same_results(const std::vector<std::vector<AnnHit>>& a, const std::vector<std::vector<AnnHit>>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t q = 0; q < a.size(); ++q) {
+    ASSERT_EQ(a[q].size(), b[q].size()) << "query " << q;
+    for (size_t j = 0; j < a[q].size(); ++j) {
+      EXPECT_EQ(a[q][j].item, b[q][j].item) << "query " << q << " rank " << j;
+      EXPECT_NEAR(a[q][j].score, b[q][j].score, 1e-6) << "query " << q << " rank " << j;
+    }
+  }
+}
+
+TEST(AnnIndex, FlatMatchesBruteForce) {
+  const int dim = 24, k = 10;
+  const auto base = random_unit_vectors(500, dim, 1);
+  const auto queries = random_unit_vectors(20, dim, 2);
+  AnnIndex index = AnnIndex::create(dim, {});
+  index.add(base.data(), 500, numbered_items(500));
+  EXPECT_EQ(index.size(), 500);
+  EXPECT_EQ(index.dim(), dim);
+  EXPECT_EQ(index.type(), AnnIndexType::Flat);
+
+  const auto got = index.search(queries.data(), 20, k);
+  const auto want = brute_force(base, queries, dim, k);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t q = 0; q < got.size(); ++q) {
+    ASSERT_EQ(got[q].size(), static_cast<size_t>(k));
+    for (int j = 0; j < k; ++j) {
+      EXPECT_EQ(got[q][j].item, want[q][j].item) << "query " << q << " rank " << j;
+      EXPECT_NEAR(got[q][j].score, want[q][j].score, 1e-5) << "query " << q << " rank " << j;
+    }
+  }
+}
+
+TEST(AnnIndex, ScoresAreCosineWhateverTheInputLength) {
+  const int dim = 8;
+  auto base = random_unit_vectors(30, dim, 3);
+  const auto query = random_unit_vectors(1, dim, 4);
+  const auto want = brute_force(base, query, dim, 5);
+  for (float& x : base) x *= 7.5f;  // stored and queried vectors are normalised by the index
+  std::vector<float> scaled_query(query);
+  for (float& x : scaled_query) x *= 0.01f;
+  AnnIndex index = AnnIndex::create(dim, {});
+  index.add(base.data(), 30, numbered_items(30));
+  const auto got = index.search(scaled_query.data(), 1, 5);
+  ASSERT_EQ(got[0].size(), 5u);
+  for (int j = 0; j < 5; ++j) {
+    EXPECT_EQ(got[0][j].item, want[0][j].item);
+    EXPECT_NEAR(got[0][j].score, want[0][j].score, 1e-5);
+  }
+}
+
+// Fraction of the exact top-k that `got` found.
+double recall(const std::vector<std::vector<AnnHit>>& got, const std::vector<std::vector<AnnHit>>& want) {
+  size_t found = 0, total = 0;
+  for (size_t q = 0; q < want.size(); ++q) {
+    std::set<int64_t> truth;
+    for (const AnnHit& h : want[q]) truth.insert(h.item);
+    for (const AnnHit& h : got[q]) found += truth.count(h.item);
+    total += want[q].size();
+  }
+  return static_cast<double>(found) / static_cast<double>(total);
+}
+
+class AnnIndexHnsw : public ::testing::Test {
+ protected:
+  static constexpr int kDim = 32, kCount = 2000, kQueries = 100, kK = 10;
+
+  AnnIndexHnsw() : index_(AnnIndex::create(kDim, hnsw_options())) {
+    index_.add(base_.data(), kCount, numbered_items(kCount));
+  }
+  static AnnBuildOptions hnsw_options() {
+    AnnBuildOptions opts;
+    opts.type = AnnIndexType::Hnsw;
+    return opts;
+  }
+
+  const std::vector<float> base_ = random_unit_vectors(kCount, kDim, 5);
+  const std::vector<float> queries_ = random_unit_vectors(kQueries, kDim, 6);
+  const std::vector<std::vector<AnnHit>> truth_ = brute_force(base_, queries_, kDim, kK);
+  AnnIndex index_;
+};
+
+TEST_F(AnnIndexHnsw, RecallAt10) {
+  EXPECT_EQ(index_.type(), AnnIndexType::Hnsw);
+  const auto got = index_.search(queries_.data(), kQueries, kK, 128);
+  for (const auto& hits : got) {
+    ASSERT_EQ(hits.size(), static_cast<size_t>(kK));
+    for (size_t j = 1; j < hits.size(); ++j) EXPECT_GE(hits[j - 1].score, hits[j].score);
+  }
+  EXPECT_GE(recall(got, truth_), 0.95);
+}
+
+TEST_F(AnnIndexHnsw, EfSearchTakesEffect) {
+  // Random 32-d data is hard for a graph: a candidate list of k misses neighbours that 128 finds.
+  EXPECT_LT(recall(index_.search(queries_.data(), kQueries, kK, 1), truth_),
+            recall(index_.search(queries_.data(), kQueries, kK, 128), truth_));
+}
+
+TEST_F(AnnIndexHnsw, ConcurrentSearchesWithDifferentEf) {
+  const auto low = index_.search(queries_.data(), kQueries, kK, 1);
+  const auto high = index_.search(queries_.data(), kQueries, kK, 128);
+  std::vector<std::vector<std::vector<AnnHit>>> results(8);
+  std::vector<std::thread> threads;
+  for (size_t t = 0; t < results.size(); ++t)
+    threads.emplace_back([&, t] {
+      for (int rep = 0; rep < 5; ++rep) results[t] = index_.search(queries_.data(), kQueries, kK, t % 2 ? 128 : 1);
+    });
+  for (auto& th : threads) th.join();
+  for (size_t t = 0; t < results.size(); ++t) expect_same_results(results[t], t % 2 ? high : low);
+}
+
+TEST(AnnIndex, KLargerThanSizeReturnsEveryItem) {
+  const int dim = 4;
+  const auto base = random_unit_vectors(3, dim, 7);
+  for (AnnIndexType type : {AnnIndexType::Flat, AnnIndexType::Hnsw}) {
+    AnnBuildOptions opts;
+    opts.type = type;
+    AnnIndex index = AnnIndex::create(dim, opts);
+    index.add(base.data(), 3, numbered_items(3));
+    const auto got = index.search(base.data(), 2, 50);
+    ASSERT_EQ(got.size(), 2u);
+    for (const auto& hits : got) EXPECT_EQ(hits.size(), 3u) << moe::ann_index_type_name(type);
+    EXPECT_EQ(got[0][0].item, 0);
+    EXPECT_EQ(got[1][0].item, 1);
+  }
+}
+
+TEST(AnnIndex, EmptyIndexReturnsEmptyLists) {
+  const auto queries = random_unit_vectors(3, 6, 8);
+  for (AnnIndexType type : {AnnIndexType::Flat, AnnIndexType::Hnsw}) {
+    AnnBuildOptions opts;
+    opts.type = type;
+    AnnIndex index = AnnIndex::create(6, opts);
+    const auto got = index.search(queries.data(), 3, 10);
+    ASSERT_EQ(got.size(), 3u);
+    for (const auto& hits : got) EXPECT_TRUE(hits.empty());
+  }
+}
+
+TEST(AnnIndex, InvalidArguments) {
+  expect_error([] { AnnIndex::create(0, {}); }, {"dimension", "0"});
+  AnnBuildOptions bad_m;
+  bad_m.type = AnnIndexType::Hnsw;
+  bad_m.hnsw_m = 1;
+  expect_error([&] { AnnIndex::create(8, bad_m); }, {"M", "1"});
+  AnnIndex index = AnnIndex::create(4, {});
+  const auto v = random_unit_vectors(2, 4, 9);
+  expect_error([&] { index.add(v.data(), 2, numbered_items(1)); }, {"2 vectors", "1 items"});
+  expect_error([&] { index.search(v.data(), 1, 0); }, {"k", "0"});
+  expect_error([&] { index.item(0); }, {"item 0", "out of range"});
+}
+
+class AnnIndexFiles : public ::testing::TestWithParam<AnnIndexType> {
+ protected:
+  static constexpr int kDim = 16;
+  static constexpr int kCount = 120;
+
+  AnnIndex build() const {
+    AnnBuildOptions opts;
+    opts.type = GetParam();
+    AnnIndex index = AnnIndex::create(kDim, opts);
+    auto items = numbered_items(kCount);
+    items[0].caption = "tasse rayée rouge — 赤い縞模様のマグ ☕";
+    items[1].id = "";
+    items[1].caption = "line\nbreak \"quoted\" \\ tab\t";
+    index.add(base_.data(), kCount, items);
+    return index;
+  }
+
+  const std::vector<float> base_ = random_unit_vectors(kCount, kDim, 10);
+  const std::vector<float> queries_ = random_unit_vectors(15, kDim, 11);
+  TempDir dir_;
+};
+
+TEST_P(AnnIndexFiles, SaveLoadRoundTrip) {
+  const AnnIndex index = build();
+  const std::string path = dir_.file("catalog.faiss");
+  index.save(path);
+  EXPECT_TRUE(std::filesystem::exists(path));
+  EXPECT_TRUE(std::filesystem::exists(path + ".items.jsonl"));
+  // Only the two files remain: the temporary files were renamed into place.
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_.file("")), std::filesystem::directory_iterator()), 2);
+
+  const AnnIndex loaded = AnnIndex::load(path);
+  EXPECT_EQ(loaded.type(), GetParam());
+  EXPECT_EQ(loaded.dim(), kDim);
+  EXPECT_EQ(loaded.size(), kCount);
+  for (int64_t i = 0; i < kCount; ++i) {
+    EXPECT_EQ(loaded.item(i).id, index.item(i).id);
+    EXPECT_EQ(loaded.item(i).uri, index.item(i).uri);
+    EXPECT_EQ(loaded.item(i).caption, index.item(i).caption);
+  }
+  EXPECT_EQ(loaded.item(0).caption, "tasse rayée rouge — 赤い縞模様のマグ ☕");
+  EXPECT_EQ(loaded.item(1).caption, "line\nbreak \"quoted\" \\ tab\t");
+  expect_same_results(loaded.search(queries_.data(), 15, 7, 64), index.search(queries_.data(), 15, 7, 64));
+
+  const std::string header = read_text(path + ".items.jsonl").substr(0, read_text(path + ".items.jsonl").find('\n'));
+  EXPECT_NE(header.find("\"format\":\"gst-moe-items\""), std::string::npos) << header;
+  EXPECT_NE(header.find("\"count\":120"), std::string::npos) << header;
+  EXPECT_NE(header.find(std::string("\"index_type\":\"") + moe::ann_index_type_name(GetParam()) + "\""),
+            std::string::npos)
+      << header;
+}
+
+TEST_P(AnnIndexFiles, CorruptOrTruncatedIndexIsNamed) {
+  const std::string path = dir_.file("catalog.faiss");
+  build().save(path);
+  const std::string good = read_text(path);
+
+  write_text(path, good.substr(0, good.size() / 2));
+  expect_error([&] { AnnIndex::load(path); }, {path, "cannot be read"});
+
+  std::string corrupt = good;
+  for (size_t i = 0; i < 4; ++i) corrupt[i] = static_cast<char>(0xA5);  // the index type tag
+  write_text(path, corrupt);
+  expect_error([&] { AnnIndex::load(path); }, {path, "cannot be read"});
+
+  expect_error([&] { AnnIndex::load(dir_.file("missing.faiss")); }, {dir_.file("missing.faiss"), "cannot be read"});
+}
+
+TEST_P(AnnIndexFiles, ItemTableMustAgreeWithIndex) {
+  const std::string path = dir_.file("catalog.faiss");
+  const std::string items_path = path + ".items.jsonl";
+  build().save(path);
+  const std::string good = read_text(items_path);
+
+  // One item line missing.
+  const size_t last = good.rfind('\n', good.size() - 2);
+  write_text(items_path, good.substr(0, last + 1));
+  expect_error([&] { AnnIndex::load(path); }, {items_path, "119 items", "120"});
+
+  // Header count disagreeing with the index.
+  std::string wrong_count = good;
+  wrong_count.replace(wrong_count.find("\"count\":120"), 11, "\"count\":121");
+  write_text(items_path, wrong_count);
+  expect_error([&] { AnnIndex::load(path); }, {items_path, "line 1", "count 121", "120"});
+
+  // A malformed item line is named by its number (line 1 is the header, item 2 is line 4).
+  std::string malformed = good;
+  const size_t line4 = [&] {
+    size_t pos = 0;
+    for (int i = 0; i < 3; ++i) pos = malformed.find('\n', pos) + 1;
+    return pos;
+  }();
+  malformed.insert(line4, "{not json");
+  write_text(items_path, malformed);
+  expect_error([&] { AnnIndex::load(path); }, {items_path, "line 4", "invalid JSON"});
+
+  std::filesystem::remove(items_path);
+  expect_error([&] { AnnIndex::load(path); }, {items_path, "cannot be read"});
+}
+
+TEST_P(AnnIndexFiles, FailedSaveLeavesNoHalfIndex) {
+  const std::string path = dir_.file("catalog.faiss");
+  // The item table cannot be put in place (a directory holds its name) after the index was
+  // written to its temporary file: neither file may appear, no temporary file may remain.
+  std::filesystem::create_directory(path + ".items.jsonl");
+  expect_error([&] { build().save(path); }, {path + ".items.jsonl", "cannot be written"});
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_.file("")), std::filesystem::directory_iterator()), 1);
+
+  expect_error([&] { build().save(dir_.file("no-such-dir/catalog.faiss")); },
+               {dir_.file("no-such-dir/catalog.faiss"), "cannot be written"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, AnnIndexFiles, ::testing::Values(AnnIndexType::Flat, AnnIndexType::Hnsw),
+                         [](const auto& info) { return std::string(moe::ann_index_type_name(info.param)); });
+
+}  // namespace

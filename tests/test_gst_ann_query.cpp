@@ -1,0 +1,612 @@
+// ann-query: build an index from a tensor stream, search it, and the documents it sends.
+#include <gst/check/gstharness.h>
+#include <gst/gst.h>
+#include <gtest/gtest.h>
+#include <json-glib/json-glib.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gstannquery.h"
+#include "gstmoemeta.h"
+#include "moe/ann_index.h"
+
+namespace {
+
+constexpr int kWidth = 16;
+constexpr int kItems = 50;
+
+void init_once() {
+  static const bool done = [] {
+    gst_init(nullptr, nullptr);
+    GST_ELEMENT_REGISTER(ann_query, nullptr);
+    return true;
+  }();
+  (void)done;
+}
+
+std::vector<float> random_unit_vectors(int n, int dim, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(static_cast<size_t>(n) * dim);
+  for (int i = 0; i < n; ++i) {
+    double norm = 0;
+    for (int j = 0; j < dim; ++j) {
+      v[i * dim + j] = dist(rng);
+      norm += static_cast<double>(v[i * dim + j]) * v[i * dim + j];
+    }
+    for (int j = 0; j < dim; ++j) v[i * dim + j] = static_cast<float>(v[i * dim + j] / std::sqrt(norm));
+  }
+  return v;
+}
+
+// The catalog record of item i, as moe-catalog-src would make it.
+gstmoe::RequestRecord catalog_record(int i) {
+  gstmoe::RequestRecord r;
+  r.id = "item-" + std::to_string(i);
+  r.modality = gstmoe::Modality::Image;
+  r.uri = "file:///catalog/" + std::to_string(i) + ".png";
+  r.text = i == 7 ? "tasse rayée — 縞模様のマグ" : "caption " + std::to_string(i);
+  r.arrival_wall_us = g_get_real_time();
+  r.arrival_mono_us = g_get_monotonic_time();
+  return r;
+}
+
+gstmoe::RequestRecord text_request(const std::string& id, int k = 0) {
+  gstmoe::RequestRecord r;
+  r.id = id;
+  r.modality = gstmoe::Modality::Text;
+  r.text = "query " + id;
+  r.k = k;
+  r.arrival_wall_us = g_get_real_time();
+  r.arrival_mono_us = g_get_monotonic_time();
+  r.experts = {3, 1};
+  r.expert_weights = {0.625f, 0.375f};
+  r.timings_ms = {{"queue", 0.5}, {"encode", 2.25}};
+  return r;
+}
+
+gstmoe::FailedRequest failed_request(const std::string& id) {
+  gstmoe::FailedRequest f;
+  f.request.id = id;
+  f.request.modality = gstmoe::Modality::Image;
+  f.request.uri = "/nope.jpg";
+  f.request.arrival_wall_us = g_get_real_time();
+  f.stage = "zmq-query";
+  f.reason = "image file '/nope.jpg' cannot be read: No such file or directory";
+  return f;
+}
+
+// A tensor buffer holding rows [first, first + records.size()) of `vectors`, with its meta.
+GstBuffer* tensor_buffer(const std::vector<float>& vectors, int first, const gstmoe::BatchRecords& records) {
+  const size_t bytes = records.rows.size() * kWidth * sizeof(float);
+  GstBuffer* buf = bytes ? gst_buffer_new_memdup(vectors.data() + static_cast<size_t>(first) * kWidth, bytes)
+                        : gst_buffer_new();  // only failed requests
+  gst_buffer_add_moe_batch_meta(buf, records);
+  return buf;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    gchar* dir = g_dir_make_tmp("test_gst_ann_query-XXXXXX", nullptr);
+    path_ = dir;
+    g_free(dir);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// A parsed JSON document with typed accessors that fail the test on a missing field.
+class Json {
+ public:
+  explicit Json(GstBuffer* buf) : parser_(json_parser_new()) {
+    GstMapInfo map;
+    EXPECT_TRUE(gst_buffer_map(buf, &map, GST_MAP_READ));
+    text_.assign(reinterpret_cast<const char*>(map.data), map.size);
+    gst_buffer_unmap(buf, &map);
+    GError* err = nullptr;
+    EXPECT_TRUE(json_parser_load_from_data(parser_, text_.c_str(), static_cast<gssize>(text_.size()), &err))
+        << (err ? err->message : "") << "\n" << text_;
+    g_clear_error(&err);
+    JsonNode* root = json_parser_get_root(parser_);
+    EXPECT_TRUE(root && JSON_NODE_HOLDS_OBJECT(root)) << text_;
+    obj_ = root && JSON_NODE_HOLDS_OBJECT(root) ? json_object_ref(json_node_get_object(root)) : json_object_new();
+  }
+  ~Json() {
+    json_object_unref(obj_);
+    g_object_unref(parser_);
+  }
+  Json(const Json&) = delete;
+  Json& operator=(const Json&) = delete;
+
+  JsonObject* obj() const { return obj_; }
+  const std::string& text() const { return text_; }
+
+  static JsonNode* member(JsonObject* o, const char* key) {
+    EXPECT_TRUE(json_object_has_member(o, key)) << "missing field " << key;
+    return json_object_has_member(o, key) ? json_object_get_member(o, key) : nullptr;
+  }
+  static std::string str(JsonObject* o, const char* key) {
+    JsonNode* n = member(o, key);
+    EXPECT_TRUE(n && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == G_TYPE_STRING) << key;
+    return n && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == G_TYPE_STRING ? json_node_get_string(n)
+                                                                                           : "";
+  }
+  static bool is_null(JsonObject* o, const char* key) {
+    JsonNode* n = member(o, key);
+    return n && JSON_NODE_HOLDS_NULL(n);
+  }
+  static int64_t integer(JsonObject* o, const char* key) {
+    JsonNode* n = member(o, key);
+    EXPECT_TRUE(n && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == G_TYPE_INT64) << key;
+    return n && JSON_NODE_HOLDS_VALUE(n) ? json_node_get_int(n) : -1;
+  }
+  static double number(JsonObject* o, const char* key) {
+    JsonNode* n = member(o, key);
+    EXPECT_TRUE(n && JSON_NODE_HOLDS_VALUE(n)) << key;
+    return n && JSON_NODE_HOLDS_VALUE(n) ? json_node_get_double(n) : NAN;
+  }
+  static JsonObject* object(JsonObject* o, const char* key) {
+    JsonNode* n = member(o, key);
+    EXPECT_TRUE(n && JSON_NODE_HOLDS_OBJECT(n)) << key;
+    return n && JSON_NODE_HOLDS_OBJECT(n) ? json_node_get_object(n) : nullptr;
+  }
+  static JsonArray* array(JsonObject* o, const char* key) {
+    JsonNode* n = member(o, key);
+    EXPECT_TRUE(n && JSON_NODE_HOLDS_ARRAY(n)) << key;
+    return n && JSON_NODE_HOLDS_ARRAY(n) ? json_node_get_array(n) : nullptr;
+  }
+
+ private:
+  JsonParser* parser_;
+  JsonObject* obj_;
+  std::string text_;
+};
+
+class AnnQueryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    init_once();
+    bus_ = gst_bus_new();
+  }
+  void TearDown() override {
+    for (GstHarness* h : harnesses_) gst_harness_teardown(h);
+    // Queued messages hold their source element, which holds the bus: drop them first.
+    gst_bus_set_flushing(bus_, TRUE);
+    gst_object_unref(bus_);
+  }
+
+  // An ann-query element with `props` set ("index", path, ..., nullptr), posting to bus_.
+  GstElement* make_element(const char* first_prop, ...) {
+    GstElement* element = gst_element_factory_make("ann-query", nullptr);
+    EXPECT_NE(element, nullptr);
+    va_list args;
+    va_start(args, first_prop);
+    g_object_set_valist(G_OBJECT(element), first_prop, args);
+    va_end(args);
+    gst_element_set_bus(element, bus_);
+    return element;
+  }
+
+  // A harness around `element` (started, i.e. PLAYING); torn down with the test.
+  GstHarness* harness(GstElement* element) {
+    GstHarness* h = gst_harness_new_with_element(element, "sink", "src");
+    gst_object_unref(element);
+    harnesses_.push_back(h);
+    return h;
+  }
+
+  static void set_tensor_caps(GstHarness* h, int width) { gst_harness_set_src_caps(h, gstmoe::tensor_caps(width)); }
+
+  // Every buffer the element has pushed so far.
+  static std::vector<GstBuffer*> pull_all(GstHarness* h) {
+    std::vector<GstBuffer*> out;
+    while (GstBuffer* b = gst_harness_try_pull(h)) out.push_back(b);
+    return out;
+  }
+  static void unref_all(std::vector<GstBuffer*>& bufs) {
+    for (GstBuffer* b : bufs) gst_buffer_unref(b);
+    bufs.clear();
+  }
+
+  // The message of the first error on the bus ("" if none).
+  std::string bus_error() {
+    GstMessage* msg = gst_bus_pop_filtered(bus_, GST_MESSAGE_ERROR);
+    if (!msg) return "";
+    GError* err = nullptr;
+    gchar* debug = nullptr;
+    gst_message_parse_error(msg, &err, &debug);
+    std::string text = std::string(err->message) + " | " + (debug ? debug : "");
+    g_error_free(err);
+    g_free(debug);
+    gst_message_unref(msg);
+    return text;
+  }
+
+  // Builds an index of the kItems catalog vectors at `path` (one failed request among them);
+  // returns the summary document's buffer.
+  GstBuffer* build_index(const std::string& path, const char* index_type = "flat") {
+    GstElement* element = make_element("mode", 1, "index", path.c_str(), nullptr);
+    gst_util_set_object_arg(G_OBJECT(element), "index-type", index_type);
+    GstHarness* h = harness(element);
+    set_tensor_caps(h, kWidth);
+    for (int first = 0; first < kItems; first += 20) {
+      gstmoe::BatchRecords batch;
+      for (int i = first; i < std::min(first + 20, kItems); ++i) batch.rows.push_back(catalog_record(i));
+      if (first == 20) batch.failed.push_back(failed_request("broken-image"));
+      EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, first, batch)), GST_FLOW_OK);
+    }
+    // The failed request is answered as it arrives, before EOS.
+    std::vector<GstBuffer*> early = pull_all(h);
+    EXPECT_EQ(early.size(), 1u);
+    if (!early.empty()) {
+      Json err(early[0]);
+      EXPECT_EQ(Json::str(err.obj(), "type"), "error");
+      EXPECT_EQ(Json::str(err.obj(), "id"), "broken-image");
+    }
+    unref_all(early);
+    EXPECT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+    std::vector<GstBuffer*> summary = pull_all(h);
+    EXPECT_EQ(summary.size(), 1u);
+    for (size_t i = 1; i < summary.size(); ++i) gst_buffer_unref(summary[i]);
+    return summary.empty() ? nullptr : summary[0];
+  }
+
+  // A harness searching the index at `path`, caps set.
+  GstHarness* search_harness(const std::string& path, guint k = 5) {
+    GstHarness* h = harness(make_element("index", path.c_str(), "k", k, nullptr));
+    set_tensor_caps(h, kWidth);
+    return h;
+  }
+
+  const std::vector<float> catalog_ = random_unit_vectors(kItems, kWidth, 42);
+  TempDir dir_;
+  GstBus* bus_ = nullptr;
+  std::vector<GstHarness*> harnesses_;
+};
+
+TEST_F(AnnQueryTest, BuildWritesIndexAndSummary) {
+  const std::string path = dir_.file("catalog.faiss");
+  GstBuffer* summary_buf = build_index(path);
+  ASSERT_NE(summary_buf, nullptr);
+  EXPECT_TRUE(std::filesystem::exists(path));
+  EXPECT_TRUE(std::filesystem::exists(path + ".items.jsonl"));
+
+  Json summary(summary_buf);
+  EXPECT_EQ(Json::str(summary.obj(), "type"), "index-built");
+  EXPECT_EQ(Json::str(summary.obj(), "index"), path);
+  EXPECT_EQ(Json::integer(summary.obj(), "items"), kItems);
+  EXPECT_EQ(Json::integer(summary.obj(), "dim"), kWidth);
+  EXPECT_EQ(Json::str(summary.obj(), "index_type"), "flat");
+  EXPECT_EQ(Json::integer(summary.obj(), "failed"), 1);
+  gst_buffer_unref(summary_buf);
+
+  // EOS went on after the summary; downstream saw application/json caps.
+  GstHarness* h = harnesses_.back();
+  bool eos = false;
+  while (GstEvent* ev = gst_harness_try_pull_event(h)) {
+    eos |= GST_EVENT_TYPE(ev) == GST_EVENT_EOS;
+    gst_event_unref(ev);
+  }
+  EXPECT_TRUE(eos);
+  GstCaps* caps = gst_pad_get_current_caps(h->sinkpad);
+  ASSERT_NE(caps, nullptr);
+  EXPECT_TRUE(gst_structure_has_name(gst_caps_get_structure(caps, 0), "application/json"));
+  gst_caps_unref(caps);
+
+  // The written index holds the catalog: the engine reads back every item.
+  const moe::AnnIndex index = moe::AnnIndex::load(path);
+  ASSERT_EQ(index.size(), kItems);
+  EXPECT_EQ(index.dim(), kWidth);
+  for (int i = 0; i < kItems; ++i) {
+    const gstmoe::RequestRecord r = catalog_record(i);
+    EXPECT_EQ(index.item(i).id, r.id);
+    EXPECT_EQ(index.item(i).uri, r.uri);
+    EXPECT_EQ(index.item(i).caption, r.text);
+  }
+}
+
+TEST_F(AnnQueryTest, SearchFindsStoredItemsWithFullDocuments) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstHarness* h = search_harness(path, 5);
+
+  gstmoe::BatchRecords batch;
+  batch.encoder = "clip_tiny_bpe";
+  batch.adapter = "adapter_tiny";
+  for (int i = 0; i < 10; ++i) batch.rows.push_back(text_request("q" + std::to_string(i)));
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 10u);
+
+  // The engine, called directly on the same vectors, gives the same hits.
+  const moe::AnnIndex index = moe::AnnIndex::load(path);
+  const auto expected = index.search(catalog_.data(), 10, 5);
+
+  for (int i = 0; i < 10; ++i) {
+    // One request per buffer, in its meta too, with the search stage timed.
+    GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(out[i]);
+    ASSERT_NE(meta, nullptr);
+    ASSERT_EQ(meta->records->rows.size(), 1u);
+    EXPECT_TRUE(meta->records->failed.empty());
+    EXPECT_EQ(meta->records->rows[0].id, "q" + std::to_string(i));
+    ASSERT_FALSE(meta->records->rows[0].timings_ms.empty());
+    EXPECT_EQ(meta->records->rows[0].timings_ms.back().first, "search");
+
+    Json doc(out[i]);
+    JsonObject* o = doc.obj();
+    EXPECT_EQ(Json::str(o, "type"), "result");
+    EXPECT_EQ(Json::str(o, "id"), "q" + std::to_string(i));
+    EXPECT_EQ(Json::str(o, "modality"), "text");
+    EXPECT_EQ(Json::str(o, "query"), "query q" + std::to_string(i));
+    EXPECT_TRUE(Json::is_null(o, "uri"));
+    EXPECT_EQ(Json::integer(o, "k"), 5);
+
+    JsonArray* results = Json::array(o, "results");
+    ASSERT_NE(results, nullptr);
+    ASSERT_EQ(json_array_get_length(results), 5u) << doc.text();
+    for (guint j = 0; j < 5; ++j) {
+      JsonObject* hit = json_array_get_object_element(results, j);
+      const int64_t item = Json::integer(hit, "item");
+      EXPECT_EQ(Json::integer(hit, "rank"), static_cast<int64_t>(j) + 1);
+      EXPECT_EQ(item, expected[i][j].item);
+      EXPECT_NEAR(Json::number(hit, "score"), expected[i][j].score, 1e-5);
+      EXPECT_EQ(Json::str(hit, "uri"), catalog_record(static_cast<int>(item)).uri);
+      EXPECT_EQ(Json::str(hit, "caption"), catalog_record(static_cast<int>(item)).text);
+    }
+    // The stored vector finds its own item first.
+    JsonObject* first = json_array_get_object_element(results, 0);
+    EXPECT_EQ(Json::integer(first, "item"), i);
+    EXPECT_NEAR(Json::number(first, "score"), 1.0, 1e-5);
+
+    JsonArray* experts = Json::array(o, "experts");
+    ASSERT_NE(experts, nullptr);
+    ASSERT_EQ(json_array_get_length(experts), 2u);
+    EXPECT_EQ(Json::integer(json_array_get_object_element(experts, 0), "expert"), 3);
+    EXPECT_DOUBLE_EQ(Json::number(json_array_get_object_element(experts, 0), "weight"), 0.625);
+    EXPECT_EQ(Json::integer(json_array_get_object_element(experts, 1), "expert"), 1);
+
+    JsonObject* model = Json::object(o, "model");
+    ASSERT_NE(model, nullptr);
+    EXPECT_EQ(Json::str(model, "encoder"), "clip_tiny_bpe");
+    EXPECT_EQ(Json::str(model, "adapter"), "adapter_tiny");
+    EXPECT_EQ(Json::str(model, "index"), "catalog.faiss");
+
+    JsonObject* timings = Json::object(o, "timings_ms");
+    ASSERT_NE(timings, nullptr);
+    EXPECT_DOUBLE_EQ(Json::number(timings, "queue"), 0.5);
+    EXPECT_DOUBLE_EQ(Json::number(timings, "encode"), 2.25);
+    EXPECT_GE(Json::number(timings, "search"), 0.0);
+    EXPECT_GE(Json::number(timings, "total"), 0.0);
+
+    EXPECT_TRUE(g_regex_match_simple("^\\d{4}-\\d\\d-\\d\\dT\\d\\d:\\d\\d:\\d\\d\\.\\d{6}Z$",
+                                     Json::str(o, "arrival_time").c_str(), G_REGEX_DEFAULT, G_REGEX_MATCH_DEFAULT))
+        << Json::str(o, "arrival_time");
+    EXPECT_EQ(doc.text().find("00000000"), std::string::npos) << "numbers not rounded: " << doc.text();
+  }
+  unref_all(out);
+}
+
+TEST_F(AnnQueryTest, FailedRequestsBecomeErrorDocuments) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstHarness* h = search_harness(path);
+
+  // Two rows and one request that failed upstream, then a zero-row buffer carrying only a failure.
+  gstmoe::BatchRecords batch;
+  batch.rows = {text_request("ok1"), text_request("ok2")};
+  batch.failed.push_back(failed_request("bad1"));
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+  gstmoe::BatchRecords only_failed;
+  gstmoe::FailedRequest no_id = failed_request("");
+  no_id.stage = "moe-encode";
+  no_id.reason = "image '/nope.jpg' cannot be decoded: not an image";
+  only_failed.failed.push_back(no_id);
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, only_failed)), GST_FLOW_OK);
+
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 4u);
+  int results = 0;
+  std::vector<std::string> error_ids;
+  for (GstBuffer* b : out) {
+    Json doc(b);
+    GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(b);
+    ASSERT_NE(meta, nullptr);
+    if (Json::str(doc.obj(), "type") == "result") {
+      ++results;
+      EXPECT_EQ(meta->records->rows.size(), 1u);
+      continue;
+    }
+    ASSERT_EQ(Json::str(doc.obj(), "type"), "error") << doc.text();
+    EXPECT_TRUE(meta->records->rows.empty());
+    ASSERT_EQ(meta->records->failed.size(), 1u);
+    EXPECT_EQ(Json::str(doc.obj(), "modality"), "image");
+    EXPECT_TRUE(Json::is_null(doc.obj(), "query"));
+    EXPECT_EQ(Json::str(doc.obj(), "uri"), "/nope.jpg");
+    JsonObject* err = Json::object(doc.obj(), "error");
+    ASSERT_NE(err, nullptr);
+    EXPECT_EQ(Json::str(err, "stage"), meta->records->failed[0].stage);
+    EXPECT_EQ(Json::str(err, "reason"), meta->records->failed[0].reason);
+    EXPECT_FALSE(Json::str(doc.obj(), "arrival_time").empty());
+    error_ids.push_back(Json::is_null(doc.obj(), "id") ? "<null>" : Json::str(doc.obj(), "id"));
+    if (error_ids.back() == "bad1") {
+      EXPECT_EQ(Json::str(err, "stage"), "zmq-query");
+      EXPECT_EQ(Json::str(err, "reason"), "image file '/nope.jpg' cannot be read: No such file or directory");
+    } else {
+      EXPECT_EQ(Json::str(err, "stage"), "moe-encode");
+    }
+  }
+  EXPECT_EQ(results, 2);
+  EXPECT_EQ(error_ids, (std::vector<std::string>{"bad1", "<null>"}));
+  unref_all(out);
+}
+
+TEST_F(AnnQueryTest, RequestsChooseTheirOwnK) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstHarness* h = search_harness(path, 7);
+
+  gstmoe::BatchRecords batch;
+  batch.rows = {text_request("three", 3), text_request("default"), text_request("more-than-catalog", 60)};
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 3u);
+  const std::vector<std::pair<int, guint>> want = {{3, 3}, {7, 7}, {60, kItems}};  // "k", results
+  for (size_t i = 0; i < out.size(); ++i) {
+    Json doc(out[i]);
+    EXPECT_EQ(Json::integer(doc.obj(), "k"), want[i].first) << doc.text();
+    JsonArray* results = Json::array(doc.obj(), "results");
+    ASSERT_NE(results, nullptr);
+    EXPECT_EQ(json_array_get_length(results), want[i].second) << doc.text();
+  }
+  unref_all(out);
+}
+
+TEST_F(AnnQueryTest, WidthMismatchNamesBothWidths) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  while (GstMessage* m = gst_bus_pop(bus_)) gst_message_unref(m);
+
+  GstHarness* h = harness(make_element("index", path.c_str(), nullptr));
+  // A refused sticky event is kept by the pushing pad and retried with the next buffer, so the
+  // refusal shows as not-negotiated on the data flow and as an error on the bus.
+  GstCaps* narrow = gstmoe::tensor_caps(8);
+  gst_harness_push_event(h, gst_event_new_caps(narrow));
+  gst_caps_unref(narrow);
+  GstSegment segment;
+  gst_segment_init(&segment, GST_FORMAT_TIME);
+  gst_harness_push_event(h, gst_event_new_segment(&segment));
+  gstmoe::BatchRecords batch;
+  batch.rows = {text_request("q")};
+  EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_NOT_NEGOTIATED);
+  const std::string error = bus_error();
+  EXPECT_NE(error.find("width 8"), std::string::npos) << error;
+  EXPECT_NE(error.find("dimension 16"), std::string::npos) << error;
+  EXPECT_NE(error.find(path), std::string::npos) << error;
+}
+
+TEST_F(AnnQueryTest, MissingIndexFailsTheStateChange) {
+  const std::string path = dir_.file("no-such-index.faiss");
+  GstElement* element = make_element("index", path.c_str(), nullptr);
+  EXPECT_EQ(gst_element_set_state(element, GST_STATE_PAUSED), GST_STATE_CHANGE_FAILURE);
+  const std::string error = bus_error();
+  EXPECT_NE(error.find(path), std::string::npos) << error;
+  EXPECT_NE(error.find("No such file"), std::string::npos) << error;
+  gst_element_set_state(element, GST_STATE_NULL);
+  gst_object_unref(element);
+
+  GstElement* unset = make_element("k", 3, nullptr);
+  EXPECT_EQ(gst_element_set_state(unset, GST_STATE_PAUSED), GST_STATE_CHANGE_FAILURE);
+  EXPECT_NE(bus_error().find("No index file set"), std::string::npos);
+  gst_element_set_state(unset, GST_STATE_NULL);
+  gst_object_unref(unset);
+}
+
+TEST_F(AnnQueryTest, EmptyBuildIsAnError) {
+  const std::string path = dir_.file("empty.faiss");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), nullptr));
+  set_tensor_caps(h, kWidth);
+  EXPECT_FALSE(gst_harness_push_event(h, gst_event_new_eos()));
+  EXPECT_NE(bus_error().find("no items to index"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+TEST_F(AnnQueryTest, BuildWriteFailuresNameThePath) {
+  // The directory is checked when the element starts...
+  const std::string missing_dir = dir_.file("no-such-dir/catalog.faiss");
+  GstElement* element = make_element("mode", 1, "index", missing_dir.c_str(), nullptr);
+  EXPECT_EQ(gst_element_set_state(element, GST_STATE_PAUSED), GST_STATE_CHANGE_FAILURE);
+  EXPECT_NE(bus_error().find(missing_dir), std::string::npos);
+  gst_element_set_state(element, GST_STATE_NULL);
+  gst_object_unref(element);
+
+  // ...and a write that fails at EOS is an element error too (a directory holds the item
+  // table's name), leaving no index behind.
+  const std::string path = dir_.file("catalog.faiss");
+  std::filesystem::create_directory(path + ".items.jsonl");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), nullptr));
+  set_tensor_caps(h, kWidth);
+  gstmoe::BatchRecords batch;
+  batch.rows = {catalog_record(0), catalog_record(1)};
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+  EXPECT_FALSE(gst_harness_push_event(h, gst_event_new_eos()));
+  GstMessage* msg = gst_bus_pop_filtered(bus_, GST_MESSAGE_ERROR);
+  ASSERT_NE(msg, nullptr);
+  GError* err = nullptr;
+  gst_message_parse_error(msg, &err, nullptr);
+  EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_WRITE));
+  EXPECT_NE(std::string(err->message).find(path + ".items.jsonl"), std::string::npos) << err->message;
+  g_error_free(err);
+  gst_message_unref(msg);
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+TEST_F(AnnQueryTest, HnswBuildAndSearch) {
+  const std::string path = dir_.file("catalog-hnsw.faiss");
+  GstBuffer* summary_buf = build_index(path, "hnsw");
+  ASSERT_NE(summary_buf, nullptr);
+  {
+    Json summary(summary_buf);
+    EXPECT_EQ(Json::str(summary.obj(), "index_type"), "hnsw");
+    EXPECT_EQ(Json::integer(summary.obj(), "items"), kItems);
+  }
+  gst_buffer_unref(summary_buf);
+  EXPECT_EQ(moe::AnnIndex::load(path).type(), moe::AnnIndexType::Hnsw);
+
+  GstHarness* h = search_harness(path, 4);
+  gstmoe::BatchRecords batch;
+  for (int i = 0; i < kItems; ++i) batch.rows.push_back(text_request("q" + std::to_string(i)));
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), static_cast<size_t>(kItems));
+  for (int i = 0; i < kItems; ++i) {
+    Json doc(out[i]);
+    EXPECT_EQ(Json::str(doc.obj(), "id"), "q" + std::to_string(i));
+    JsonArray* results = Json::array(doc.obj(), "results");
+    ASSERT_NE(results, nullptr);
+    ASSERT_EQ(json_array_get_length(results), 4u);
+    EXPECT_EQ(Json::integer(json_array_get_object_element(results, 0), "item"), i);
+    EXPECT_NEAR(Json::number(json_array_get_object_element(results, 0), "score"), 1.0, 1e-5);
+  }
+  unref_all(out);
+}
+
+TEST_F(AnnQueryTest, StateCyclesReloadTheIndex) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstElement* element = make_element("index", path.c_str(), nullptr);
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    EXPECT_EQ(gst_element_set_state(element, GST_STATE_PLAYING), GST_STATE_CHANGE_SUCCESS);
+    EXPECT_EQ(gst_element_set_state(element, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
+  }
+  gst_object_unref(element);
+  EXPECT_EQ(bus_error(), "");
+}
+
+TEST_F(AnnQueryTest, PropertiesDocumentTheirRanges) {
+  GstElement* element = make_element("k", 1, nullptr);
+  auto uint_spec = [&](const char* name) {
+    return G_PARAM_SPEC_UINT(g_object_class_find_property(G_OBJECT_GET_CLASS(element), name));
+  };
+  EXPECT_EQ(uint_spec("k")->maximum, 1024u);
+  EXPECT_EQ(uint_spec("k")->default_value, 10u);
+  EXPECT_EQ(uint_spec("hnsw-m")->default_value, 32u);
+  EXPECT_EQ(uint_spec("ef-construction")->default_value, 80u);
+  EXPECT_EQ(uint_spec("ef-search")->default_value, 64u);
+  EXPECT_STREQ(g_type_name(GST_TYPE_ANN_QUERY_MODE), "GstAnnQueryMode");
+  EXPECT_STREQ(g_type_name(GST_TYPE_ANN_QUERY_INDEX_TYPE), "GstAnnQueryIndexType");
+  gst_util_set_object_arg(G_OBJECT(element), "mode", "build");
+  gint mode = 0;
+  g_object_get(element, "mode", &mode, nullptr);
+  EXPECT_EQ(mode, GST_ANN_QUERY_MODE_BUILD);
+  gst_object_unref(element);
+}
+
+}  // namespace

@@ -1,0 +1,315 @@
+// End to end, as users run it: the index-build pipeline script builds an index from generated
+// images; the serving pipeline answers text and image queries over loopback ZeroMQ; the
+// embedding application and the serving script work as written.
+#include <gdk-pixbuf/gdk-pixbuf.h>
+#include <gst/gst.h>
+#include <gtest/gtest.h>
+#include <json-glib/json-glib.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <map>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+
+#include "moe_build_config.h"
+
+namespace {
+
+const std::string kSource = MOE_SOURCE_DIR;
+const std::string kModel = kSource + "/tests/fixtures/clip_tiny_bpe";
+const std::string kAdapter = kSource + "/tests/fixtures/adapter_tiny";
+constexpr int kItems = 12;
+// Generous liveness bound for a response on a loaded 2-core CI machine (not a speed check).
+constexpr auto kPatience = std::chrono::seconds(120);
+
+struct Catalog {
+  std::string dir, index;
+  std::vector<std::string> paths, captions;
+};
+
+// Images that differ in colour and layout, with a catalog.jsonl giving their captions.
+const Catalog& catalog() {
+  static Catalog c = [] {
+    Catalog cat;
+    gchar* tmp = g_dir_make_tmp("moe-e2e-XXXXXX", nullptr);
+    cat.dir = tmp;
+    g_free(tmp);
+    const char* colours[] = {"red", "green", "blue", "yellow", "cyan", "magenta"};
+    const guint8 rgb[][3] = {{220, 30, 30}, {30, 200, 40}, {30, 40, 220}, {230, 220, 30}, {30, 210, 210}, {210, 30, 200}};
+    std::ofstream jsonl(cat.dir + "/catalog.jsonl");
+    for (int i = 0; i < kItems; ++i) {
+      const int w = 40 + 7 * i, h = 30 + 5 * (i % 4);
+      GdkPixbuf* pb = gdk_pixbuf_new(GDK_COLORSPACE_RGB, FALSE, 8, w, h);
+      guint8* px = gdk_pixbuf_get_pixels(pb);
+      const int stride = gdk_pixbuf_get_rowstride(pb);
+      const guint8* c = rgb[i % 6];
+      for (int y = 0; y < h; ++y)
+        for (int x = 0; x < w; ++x) {
+          const bool stripe = (i >= 6) && ((x / 5) % 2 == 0);
+          guint8* p = px + y * stride + x * 3;
+          for (int ch = 0; ch < 3; ++ch) p[ch] = stripe ? 255 : static_cast<guint8>(c[ch] * (0.6 + 0.4 * y / h));
+        }
+      const std::string name = "item" + std::to_string(i) + ".png";
+      const std::string path = cat.dir + "/" + name;
+      EXPECT_TRUE(gdk_pixbuf_save(pb, path.c_str(), "png", nullptr, nullptr));
+      g_object_unref(pb);
+      const std::string caption = std::string(i >= 6 ? "striped " : "plain ") + colours[i % 6] + " square";
+      jsonl << R"({"path": ")" << name << R"(", "id": "item)" << i << R"(", "caption": ")" << caption << "\"}\n";
+      cat.paths.push_back(path);
+      cat.captions.push_back(caption);
+    }
+    cat.index = cat.dir + "/catalog.faiss";
+    return cat;
+  }();
+  return c;
+}
+
+int run(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env, std::string* output) {
+  std::vector<gchar*> args;
+  for (const auto& a : argv) args.push_back(const_cast<gchar*>(a.c_str()));
+  args.push_back(nullptr);
+  gchar** env = g_get_environ();
+  for (const auto& kv : extra_env) {
+    const auto eq = kv.find('=');
+    env = g_environ_setenv(env, kv.substr(0, eq).c_str(), kv.substr(eq + 1).c_str(), TRUE);
+  }
+  gchar* out = nullptr;
+  gchar* err = nullptr;
+  gint status = -1;
+  GError* error = nullptr;
+  const gboolean ok = g_spawn_sync(nullptr, args.data(), env, G_SPAWN_DEFAULT, nullptr, nullptr, &out, &err, &status, &error);
+  g_strfreev(env);
+  if (!ok) {
+    *output = error->message;
+    g_error_free(error);
+    return -1;
+  }
+  *output = std::string(out ? out : "") + std::string(err ? err : "");
+  g_free(out);
+  g_free(err);
+  return g_spawn_check_wait_status(status, nullptr) ? 0 : (WIFEXITED(status) ? WEXITSTATUS(status) : 128);
+}
+
+struct Doc {
+  JsonParser* parser = nullptr;
+  JsonObject* obj = nullptr;
+  Doc() = default;
+  explicit Doc(const std::string& text) : parser(json_parser_new()) {
+    if (json_parser_load_from_data(parser, text.data(), static_cast<gssize>(text.size()), nullptr) &&
+        JSON_NODE_HOLDS_OBJECT(json_parser_get_root(parser)))
+      obj = json_node_get_object(json_parser_get_root(parser));
+  }
+  Doc(Doc&& o) noexcept : parser(o.parser), obj(o.obj) { o.parser = nullptr; o.obj = nullptr; }
+  ~Doc() { if (parser) g_object_unref(parser); }
+  std::string str(const char* key) const {
+    JsonNode* n = obj ? json_object_get_member(obj, key) : nullptr;
+    return n && JSON_NODE_HOLDS_VALUE(n) ? json_node_get_string(n) : "";
+  }
+  bool is_null(const char* key) const {
+    JsonNode* n = obj ? json_object_get_member(obj, key) : nullptr;
+    return n && JSON_NODE_HOLDS_NULL(n);
+  }
+};
+
+// A client of the service: PUSH requests, SUB results, matched by id.
+class Client {
+ public:
+  Client(const std::string& requests, const std::string& results)
+      : push_(ctx_, zmq::socket_type::push), sub_(ctx_, zmq::socket_type::sub) {
+    sub_.set(zmq::sockopt::subscribe, "");
+    sub_.connect(results);
+    push_.set(zmq::sockopt::linger, 0);
+    push_.connect(requests);
+  }
+  void send(const std::string& json) { push_.send(zmq::buffer(json), zmq::send_flags::none); }
+  // Waits for documents until every id in `ids` (and `anonymous` id-less ones) has arrived.
+  std::vector<Doc> collect(std::set<std::string> ids, int anonymous = 0) {
+    std::vector<Doc> docs;
+    const auto deadline = std::chrono::steady_clock::now() + kPatience;
+    while ((!ids.empty() || anonymous > 0) && std::chrono::steady_clock::now() < deadline) {
+      zmq::pollitem_t item{sub_.handle(), 0, ZMQ_POLLIN, 0};
+      zmq::poll(&item, 1, std::chrono::milliseconds(200));
+      if (!(item.revents & ZMQ_POLLIN)) continue;
+      zmq::message_t msg;
+      if (!sub_.recv(msg, zmq::recv_flags::none)) continue;
+      Doc d(msg.to_string());
+      if (!d.obj) continue;
+      if (d.is_null("id")) --anonymous;
+      else ids.erase(d.str("id"));
+      docs.push_back(std::move(d));
+    }
+    return docs;
+  }
+  // PUB/SUB joins asynchronously: repeat a probe request until its answer arrives.
+  bool wait_until_connected() {
+    for (int attempt = 0; attempt < 60; ++attempt) {
+      const std::string id = "probe-" + std::to_string(attempt);
+      send(R"({"id": ")" + id + R"(", "text": "probe"})");
+      zmq::pollitem_t item{sub_.handle(), 0, ZMQ_POLLIN, 0};
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+      while (std::chrono::steady_clock::now() < until) {
+        zmq::poll(&item, 1, std::chrono::milliseconds(100));
+        if (!(item.revents & ZMQ_POLLIN)) continue;
+        zmq::message_t msg;
+        if (sub_.recv(msg, zmq::recv_flags::none)) return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  zmq::context_t ctx_;
+  zmq::socket_t push_, sub_;
+};
+
+std::string endpoint(int offset) {
+  // Loopback TCP ports derived from the pid, so parallel runs do not collide.
+  return "tcp://127.0.0.1:" + std::to_string(20000 + (getpid() * 7 + offset) % 30000);
+}
+
+class E2E : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    gst_init(nullptr, nullptr);
+    ASSERT_NE(gst_element_factory_find("moe-encode"), nullptr)
+        << "the moe plugin is not on GST_PLUGIN_PATH_1_0 (" << (g_getenv("GST_PLUGIN_PATH_1_0") ?: "unset") << ")";
+    // The index-build pipeline exactly as shipped.
+    std::string out;
+    const int rc = run({kSource + "/pipelines/build-index.sh", catalog().dir, catalog().index},
+                       {"MODEL=" + kModel, "ADAPTER=" + kAdapter}, &out);
+    ASSERT_EQ(rc, 0) << out;
+  }
+};
+
+}  // namespace
+
+TEST_F(E2E, BuildPipelineWritesIndexAndItems) {
+  std::ifstream items(catalog().index + ".items.jsonl");
+  ASSERT_TRUE(items.good());
+  std::string line;
+  int lines = 0;
+  while (std::getline(items, line)) ++lines;
+  EXPECT_EQ(lines, kItems + 1);  // header + one line per image
+}
+
+TEST_F(E2E, ServingPipelineAnswersEveryRequestOnce) {
+  const std::string req = endpoint(1), res = endpoint(2);
+  const std::string desc = "zmq-query endpoint=" + req + " ! queue ! moe-encode model=\"" + kModel +
+                           "\" max-batch=4 max-latency=2000000 ! moe-route model=\"" + kAdapter +
+                           "\" ! moe-expert model=\"" + kAdapter + "\" ! ann-query index=\"" + catalog().index +
+                           "\" k=5 ! zmq-publish endpoint=" + res;
+  GError* err = nullptr;
+  GstElement* pipeline = gst_parse_launch(desc.c_str(), &err);
+  ASSERT_NE(pipeline, nullptr) << (err ? err->message : "");
+  ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+
+  Client client(req, res);
+  ASSERT_TRUE(client.wait_until_connected()) << "no answer to probe requests";
+
+  std::set<std::string> ids;
+  for (int i = 0; i < 10; ++i) {
+    const std::string id = "text-" + std::to_string(i);
+    client.send(R"({"id": ")" + id + R"(", "text": ")" + catalog().captions[i % kItems] + "\"}");
+    ids.insert(id);
+  }
+  for (int i = 0; i < kItems; i += 3) {
+    const std::string id = "image-" + std::to_string(i);
+    client.send(R"({"id": ")" + id + R"(", "image": ")" + catalog().paths[i] + "\"}");
+    ids.insert(id);
+  }
+  gchar* contents = nullptr;
+  gsize len = 0;
+  ASSERT_TRUE(g_file_get_contents(catalog().paths[5].c_str(), &contents, &len, nullptr));
+  gchar* b64 = g_base64_encode(reinterpret_cast<const guchar*>(contents), len);
+  client.send(std::string(R"({"id": 77, "k": 2, "image_base64": ")") + b64 + "\"}");
+  g_free(b64);
+  g_free(contents);
+  ids.insert("77");
+  client.send(R"({"id": "missing-file", "image": "/nonexistent/photo.png"})");
+  client.send("this is not json");
+  client.send(std::string("{\"id\": \"x\", \"text\": \"\xff\xfe\"}"));  // not UTF-8: no id can be trusted
+  ids.insert("missing-file");
+
+  std::vector<Doc> docs = client.collect(ids, /*anonymous=*/2);
+  std::map<std::string, int> seen;
+  for (const Doc& d : docs) seen[d.is_null("id") ? "(null)" : d.str("id")]++;
+  for (const auto& id : ids) EXPECT_EQ(seen[id], 1) << "id " << id;
+  EXPECT_EQ(seen["(null)"], 2) << "the requests that were not JSON / not UTF-8";
+
+  for (const Doc& d : docs) {
+    const std::string id = d.is_null("id") ? "" : d.str("id");
+    if (id.rfind("probe", 0) == 0) continue;
+    if (id == "missing-file" || id.empty()) {
+      EXPECT_EQ(d.str("type"), "error") << id;
+      JsonObject* e = json_object_get_object_member(d.obj, "error");
+      ASSERT_NE(e, nullptr);
+      EXPECT_EQ(std::string(json_object_get_string_member(e, "stage")), "zmq-query");
+      if (!id.empty()) {
+        EXPECT_NE(std::string(json_object_get_string_member(e, "reason")).find("/nonexistent/photo.png"), std::string::npos);
+      }
+      continue;
+    }
+    ASSERT_EQ(d.str("type"), "result") << id;
+    JsonArray* results = json_object_get_array_member(d.obj, "results");
+    const guint expected = id == "77" ? 2 : 5;
+    ASSERT_EQ(json_array_get_length(results), expected) << id;
+    double previous = 2.0;
+    for (guint r = 0; r < json_array_get_length(results); ++r) {
+      JsonObject* hit = json_array_get_object_element(results, r);
+      const double score = json_object_get_double_member(hit, "score");
+      EXPECT_LE(score, previous + 1e-6) << id;
+      previous = score;
+      EXPECT_NE(std::string(json_object_get_string_member(hit, "caption")).find("square"), std::string::npos);
+    }
+    EXPECT_GT(json_array_get_length(json_object_get_array_member(d.obj, "experts")), 0u);
+    EXPECT_TRUE(json_object_has_member(d.obj, "timings_ms"));
+    // An image of the catalog finds itself first: the same pixels give the same embedding.
+    if (id.rfind("image-", 0) == 0 || id == "77") {
+      const int item = id == "77" ? 5 : std::stoi(id.substr(6));
+      JsonObject* top = json_array_get_object_element(results, 0);
+      EXPECT_EQ(std::string(json_object_get_string_member(top, "caption")), catalog().captions[item]) << id;
+      EXPECT_NEAR(json_object_get_double_member(top, "score"), 1.0, 1e-3) << id;
+    }
+  }
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(pipeline);
+}
+
+TEST_F(E2E, ServeScriptWorksAsWritten) {
+  const std::string req = endpoint(3), res = endpoint(4);
+  std::string out;
+  int rc = -1;
+  std::thread service([&] {
+    rc = run({kSource + "/pipelines/serve.sh", catalog().index},
+             {"MODEL=" + kModel, "ADAPTER=" + kAdapter, "QUERY_ENDPOINT=" + req, "RESULT_ENDPOINT=" + res,
+              "NUM_REQUESTS=3"},
+             &out);
+  });
+  {
+    Client client(req, res);
+    // The probe is one of the three requests the service accepts before it stops.
+    ASSERT_TRUE(client.wait_until_connected()) << out;
+    client.send(R"({"id": "s1", "text": "plain red square"})");
+    client.send(R"({"id": "s2", "image": ")" + catalog().paths[0] + "\"}");
+    auto docs = client.collect({"s1", "s2"});
+    EXPECT_EQ(docs.size(), 2u);
+  }
+  service.join();
+  EXPECT_EQ(rc, 0) << out;
+}
+
+TEST_F(E2E, EmbeddingApplicationPrintsResults) {
+  std::string out;
+  const int rc = run({MOE_QUERY_APP, "--model", kModel, "--adapter", kAdapter, "--index", catalog().index, "--k", "3",
+                      "plain red square", "striped blue square"},
+                     {}, &out);
+  ASSERT_EQ(rc, 0) << out;
+  int results = 0;
+  for (size_t pos = 0; (pos = out.find("\"type\":\"result\"", pos)) != std::string::npos; ++pos) ++results;
+  EXPECT_EQ(results, 2) << out;
+}

@@ -1,0 +1,774 @@
+// moe-encode and moe-catalog-src: batching, request ids, per-request failures, video input,
+// request buffers, state changes, latency; every embedding compared with the engine called
+// directly (moe::ClipModel on the same inputs).
+#include <gst/app/gstappsink.h>
+#include <gst/app/gstappsrc.h>
+#include <gst/check/gstharness.h>
+#include <gst/gst.h>
+#include <gst/video/video.h>
+#include <glib/gstdio.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gstmoecatalogsrc.h"
+#include "gstmoeencode.h"
+#include "gstmoemeta.h"
+#include "moe/clip_model.h"
+#include "moe/model_cache.h"
+#include "moe_build_config.h"
+
+namespace {
+
+const std::string kModelDir = std::string(MOE_SOURCE_DIR) + "/tests/fixtures/clip_tiny_bpe";
+constexpr int kWidth = 16;                                // clip_tiny_bpe's projection_dim
+constexpr guint64 kNeverFlush = 3600 * GST_SECOND;        // max-latency that never fires in a test
+constexpr double kTolerance = 1e-6;
+
+class GstEnvironment : public ::testing::Environment {
+ public:
+  void SetUp() override {
+    gst_init(nullptr, nullptr);
+    GST_ELEMENT_REGISTER(moe_encode, nullptr);
+    GST_ELEMENT_REGISTER(moe_catalog_src, nullptr);
+    // appsrc/appsink from libgstapp, without depending on the system plugin being installed.
+    if (GstElementFactory* f = gst_element_factory_find("appsrc"))
+      gst_object_unref(f);
+    else
+      gst_element_register(nullptr, "appsrc", GST_RANK_NONE, GST_TYPE_APP_SRC);
+    if (GstElementFactory* f = gst_element_factory_find("appsink"))
+      gst_object_unref(f);
+    else
+      gst_element_register(nullptr, "appsink", GST_RANK_NONE, GST_TYPE_APP_SINK);
+  }
+};
+const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new GstEnvironment);
+
+std::shared_ptr<const moe::ClipModel> model() { return moe::shared_clip_model(kModelDir); }
+
+// A moe-encode in a harness (which sets it to PLAYING), with its input caps set.
+GstHarness* encode_harness(guint max_batch, guint64 max_latency, const char* caps) {
+  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
+  g_object_set(e, "model", kModelDir.c_str(), "max-batch", max_batch, "max-latency", max_latency, nullptr);
+  GstHarness* h = gst_harness_new_with_element(e, "sink", "src");
+  gst_object_unref(e);
+  if (caps != nullptr) gst_harness_set_src_caps_str(h, caps);
+  return h;
+}
+
+GstBuffer* bytes_buffer(const void* data, size_t size) { return gst_buffer_new_memdup(data, size); }
+GstBuffer* text_buffer(const std::string& s) { return bytes_buffer(s.data(), s.size()); }
+
+// An output buffer, copied out.
+struct Output {
+  std::vector<float> data;  // rows x kWidth
+  gstmoe::BatchRecords records;
+  GstClockTime pts = GST_CLOCK_TIME_NONE;
+  size_t rows() const { return data.size() / kWidth; }
+  const float* row(size_t i) const { return data.data() + i * kWidth; }
+};
+
+Output take(GstBuffer* buf) {
+  Output out;
+  EXPECT_NE(buf, nullptr);
+  if (buf == nullptr) return out;
+  out.pts = GST_BUFFER_PTS(buf);
+  EXPECT_FALSE(GST_BUFFER_DTS_IS_VALID(buf));
+  EXPECT_FALSE(GST_BUFFER_DURATION_IS_VALID(buf));
+  EXPECT_EQ(gst_buffer_get_size(buf) % (kWidth * sizeof(float)), 0u);
+  out.data.resize(gst_buffer_get_size(buf) / sizeof(float));
+  if (!out.data.empty()) gst_buffer_extract(buf, 0, out.data.data(), gst_buffer_get_size(buf));
+  const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+  EXPECT_NE(meta, nullptr);
+  if (meta != nullptr) out.records = *meta->records;
+  EXPECT_EQ(out.records.rows.size(), out.rows()) << "one record per row";
+  gst_buffer_unref(buf);
+  return out;
+}
+
+double max_abs_diff(const float* got, const moe::Tensor& want, int64_t want_row) {
+  EXPECT_EQ(want.dim(1), kWidth);
+  double d = 0.0;
+  for (int c = 0; c < kWidth; ++c)
+    d = std::max(d, std::fabs(static_cast<double>(got[c]) - want.data<float>()[want_row * kWidth + c]));
+  return d;
+}
+
+bool has_timing(const gstmoe::RequestRecord& r, const std::string& stage) {
+  return std::any_of(r.timings_ms.begin(), r.timings_ms.end(),
+                     [&](const auto& t) { return t.first == stage && t.second >= 0.0; });
+}
+
+// A PNG file of an RGB8 (channels 3) or RGBA8 (4) image, written with stored (uncompressed)
+// deflate blocks: independent of the decoder under test.
+std::vector<uint8_t> make_png(const std::vector<uint8_t>& px, int w, int h, int channels) {
+  auto be32 = [](std::vector<uint8_t>& v, uint32_t x) {
+    for (int s = 24; s >= 0; s -= 8) v.push_back(static_cast<uint8_t>(x >> s));
+  };
+  auto crc32 = [](const uint8_t* p, size_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; ++i) {
+      c ^= p[i];
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+    }
+    return ~c;
+  };
+  std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  auto chunk = [&](const char* type, const std::vector<uint8_t>& data) {
+    be32(png, static_cast<uint32_t>(data.size()));
+    std::vector<uint8_t> body(type, type + 4);
+    body.insert(body.end(), data.begin(), data.end());
+    png.insert(png.end(), body.begin(), body.end());
+    be32(png, crc32(body.data(), body.size()));
+  };
+  std::vector<uint8_t> ihdr;
+  be32(ihdr, static_cast<uint32_t>(w));
+  be32(ihdr, static_cast<uint32_t>(h));
+  ihdr.insert(ihdr.end(), {8, static_cast<uint8_t>(channels == 4 ? 6 : 2), 0, 0, 0});
+  chunk("IHDR", ihdr);
+  std::vector<uint8_t> raw;  // filter type 0 before each row
+  const size_t row = static_cast<size_t>(w) * channels;
+  for (int y = 0; y < h; ++y) {
+    raw.push_back(0);
+    raw.insert(raw.end(), px.begin() + y * row, px.begin() + (y + 1) * row);
+  }
+  std::vector<uint8_t> z = {0x78, 0x01};
+  for (size_t at = 0;;) {
+    const size_t n = std::min<size_t>(65535, raw.size() - at);
+    const bool last = at + n == raw.size();
+    z.insert(z.end(), {static_cast<uint8_t>(last), static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
+                       static_cast<uint8_t>(~n), static_cast<uint8_t>(~n >> 8)});
+    z.insert(z.end(), raw.begin() + at, raw.begin() + at + n);
+    at += n;
+    if (last) break;
+  }
+  uint32_t a = 1, b = 0;
+  for (uint8_t v : raw) {
+    a = (a + v) % 65521;
+    b = (b + a) % 65521;
+  }
+  be32(z, (b << 16) | a);
+  chunk("IDAT", z);
+  chunk("IEND", {});
+  return png;
+}
+
+// w x h packed RGB8 with a pattern that depends on `seed`.
+std::vector<uint8_t> pattern_rgb(int w, int h, int seed) {
+  std::vector<uint8_t> px(static_cast<size_t>(w) * h * 3);
+  for (int y = 0; y < h; ++y)
+    for (int x = 0; x < w; ++x)
+      for (int c = 0; c < 3; ++c)
+        px[(static_cast<size_t>(y) * w + x) * 3 + c] = static_cast<uint8_t>(x * (7 + seed) + y * (13 - c) + c * 50 + seed * 30);
+  return px;
+}
+
+moe::ImageView view_of(const std::vector<uint8_t>& px, int w, int h) {
+  return moe::ImageView{px.data(), w, h, static_cast<size_t>(w) * 3};
+}
+
+// A request buffer as zmq-query or moe-catalog-src would send it.
+GstBuffer* request_buffer(const std::vector<uint8_t>& payload, const gstmoe::RequestRecord& row) {
+  GstBuffer* buf = payload.empty() ? gst_buffer_new() : bytes_buffer(payload.data(), payload.size());
+  gstmoe::BatchRecords records;
+  records.rows.push_back(row);
+  gst_buffer_add_moe_batch_meta(buf, records);
+  return buf;
+}
+
+gstmoe::RequestRecord request(const std::string& id, gstmoe::Modality modality, const std::string& uri = "") {
+  gstmoe::RequestRecord r;
+  r.id = id;
+  r.modality = modality;
+  r.uri = uri;
+  return r;
+}
+
+/* ----- text ----- */
+
+TEST(MoeEncode, TextBatchesOfMaxBatchThenRestAtEos) {
+  GstHarness* h = encode_harness(3, kNeverFlush, "text/x-raw, format=(string)utf8");
+  const std::vector<std::string> texts = {"a red mug",   "two dogs on a beach", "sunset", "a photo of a cat",
+                                          "green grass", "blue striped shirt",  "x"};
+  for (size_t i = 0; i < texts.size(); ++i) {
+    GstBuffer* buf = text_buffer(texts[i]);
+    GST_BUFFER_PTS(buf) = i * GST_SECOND;
+    ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
+  }
+  // Full batches go out while pushing; the partial one waits (max-latency is an hour) for EOS.
+  EXPECT_EQ(gst_harness_buffers_in_queue(h), 2u);
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  ASSERT_EQ(gst_harness_buffers_in_queue(h), 3u);
+
+  const moe::Tensor want = model()->encode_texts(texts).embeds;
+  const size_t sizes[] = {3, 3, 1};
+  size_t next = 0;
+  for (size_t b = 0; b < 3; ++b) {
+    const Output out = take(gst_harness_pull(h));
+    ASSERT_EQ(out.rows(), sizes[b]) << "batch " << b;
+    EXPECT_EQ(out.pts, next * GST_SECOND) << "PTS of the batch's first request";
+    EXPECT_TRUE(out.records.failed.empty());
+    EXPECT_EQ(out.records.encoder, "clip_tiny_bpe");
+    for (size_t r = 0; r < out.rows(); ++r, ++next) {
+      const gstmoe::RequestRecord& rec = out.records.rows[r];
+      EXPECT_EQ(rec.id, std::to_string(next)) << "counter id";
+      EXPECT_EQ(rec.modality, gstmoe::Modality::Text);
+      EXPECT_EQ(rec.text, texts[next]);
+      EXPECT_GT(rec.arrival_wall_us, 0);
+      EXPECT_GT(rec.arrival_mono_us, 0);
+      EXPECT_TRUE(has_timing(rec, "queue")) << rec.id;
+      EXPECT_TRUE(has_timing(rec, "encode")) << rec.id;
+      EXPECT_LE(max_abs_diff(out.row(r), want, static_cast<int64_t>(next)), kTolerance) << "text " << next;
+    }
+  }
+  EXPECT_EQ(next, texts.size());
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, IdsComeFromBufferOffsets) {
+  GstHarness* h = encode_harness(2, kNeverFlush, "text/x-raw, format=(string)utf8");
+  for (guint64 off : {100u, 101u}) {
+    GstBuffer* buf = text_buffer("query " + std::to_string(off));
+    GST_BUFFER_OFFSET(buf) = off;
+    ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
+  }
+  const Output out = take(gst_harness_pull(h));
+  ASSERT_EQ(out.rows(), 2u);
+  EXPECT_EQ(out.records.rows[0].id, "100");
+  EXPECT_EQ(out.records.rows[1].id, "101");
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, InvalidUtf8FailsOnlyThatRequest) {
+  GstHarness* h = encode_harness(3, kNeverFlush, "text/x-raw, format=(string)utf8");
+  ASSERT_EQ(gst_harness_push(h, text_buffer("hello")), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("bad \xff\xfe bytes")), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("world")), GST_FLOW_OK);
+  const Output out = take(gst_harness_pull(h));
+  ASSERT_EQ(out.rows(), 2u);
+  EXPECT_EQ(out.records.rows[0].id, "0");
+  EXPECT_EQ(out.records.rows[1].id, "2");
+  ASSERT_EQ(out.records.failed.size(), 1u);
+  const gstmoe::FailedRequest& f = out.records.failed[0];
+  EXPECT_EQ(f.request.id, "1");
+  EXPECT_EQ(f.stage, "moe-encode");
+  EXPECT_NE(f.reason.find("UTF-8"), std::string::npos) << f.reason;
+  EXPECT_NE(f.reason.find("'1'"), std::string::npos) << f.reason;
+
+  const moe::Tensor want = model()->encode_texts({"hello", "world"}).embeds;
+  EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
+  EXPECT_LE(max_abs_diff(out.row(1), want, 1), kTolerance);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, AllFailedBatchIsPushedWithZeroRows) {
+  GstHarness* h = encode_harness(1, kNeverFlush, "text/x-raw, format=(string)utf8");
+  ASSERT_EQ(gst_harness_push(h, text_buffer("\xc3")), GST_FLOW_OK);
+  GstBuffer* buf = gst_harness_pull(h);
+  ASSERT_NE(buf, nullptr);
+  EXPECT_EQ(gst_buffer_get_size(buf), 0u);
+  const Output out = take(buf);
+  EXPECT_EQ(out.rows(), 0u);
+  ASSERT_EQ(out.records.failed.size(), 1u);
+  EXPECT_EQ(out.records.failed[0].request.id, "0");
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, SrcCapsWidthIsProjectionDim) {
+  GstHarness* h = encode_harness(8, kNeverFlush, "text/x-raw, format=(string)utf8");
+  GstCaps* caps = gst_pad_get_current_caps(h->sinkpad);
+  ASSERT_NE(caps, nullptr);
+  int width = 0;
+  EXPECT_TRUE(gstmoe::parse_tensor_caps(caps, &width)) << gst_caps_to_string(caps);
+  EXPECT_EQ(width, kWidth);
+  gst_caps_unref(caps);
+
+  GstPad* src = gst_element_get_static_pad(h->element, "src");
+  GstCaps* queried = gst_pad_query_caps(src, nullptr);
+  EXPECT_TRUE(gst_caps_is_fixed(queried));
+  EXPECT_TRUE(gstmoe::parse_tensor_caps(queried, &width));
+  EXPECT_EQ(width, kWidth);
+  gst_caps_unref(queried);
+  gst_object_unref(src);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, MaxLatencyPushesPartialBatchWithoutEos) {
+  GstHarness* h = encode_harness(8, 5 * GST_MSECOND, "text/x-raw, format=(string)utf8");
+  ASSERT_EQ(gst_harness_push(h, text_buffer("lonely query")), GST_FLOW_OK);
+  const Output out = take(gst_harness_pull(h));  // blocks until the timer pushes it
+  ASSERT_EQ(out.rows(), 1u);
+  EXPECT_EQ(out.records.rows[0].text, "lonely query");
+  const moe::Tensor want = model()->encode_texts({"lonely query"}).embeds;
+  EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, LatencyQueryAddsMaxLatency) {
+  GstHarness* h = encode_harness(8, 20 * GST_MSECOND, "text/x-raw, format=(string)utf8");
+  gst_harness_set_upstream_latency(h, 5 * GST_MSECOND);
+  GstQuery* q = gst_query_new_latency();
+  ASSERT_TRUE(gst_pad_peer_query(h->sinkpad, q));
+  gboolean live;
+  GstClockTime min, max;
+  gst_query_parse_latency(q, &live, &min, &max);
+  EXPECT_EQ(min, 25 * GST_MSECOND);
+  gst_query_unref(q);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, TimerAndStreamingThreadKeepOrderAndAnswerEachRequestOnce) {
+  // A short max-latency: batches are pushed by both threads, in whatever interleaving.
+  GstHarness* h = encode_harness(5, 200 * GST_USECOND, "text/x-raw, format=(string)utf8");
+  constexpr int kRequests = 100;
+  for (int i = 0; i < kRequests; ++i) ASSERT_EQ(gst_harness_push(h, text_buffer("query " + std::to_string(i))), GST_FLOW_OK);
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  std::vector<std::string> ids;
+  for (GstBuffer* buf; (buf = gst_harness_try_pull(h)) != nullptr;) {
+    const Output out = take(buf);
+    EXPECT_GE(out.rows(), 1u);
+    EXPECT_LE(out.rows(), 5u);
+    for (const gstmoe::RequestRecord& r : out.records.rows) ids.push_back(r.id);
+  }
+  ASSERT_EQ(ids.size(), static_cast<size_t>(kRequests));
+  for (int i = 0; i < kRequests; ++i) EXPECT_EQ(ids[i], std::to_string(i));
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, FlushDropsThePendingBatch) {
+  GstHarness* h = encode_harness(8, kNeverFlush, "text/x-raw, format=(string)utf8");
+  ASSERT_EQ(gst_harness_push(h, text_buffer("dropped 1")), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("dropped 2")), GST_FLOW_OK);
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_flush_start()));
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_flush_stop(TRUE)));
+  GstSegment segment;
+  gst_segment_init(&segment, GST_FORMAT_TIME);
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_segment(&segment)));
+  ASSERT_EQ(gst_harness_push(h, text_buffer("kept")), GST_FLOW_OK);
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  ASSERT_EQ(gst_harness_buffers_in_queue(h), 1u);
+  const Output out = take(gst_harness_pull(h));
+  ASSERT_EQ(out.rows(), 1u);
+  EXPECT_EQ(out.records.rows[0].text, "kept");
+  gst_harness_teardown(h);
+}
+
+/* ----- video ----- */
+
+TEST(MoeEncode, RgbFramesWithPaddedStride) {
+  // 41 pixels * 3 bytes = 123: GStreamer pads RGB rows to 124 bytes.
+  const int w = 41, h_px = 30;
+  GstVideoInfo info;
+  gst_video_info_set_format(&info, GST_VIDEO_FORMAT_RGB, w, h_px);
+  ASSERT_EQ(GST_VIDEO_INFO_PLANE_STRIDE(&info, 0), 124);
+  GstHarness* h = encode_harness(2, kNeverFlush, nullptr);
+  gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
+
+  std::vector<std::vector<uint8_t>> images;
+  for (int i = 0; i < 2; ++i) {
+    images.push_back(pattern_rgb(w, h_px, i));
+    GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
+    GstMapInfo map;
+    gst_buffer_map(buf, &map, GST_MAP_WRITE);
+    std::fill(map.data, map.data + map.size, 0xAB);  // padding must not leak into the image
+    for (int y = 0; y < h_px; ++y) std::copy_n(images[i].data() + y * w * 3, w * 3, map.data + y * 124);
+    gst_buffer_unmap(buf, &map);
+    GST_BUFFER_PTS(buf) = i * 40 * GST_MSECOND;
+    ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
+  }
+  const Output out = take(gst_harness_pull(h));
+  ASSERT_EQ(out.rows(), 2u);
+  const moe::Tensor want = model()->encode_images({view_of(images[0], w, h_px), view_of(images[1], w, h_px)}).embeds;
+  for (int i = 0; i < 2; ++i) {
+    const gstmoe::RequestRecord& rec = out.records.rows[i];
+    EXPECT_EQ(rec.modality, gstmoe::Modality::Image);
+    EXPECT_EQ(rec.uri, "frame:" + std::to_string(i)) << "no upstream uri: the frame's number";
+    EXPECT_LE(max_abs_diff(out.row(i), want, i), kTolerance) << "frame " << i;
+  }
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
+  const int w = 40, h_px = 30;
+  GstVideoInfo info, rgb_info;
+  gst_video_info_set_format(&info, GST_VIDEO_FORMAT_I420, w, h_px);
+  gst_video_info_set_format(&rgb_info, GST_VIDEO_FORMAT_RGB, w, h_px);  // 120-byte rows: packed
+  GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
+  gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
+
+  GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
+  GstVideoFrame frame;
+  ASSERT_TRUE(gst_video_frame_map(&frame, &info, buf, GST_MAP_WRITE));
+  for (guint p = 0; p < 3; ++p) {
+    auto* plane = static_cast<uint8_t*>(GST_VIDEO_FRAME_PLANE_DATA(&frame, p));
+    const int stride = GST_VIDEO_FRAME_PLANE_STRIDE(&frame, p);
+    for (int y = 0; y < GST_VIDEO_FRAME_COMP_HEIGHT(&frame, p); ++y)
+      for (int x = 0; x < GST_VIDEO_FRAME_COMP_WIDTH(&frame, p); ++x)
+        plane[y * stride + x] = static_cast<uint8_t>(p == 0 ? 16 + (x * 5 + y * 3) % 220 : 128 + (x - y) * (p == 1 ? 3 : -2));
+  }
+  // The RGB the element should see: the same frame through GstVideoConverter.
+  std::vector<uint8_t> rgb(rgb_info.size);
+  GstBuffer* rgb_buf = gst_buffer_new_wrapped_full(static_cast<GstMemoryFlags>(0), rgb.data(), rgb.size(), 0, rgb.size(),
+                                                   nullptr, nullptr);
+  GstVideoFrame rgb_frame;
+  ASSERT_TRUE(gst_video_frame_map(&rgb_frame, &rgb_info, rgb_buf, GST_MAP_WRITE));
+  GstVideoConverter* conv = gst_video_converter_new(&info, &rgb_info, nullptr);
+  gst_video_converter_frame(conv, &frame, &rgb_frame);
+  gst_video_converter_free(conv);
+  gst_video_frame_unmap(&rgb_frame);
+  gst_buffer_unref(rgb_buf);
+  gst_video_frame_unmap(&frame);
+
+  ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
+  const Output out = take(gst_harness_pull(h));
+  ASSERT_EQ(out.rows(), 1u);
+  const moe::Tensor want = model()->encode_images({view_of(rgb, w, h_px)}).embeds;
+  EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
+  gst_harness_teardown(h);
+}
+
+/* ----- request buffers ----- */
+
+TEST(MoeEncode, RequestBuffersMixTextAndImagesAndCarryFailures) {
+  GstHarness* h = encode_harness(4, kNeverFlush, GST_MOE_REQUEST_CAPS);
+  const int w = 9, h_px = 7;
+  const std::vector<uint8_t> px = pattern_rgb(w, h_px, 3);
+  const std::vector<uint8_t> png = make_png(px, w, h_px, 3);
+  std::vector<uint8_t> corrupt = png;
+  corrupt.resize(corrupt.size() / 2);  // truncated
+  const std::string text = "a red striped mug";
+
+  ASSERT_EQ(gst_harness_push(h, request_buffer(png, request("img-ok", gstmoe::Modality::Image, "file:///cat/ok.png"))),
+            GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, request_buffer(corrupt, request("img-bad", gstmoe::Modality::Image))), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, request_buffer({text.begin(), text.end()}, request("q1", gstmoe::Modality::Text))),
+            GST_FLOW_OK);
+  // A request that failed upstream: zero rows, one failed entry; it travels on unchanged.
+  GstBuffer* upstream_failure = gst_buffer_new();
+  gstmoe::BatchRecords failed;
+  failed.failed.push_back({request("q9", gstmoe::Modality::Image, "/nope.jpg"), "zmq-query", "cannot be read"});
+  gst_buffer_add_moe_batch_meta(upstream_failure, failed);
+  ASSERT_EQ(gst_harness_push(h, upstream_failure), GST_FLOW_OK);
+
+  const Output out = take(gst_harness_pull(h));
+  ASSERT_EQ(out.rows(), 2u);
+  EXPECT_EQ(out.records.rows[0].id, "img-ok");
+  EXPECT_EQ(out.records.rows[0].uri, "file:///cat/ok.png");
+  EXPECT_EQ(out.records.rows[0].modality, gstmoe::Modality::Image);
+  EXPECT_EQ(out.records.rows[1].id, "q1");
+  EXPECT_EQ(out.records.rows[1].text, text);
+  const moe::Tensor want_image = model()->encode_images({view_of(px, w, h_px)}).embeds;
+  const moe::Tensor want_text = model()->encode_texts({text}).embeds;
+  EXPECT_LE(max_abs_diff(out.row(0), want_image, 0), kTolerance);
+  EXPECT_LE(max_abs_diff(out.row(1), want_text, 0), kTolerance);
+
+  ASSERT_EQ(out.records.failed.size(), 2u);
+  EXPECT_EQ(out.records.failed[0].request.id, "img-bad");
+  EXPECT_EQ(out.records.failed[0].stage, "moe-encode");
+  EXPECT_NE(out.records.failed[0].reason.find("img-bad"), std::string::npos) << out.records.failed[0].reason;
+  EXPECT_EQ(out.records.failed[1].request.id, "q9");
+  EXPECT_EQ(out.records.failed[1].stage, "zmq-query");
+  gst_harness_teardown(h);
+}
+
+/* ----- states and errors ----- */
+
+std::string pop_error(GstElement* pipeline, GError** error_out = nullptr) {
+  GstBus* bus = gst_element_get_bus(pipeline);
+  GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR);
+  gst_object_unref(bus);
+  if (msg == nullptr) return "";
+  GError* err = nullptr;
+  gchar* debug = nullptr;
+  gst_message_parse_error(msg, &err, &debug);
+  const std::string text = err->message;
+  if (error_out != nullptr)
+    *error_out = err;
+  else
+    g_error_free(err);
+  g_free(debug);
+  gst_message_unref(msg);
+  return text;
+}
+
+TEST(MoeEncode, BadModelPathFailsStateChangeNamingThePath) {
+  const std::string bad = "/nonexistent/models/clip-missing";
+  GstElement* pipeline = gst_pipeline_new(nullptr);
+  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
+  g_object_set(e, "model", bad.c_str(), nullptr);
+  gst_bin_add(GST_BIN(pipeline), e);
+  EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_READY), GST_STATE_CHANGE_FAILURE);
+  GError* err = nullptr;
+  const std::string message = pop_error(pipeline, &err);
+  EXPECT_NE(message.find(bad), std::string::npos) << message;
+  ASSERT_NE(err, nullptr);
+  EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_NOT_FOUND)) << message;
+  g_error_free(err);
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(pipeline);
+}
+
+TEST(MoeEncode, NoModelIsASettingsError) {
+  GstElement* pipeline = gst_pipeline_new(nullptr);
+  gst_bin_add(GST_BIN(pipeline), gst_element_factory_make("moe-encode", nullptr));
+  EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_READY), GST_STATE_CHANGE_FAILURE);
+  GError* err = nullptr;
+  const std::string message = pop_error(pipeline, &err);
+  EXPECT_NE(message.find("model"), std::string::npos) << message;
+  ASSERT_NE(err, nullptr);
+  EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_SETTINGS)) << message;
+  g_error_free(err);
+  gst_object_unref(pipeline);
+}
+
+TEST(MoeEncode, NullPlayingNullCyclesWork) {
+  GstElement* pipeline = gst_parse_launch(
+      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode model=" + kModelDir +
+       " max-latency=3600000000000 ! appsink name=out sync=false")
+          .c_str(),
+      nullptr);
+  ASSERT_NE(pipeline, nullptr);
+  GstElement* in = gst_bin_get_by_name(GST_BIN(pipeline), "in");
+  GstElement* out = gst_bin_get_by_name(GST_BIN(pipeline), "out");
+  const moe::Tensor want = model()->encode_texts({"cycle"}).embeds;
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE) << cycle;
+    ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(in), text_buffer("cycle")), GST_FLOW_OK);
+    ASSERT_EQ(gst_app_src_end_of_stream(GST_APP_SRC(in)), GST_FLOW_OK);
+    GstSample* sample = gst_app_sink_pull_sample(GST_APP_SINK(out));  // the batch, pushed at EOS
+    ASSERT_NE(sample, nullptr) << cycle;
+    const Output o = take(gst_buffer_ref(gst_sample_get_buffer(sample)));
+    gst_sample_unref(sample);
+    ASSERT_EQ(o.rows(), 1u) << cycle;
+    EXPECT_EQ(o.records.rows[0].id, "0") << "the counter restarts with each stream";
+    EXPECT_LE(max_abs_diff(o.row(0), want, 0), kTolerance);
+    EXPECT_EQ(gst_app_sink_pull_sample(GST_APP_SINK(out)), nullptr) << "EOS after the batch";
+    ASSERT_EQ(gst_element_set_state(pipeline, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS) << cycle;
+  }
+  gst_object_unref(in);
+  gst_object_unref(out);
+  gst_object_unref(pipeline);
+}
+
+/* ----- moe-catalog-src ----- */
+
+// A temporary folder, removed with its files.
+class TempDir {
+ public:
+  TempDir() {
+    gchar* d = g_dir_make_tmp("moe-catalog-XXXXXX", nullptr);
+    path_ = d;
+    g_free(d);
+  }
+  ~TempDir() {
+    for (const std::string& f : files_) g_remove(f.c_str());
+    g_rmdir(path_.c_str());
+  }
+  std::string write(const std::string& name, const std::vector<uint8_t>& bytes) {
+    const std::string p = path_ + "/" + name;
+    std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    files_.push_back(p);
+    return p;
+  }
+  std::string write(const std::string& name, const std::string& text) { return write(name, std::vector<uint8_t>(text.begin(), text.end())); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  std::vector<std::string> files_;
+};
+
+std::string file_uri(const std::string& path) {
+  gchar* u = g_filename_to_uri(path.c_str(), nullptr, nullptr);
+  std::string s = u;
+  g_free(u);
+  return s;
+}
+
+struct CatalogFixture {
+  TempDir dir;
+  std::vector<std::vector<uint8_t>> pixels;  // of a.png, b.png, c.png
+  std::vector<int> widths = {8, 12, 5}, heights = {6, 4, 9};
+  CatalogFixture() {
+    const char* names[] = {"a.png", "b.png", "c.png"};
+    for (int i = 0; i < 3; ++i) {
+      pixels.push_back(pattern_rgb(widths[i], heights[i], i));
+      dir.write(names[i], make_png(pixels[i], widths[i], heights[i], 3));
+    }
+  }
+  // a (explicit id), b (default id), a missing file, c (absolute path, default id).
+  void write_catalog() {
+    dir.write("catalog.jsonl", "{\"path\": \"a.png\", \"caption\": \"a red square\", \"id\": \"A\"}\n"
+                               "{\"path\": \"b.png\", \"caption\": \"blue\"}\n"
+                               "\n"
+                               "{\"path\": \"missing.png\", \"caption\": \"gone\", \"id\": \"M\"}\n"
+                               "{\"path\": \"" + dir.path() + "/c.png\", \"caption\": \"green\"}\n");
+  }
+  std::string path(const std::string& name) const { return dir.path() + "/" + name; }
+};
+
+GstHarness* catalog_harness(const std::string& location) {
+  GstHarness* h = gst_harness_new("moe-catalog-src");
+  g_object_set(h->element, "location", location.c_str(), nullptr);
+  gst_harness_play(h);
+  return h;
+}
+
+void expect_eos_next(GstHarness* h) {
+  for (GstEvent* ev; (ev = gst_harness_pull_event(h)) != nullptr;) {
+    const bool eos = GST_EVENT_TYPE(ev) == GST_EVENT_EOS;
+    gst_event_unref(ev);
+    if (eos) return;
+  }
+  ADD_FAILURE() << "no EOS";
+}
+
+TEST(MoeCatalogSrc, CatalogItemsThenEos) {
+  CatalogFixture fx;
+  fx.write_catalog();
+  GstHarness* h = catalog_harness(fx.dir.path());  // the folder: its catalog.jsonl is used
+
+  struct Want { const char* id; const char* file; const char* caption; bool ok; };
+  const Want want[] = {{"A", "a.png", "a red square", true},
+                       {"b", "b.png", "blue", true},
+                       {"M", "missing.png", "gone", false},
+                       {"c", "c.png", "green", true}};
+  for (const Want& w : want) {
+    GstBuffer* buf = gst_harness_pull(h);
+    ASSERT_NE(buf, nullptr) << w.id;
+    const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+    ASSERT_NE(meta, nullptr) << w.id;
+    const gstmoe::RequestRecord* rec;
+    if (w.ok) {
+      ASSERT_EQ(meta->records->rows.size(), 1u) << w.id;
+      EXPECT_TRUE(meta->records->failed.empty());
+      rec = &meta->records->rows[0];
+      gchar* bytes = nullptr;
+      gsize size = 0;
+      ASSERT_TRUE(g_file_get_contents(fx.path(w.file).c_str(), &bytes, &size, nullptr));
+      EXPECT_EQ(gst_buffer_get_size(buf), size);
+      EXPECT_EQ(gst_buffer_memcmp(buf, 0, bytes, size), 0) << "payload = the file's bytes";
+      g_free(bytes);
+    } else {
+      EXPECT_TRUE(meta->records->rows.empty());
+      EXPECT_EQ(gst_buffer_get_size(buf), 0u);
+      ASSERT_EQ(meta->records->failed.size(), 1u) << w.id;
+      const gstmoe::FailedRequest& f = meta->records->failed[0];
+      EXPECT_EQ(f.stage, "moe-catalog-src");
+      EXPECT_NE(f.reason.find(fx.path(w.file)), std::string::npos) << f.reason;
+      rec = &f.request;
+    }
+    EXPECT_EQ(rec->id, w.id);
+    EXPECT_EQ(rec->modality, gstmoe::Modality::Image);
+    EXPECT_EQ(rec->uri, file_uri(fx.path(w.file)));
+    EXPECT_EQ(rec->text, w.caption);
+    EXPECT_GT(rec->arrival_wall_us, 0);
+    gst_buffer_unref(buf);
+  }
+  expect_eos_next(h);
+  EXPECT_EQ(gst_harness_buffers_received(h), 4u);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeCatalogSrc, FolderWithoutCatalogListsImagesByName) {
+  CatalogFixture fx;
+  fx.dir.write("notes.txt", std::string("not an image"));
+  GstHarness* h = catalog_harness(fx.dir.path());
+  for (const char* id : {"a", "b", "c"}) {
+    GstBuffer* buf = gst_harness_pull(h);
+    ASSERT_NE(buf, nullptr);
+    const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+    ASSERT_NE(meta, nullptr);
+    ASSERT_EQ(meta->records->rows.size(), 1u);
+    EXPECT_EQ(meta->records->rows[0].id, id);
+    EXPECT_EQ(meta->records->rows[0].uri, file_uri(fx.path(std::string(id) + ".png")));
+    EXPECT_EQ(meta->records->rows[0].text, "");
+    gst_buffer_unref(buf);
+  }
+  expect_eos_next(h);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeCatalogSrc, MalformedLinesBecomeFailedRequests) {
+  CatalogFixture fx;
+  const std::string catalog = fx.dir.write("list.jsonl", std::string("{\"path\": \"a.png\"}\n"
+                                                                     "{not json\n"
+                                                                     "{\"caption\": \"no path\", \"id\": \"np\"}\n"));
+  GstHarness* h = catalog_harness(catalog);
+  GstBuffer* first = gst_harness_pull(h);
+  ASSERT_NE(first, nullptr);
+  EXPECT_EQ(gst_buffer_get_moe_batch_meta(first)->records->rows.at(0).id, "a");
+  gst_buffer_unref(first);
+  const char* reasons[] = {"line 2", "line 3"};
+  for (const char* reason : reasons) {
+    GstBuffer* buf = gst_harness_pull(h);
+    ASSERT_NE(buf, nullptr);
+    const gstmoe::BatchRecords& r = *gst_buffer_get_moe_batch_meta(buf)->records;
+    EXPECT_TRUE(r.rows.empty());
+    ASSERT_EQ(r.failed.size(), 1u);
+    EXPECT_EQ(r.failed[0].stage, "moe-catalog-src");
+    EXPECT_NE(r.failed[0].reason.find(catalog), std::string::npos) << r.failed[0].reason;
+    EXPECT_NE(r.failed[0].reason.find(reason), std::string::npos) << r.failed[0].reason;
+    gst_buffer_unref(buf);
+  }
+  expect_eos_next(h);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeCatalogSrc, MissingLocationIsAnErrorNamingThePath) {
+  const std::string missing = "/nonexistent/catalog/folder";
+  GstElement* pipeline = gst_pipeline_new(nullptr);
+  GstElement* src = gst_element_factory_make("moe-catalog-src", nullptr);
+  g_object_set(src, "location", missing.c_str(), nullptr);
+  gst_bin_add(GST_BIN(pipeline), src);
+  EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_PAUSED), GST_STATE_CHANGE_FAILURE);
+  const std::string message = pop_error(pipeline);
+  EXPECT_NE(message.find(missing), std::string::npos) << message;
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(pipeline);
+}
+
+TEST(MoeCatalogSrc, ChainedIntoEncodeGivesRowsAndFailures) {
+  CatalogFixture fx;
+  fx.write_catalog();
+  GstHarness* h = gst_harness_new_parse(("moe-catalog-src location=" + fx.dir.path() + " ! moe-encode model=" +
+                                         kModelDir + " max-batch=8 max-latency=3600000000000")
+                                            .c_str());
+  ASSERT_NE(h, nullptr);
+  gst_harness_play(h);
+  std::vector<gstmoe::RequestRecord> rows;
+  std::vector<gstmoe::FailedRequest> failed;
+  std::vector<std::vector<float>> embeddings;
+  GstBuffer* buf = nullptr;
+  while (gst_harness_pull_until_eos(h, &buf) && buf != nullptr) {
+    const Output out = take(buf);
+    for (size_t r = 0; r < out.rows(); ++r) {
+      rows.push_back(out.records.rows[r]);
+      embeddings.emplace_back(out.row(r), out.row(r) + kWidth);
+    }
+    failed.insert(failed.end(), out.records.failed.begin(), out.records.failed.end());
+    buf = nullptr;
+  }
+  ASSERT_EQ(rows.size(), 3u);
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_EQ(failed[0].request.id, "M");
+  EXPECT_EQ(failed[0].stage, "moe-catalog-src");
+
+  const char* ids[] = {"A", "b", "c"};
+  std::vector<moe::ImageView> views;
+  for (int i = 0; i < 3; ++i) views.push_back(view_of(fx.pixels[i], fx.widths[i], fx.heights[i]));
+  const moe::Tensor want = model()->encode_images(views).embeds;
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(rows[i].id, ids[i]);
+    EXPECT_TRUE(has_timing(rows[i], "encode"));
+    EXPECT_LE(max_abs_diff(embeddings[i].data(), want, i), kTolerance) << ids[i];
+  }
+  gst_harness_teardown(h);
+}
+
+}  // namespace

@@ -1,0 +1,569 @@
+// moe-route and moe-expert: routing and expert outputs against the engine called directly on
+// the same rows, the request meta (ids, failed requests, timings), statistics, and the errors a
+// user meets (wrong width, missing adapter, bad top-k, CUDA device, no router, foreign adapter).
+#include <gst/app/gstappsink.h>
+#include <gst/app/gstappsrc.h>
+#include <gst/check/gstharness.h>
+#include <gst/gst.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gstmoeexpert.h"
+#include "gstmoemeta.h"
+#include "gstmoeroute.h"
+#include "moe/model_cache.h"
+#include "moe/moe_layer.h"
+#include "moe_build_config.h"
+
+namespace {
+
+constexpr int kWidth = 16;       // adapter_tiny: hidden 16, 6 experts, top-2
+constexpr int kExperts = 6;
+constexpr int kTopK = 2;
+
+const std::string& adapter_dir() {
+  static const std::string dir = std::string(MOE_SOURCE_DIR) + "/tests/fixtures/adapter_tiny";
+  return dir;
+}
+
+// The reference: a private instance, not the shared cache entry the elements use, so that
+// tests can observe the elements releasing theirs.
+const moe::MoeAdapter& engine() {
+  static const moe::MoeAdapter adapter = moe::MoeAdapter::load(adapter_dir());
+  return adapter;
+}
+
+std::vector<float> random_rows(size_t rows, unsigned seed, int width = kWidth) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(rows * static_cast<size_t>(width));
+  for (float& x : v) x = dist(gen);
+  return v;
+}
+
+moe::Tensor as_tensor(const std::vector<float>& v, int width = kWidth) {
+  return moe::Tensor::from_vector(v, {static_cast<int64_t>(v.size() / static_cast<size_t>(width)), width});
+}
+
+gstmoe::BatchRecords records_for(size_t rows, const std::string& prefix = "q") {
+  gstmoe::BatchRecords records;
+  for (size_t i = 0; i < rows; ++i) {
+    gstmoe::RequestRecord r;
+    r.id = prefix + std::to_string(i);
+    r.text = "query " + std::to_string(i);
+    r.arrival_wall_us = g_get_real_time();
+    r.arrival_mono_us = g_get_monotonic_time();
+    records.rows.push_back(r);
+  }
+  records.encoder = "clip_tiny_bpe";
+  return records;
+}
+
+GstBuffer* tensor_buffer(const std::vector<float>& data, const gstmoe::BatchRecords* records) {
+  GstBuffer* buf = data.empty() ? gst_buffer_new() : gst_buffer_new_memdup(data.data(), data.size() * sizeof(float));
+  if (records) gst_buffer_add_moe_batch_meta(buf, *records);
+  return buf;
+}
+
+std::vector<float> buffer_floats(GstBuffer* buf) {
+  std::vector<float> v(gst_buffer_get_size(buf) / sizeof(float));
+  gst_buffer_extract(buf, 0, v.data(), v.size() * sizeof(float));
+  return v;
+}
+
+const gstmoe::BatchRecords& records_of(GstBuffer* buf) {
+  GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+  EXPECT_NE(meta, nullptr);
+  static const gstmoe::BatchRecords none;
+  return meta ? *meta->records : none;
+}
+
+// Routing in the meta == the engine's routing of the same rows.
+void expect_routing(const gstmoe::BatchRecords& records, const moe::Routing& want) {
+  ASSERT_EQ(records.rows.size(), static_cast<size_t>(want.rows));
+  for (size_t i = 0; i < records.rows.size(); ++i) {
+    const gstmoe::RequestRecord& r = records.rows[i];
+    ASSERT_EQ(r.experts.size(), static_cast<size_t>(want.top_k)) << "row " << i;
+    ASSERT_EQ(r.expert_weights.size(), static_cast<size_t>(want.top_k)) << "row " << i;
+    for (int j = 0; j < want.top_k; ++j) {
+      EXPECT_EQ(r.experts[j], want.expert(static_cast<int64_t>(i), j)) << "row " << i << " slot " << j;
+      EXPECT_NEAR(r.expert_weights[j], want.weight(static_cast<int64_t>(i), j), 1e-6) << "row " << i;
+    }
+  }
+}
+
+void expect_close(const std::vector<float>& got, const moe::Tensor& want, double tol = 1e-6) {
+  ASSERT_EQ(got.size(), static_cast<size_t>(want.numel()));
+  const float* w = want.data<float>();
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], w[i], tol) << "element " << i;
+}
+
+bool has_timing(const gstmoe::RequestRecord& r, const std::string& stage) {
+  for (const auto& t : r.timings_ms)
+    if (t.first == stage) return t.second >= 0.0;
+  return false;
+}
+
+std::vector<guint64> uint64_array(const GstStructure* s, const char* field) {
+  std::vector<guint64> out;
+  const GValue* array = gst_structure_get_value(s, field);
+  EXPECT_NE(array, nullptr) << field;
+  if (!array) return out;
+  EXPECT_TRUE(GST_VALUE_HOLDS_ARRAY(array)) << field;
+  for (guint i = 0; i < gst_value_array_get_size(array); ++i)
+    out.push_back(g_value_get_uint64(gst_value_array_get_value(array, i)));
+  return out;
+}
+
+// The first error on `bus` as "message", or "" when none came within 10 s.
+std::string pop_error(GstBus* bus) {
+  GstMessage* msg = gst_bus_timed_pop_filtered(bus, 10 * GST_SECOND, GST_MESSAGE_ERROR);
+  if (!msg) return "";
+  GError* err = nullptr;
+  gst_message_parse_error(msg, &err, nullptr);
+  std::string text = err->message;
+  g_error_free(err);
+  gst_message_unref(msg);
+  return text;
+}
+
+// A harness over a parsed launch line, with a bus to collect element errors.
+struct Harness {
+  GstHarness* h;
+  GstBus* bus;
+  explicit Harness(const std::string& launch, int width = kWidth) : h(gst_harness_new_parse(launch.c_str())) {
+    bus = gst_bus_new();
+    gst_element_set_bus(h->element, bus);
+    gst_harness_set_src_caps(h, gstmoe::tensor_caps(width));
+  }
+  ~Harness() {
+    gst_bus_set_flushing(bus, TRUE);  // queued messages reference the elements, which reference the bus
+    gst_harness_teardown(h);
+    gst_object_unref(bus);
+  }
+  GstFlowReturn push(GstBuffer* buf) { return gst_harness_push(h, buf); }
+  GstBuffer* pull() { return gst_harness_pull(h); }
+  GstElement* element(const char* name) { return gst_bin_get_by_name(GST_BIN(h->element), name); }
+};
+
+std::string route_line(const std::string& extra = "") {
+  return "moe-route name=route model=\"" + adapter_dir() + "\" " + extra;
+}
+std::string expert_line(const std::string& dir = adapter_dir(), const std::string& extra = "") {
+  return "moe-expert name=expert model=\"" + dir + "\" " + extra;
+}
+
+// appsrc ! <middle> ! appsink, for caps problems and state cycles.
+struct Pipeline {
+  GstElement* pipeline = nullptr;
+  GstElement* src = nullptr;
+  GstElement* sink = nullptr;
+  GstBus* bus = nullptr;
+  Pipeline(const std::string& middle, int width) {
+    const std::string launch = "appsrc name=src format=time caps=\"application/x-moe-tensor,dtype=(string)f32,width=(int)" +
+                               std::to_string(width) + "\" ! " + middle + " ! appsink name=sink sync=false";
+    GError* err = nullptr;
+    pipeline = gst_parse_launch(launch.c_str(), &err);
+    EXPECT_EQ(err, nullptr) << (err ? err->message : "");
+    if (err) g_error_free(err);
+    src = gst_bin_get_by_name(GST_BIN(pipeline), "src");
+    sink = gst_bin_get_by_name(GST_BIN(pipeline), "sink");
+    bus = gst_element_get_bus(pipeline);
+  }
+  ~Pipeline() {
+    gst_element_set_state(pipeline, GST_STATE_NULL);
+    gst_object_unref(bus);
+    gst_object_unref(src);
+    gst_object_unref(sink);
+    gst_object_unref(pipeline);
+  }
+};
+
+// Puts one element (a launch description) in a pipeline and starts it; returns the error
+// message when the start fails, "" when it succeeds.
+std::string start_error(const std::string& description) {
+  GError* err = nullptr;
+  GstElement* element = gst_parse_launch(description.c_str(), &err);
+  EXPECT_EQ(err, nullptr) << (err ? err->message : "");
+  if (err) g_error_free(err);
+  GstElement* pipeline = gst_pipeline_new(nullptr);
+  gst_bin_add(GST_BIN(pipeline), element);
+  GstBus* bus = gst_element_get_bus(pipeline);
+  const GstStateChangeReturn ret = gst_element_set_state(pipeline, GST_STATE_PAUSED);
+  std::string error = ret == GST_STATE_CHANGE_FAILURE ? pop_error(bus) : "";
+  if (ret == GST_STATE_CHANGE_FAILURE && error.empty()) error = "(state change failed without an error message)";
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(bus);
+  gst_object_unref(pipeline);
+  return error;
+}
+
+void expect_contains(const std::string& text, const std::string& fragment) {
+  EXPECT_NE(text.find(fragment), std::string::npos) << "message: " << text << "\nmissing: " << fragment;
+}
+
+// A second adapter with 4 experts (hidden 16), written to a temporary directory: a router
+// whose experts do not match adapter_tiny's.
+class TempAdapter {
+ public:
+  explicit TempAdapter(int num_experts) {
+    gchar* dir = g_dir_make_tmp("moe-adapter-XXXXXX", nullptr);
+    dir_ = dir;
+    g_free(dir);
+    const int D = kWidth, I = 24;
+    std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {{"gate.weight", {num_experts, D}}};
+    for (int e = 0; e < num_experts; ++e) {
+      const std::string p = "experts." + std::to_string(e) + ".";
+      tensors.push_back({p + "w1.weight", {I, D}});
+      tensors.push_back({p + "w2.weight", {D, I}});
+      tensors.push_back({p + "w3.weight", {I, D}});
+    }
+    std::string header = "{";
+    std::vector<float> data;
+    std::mt19937 gen(7);
+    std::normal_distribution<float> dist(0.0f, 0.2f);
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      const size_t n = static_cast<size_t>(tensors[t].second[0] * tensors[t].second[1]);
+      const size_t begin = data.size() * sizeof(float);
+      for (size_t i = 0; i < n; ++i) data.push_back(dist(gen));
+      header += (t ? "," : "") + std::string("\"") + tensors[t].first + "\":{\"dtype\":\"F32\",\"shape\":[" +
+                std::to_string(tensors[t].second[0]) + "," + std::to_string(tensors[t].second[1]) +
+                "],\"data_offsets\":[" + std::to_string(begin) + "," + std::to_string(data.size() * sizeof(float)) +
+                "]}";
+    }
+    header += "}";
+    while (header.size() % 8) header += ' ';
+    std::string file(8, '\0');
+    uint64_t len = header.size();
+    std::memcpy(&file[0], &len, 8);  // little-endian host
+    file += header;
+    file.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
+    write("adapter.safetensors", file);
+    write("adapter_config.json", "{\"format\":\"gst-moe-adapter\",\"version\":1,\"hidden_size\":16,\"num_experts\":" +
+                                     std::to_string(num_experts) +
+                                     ",\"top_k\":2,\"intermediate_size\":24,\"routing\":\"mixtral\"}");
+  }
+  ~TempAdapter() {
+    std::remove((dir_ + "/adapter.safetensors").c_str());
+    std::remove((dir_ + "/adapter_config.json").c_str());
+    rmdir(dir_.c_str());
+  }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  void write(const std::string& name, const std::string& bytes) {
+    ASSERT_TRUE(g_file_set_contents((dir_ + "/" + name).c_str(), bytes.data(), static_cast<gssize>(bytes.size()),
+                                    nullptr));
+  }
+  std::string dir_;
+};
+
+class RouteExpertTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    static const bool registered = [] {
+      gst_init(nullptr, nullptr);
+      return GST_ELEMENT_REGISTER(moe_route, nullptr) && GST_ELEMENT_REGISTER(moe_expert, nullptr);
+    }();
+    ASSERT_TRUE(registered);
+  }
+};
+
+// ------------------------------------------------------------------------------------------
+
+TEST_F(RouteExpertTest, RouteWritesTheEngineRoutingAndKeepsTheData) {
+  Harness h(route_line());
+  const std::vector<float> rows = random_rows(7, 1);
+  const gstmoe::BatchRecords records = records_for(7);
+  ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+  GstBuffer* out = h.pull();
+  ASSERT_NE(out, nullptr);
+
+  EXPECT_EQ(buffer_floats(out), rows);  // bit-exact: the data passes through
+  const gstmoe::BatchRecords& got = records_of(out);
+  expect_routing(got, engine().route(as_tensor(rows)));
+  for (size_t i = 0; i < got.rows.size(); ++i) {
+    EXPECT_EQ(got.rows[i].id, records.rows[i].id);
+    EXPECT_EQ(got.rows[i].text, records.rows[i].text);
+    EXPECT_TRUE(has_timing(got.rows[i], "route"));
+  }
+  EXPECT_EQ(got.adapter, "adapter_tiny");
+  EXPECT_EQ(got.encoder, "clip_tiny_bpe");
+  gst_buffer_unref(out);
+}
+
+TEST_F(RouteExpertTest, RouteStatsCountRowsBatchesAndExpertLoad) {
+  Harness h(route_line());
+  std::vector<guint64> want_load(kExperts, 0);
+  for (unsigned b = 0; b < 2; ++b) {
+    const std::vector<float> rows = random_rows(b ? 3 : 5, 10 + b);
+    const gstmoe::BatchRecords records = records_for(b ? 3 : 5);
+    ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+    gst_buffer_unref(h.pull());
+    for (int32_t e : engine().route(as_tensor(rows)).expert_ids) ++want_load[static_cast<size_t>(e)];
+  }
+  GstElement* route = h.element("route");
+  GstStructure* stats = nullptr;
+  g_object_get(route, "stats", &stats, nullptr);
+  ASSERT_NE(stats, nullptr);
+  EXPECT_TRUE(gst_structure_has_name(stats, "moe-route-stats"));
+  guint64 rows = 0, batches = 0;
+  EXPECT_TRUE(gst_structure_get_uint64(stats, "rows", &rows));
+  EXPECT_TRUE(gst_structure_get_uint64(stats, "batches", &batches));
+  EXPECT_EQ(rows, 8u);
+  EXPECT_EQ(batches, 2u);
+  const std::vector<guint64> load = uint64_array(stats, "expert-load");
+  EXPECT_EQ(load, want_load);
+  EXPECT_EQ(std::accumulate(load.begin(), load.end(), guint64{0}), 8u * kTopK);
+  gst_structure_free(stats);
+  gst_object_unref(route);
+}
+
+TEST_F(RouteExpertTest, TopKOverride) {
+  for (int k : {1, 3}) {
+    Harness h(route_line("top-k=" + std::to_string(k)) + " ! " + expert_line());
+    const std::vector<float> rows = random_rows(6, 20 + static_cast<unsigned>(k));
+    const gstmoe::BatchRecords records = records_for(6);
+    ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    const moe::Routing routing = engine().route(as_tensor(rows), k);
+    expect_routing(records_of(out), routing);
+    expect_close(buffer_floats(out), engine().apply_experts(as_tensor(rows), routing));
+    gst_buffer_unref(out);
+  }
+}
+
+TEST_F(RouteExpertTest, TopKAboveNumExpertsFailsAtStart) {
+  const std::string error = start_error(route_line("top-k=7"));
+  expect_contains(error, "top-k=7");
+  expect_contains(error, "6 experts");
+}
+
+TEST_F(RouteExpertTest, RouteThenExpertEqualsAdapterApply) {
+  Harness h(route_line() + " ! " + expert_line());
+  const std::vector<float> rows = random_rows(9, 2);
+  const gstmoe::BatchRecords records = records_for(9);
+  ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+  GstBuffer* out = h.pull();
+  ASSERT_NE(out, nullptr);
+
+  const moe::AdapterOutput want = engine().apply(as_tensor(rows));
+  const std::vector<float> got = buffer_floats(out);
+  expect_close(got, want.embeddings);
+  for (size_t i = 0; i < 9; ++i) {
+    double norm = 0;
+    for (int d = 0; d < kWidth; ++d) norm += static_cast<double>(got[i * kWidth + d]) * got[i * kWidth + d];
+    EXPECT_NEAR(std::sqrt(norm), 1.0, 1e-5) << "row " << i;
+  }
+  const gstmoe::BatchRecords& meta = records_of(out);
+  expect_routing(meta, want.routing);
+  for (const gstmoe::RequestRecord& r : meta.rows) {
+    EXPECT_TRUE(has_timing(r, "route"));
+    EXPECT_TRUE(has_timing(r, "expert"));
+    ASSERT_EQ(r.timings_ms.size(), 2u);
+    EXPECT_EQ(r.timings_ms[0].first, "route");  // in pipeline order
+    EXPECT_EQ(r.timings_ms[1].first, "expert");
+  }
+  EXPECT_EQ(meta.adapter, "adapter_tiny");
+  gst_buffer_unref(out);
+
+  GstElement* expert = h.element("expert");
+  GstStructure* stats = nullptr;
+  g_object_get(expert, "stats", &stats, nullptr);
+  ASSERT_NE(stats, nullptr);
+  EXPECT_TRUE(gst_structure_has_name(stats, "moe-expert-stats"));
+  guint64 n = 0, batches = 0;
+  EXPECT_TRUE(gst_structure_get_uint64(stats, "rows", &n));
+  EXPECT_TRUE(gst_structure_get_uint64(stats, "batches", &batches));
+  EXPECT_EQ(n, 9u);
+  EXPECT_EQ(batches, 1u);
+  const std::vector<guint64> expert_rows = uint64_array(stats, "expert-rows");
+  EXPECT_EQ(expert_rows.size(), static_cast<size_t>(kExperts));
+  EXPECT_EQ(std::accumulate(expert_rows.begin(), expert_rows.end(), guint64{0}), 9u * kTopK);
+  gst_structure_free(stats);
+  gst_object_unref(expert);
+}
+
+TEST_F(RouteExpertTest, ZeroRowBufferKeepsItsFailures) {
+  Harness h(route_line() + " ! " + expert_line());
+  gstmoe::BatchRecords records;
+  gstmoe::FailedRequest failed;
+  failed.request.id = "q7";
+  failed.request.modality = gstmoe::Modality::Image;
+  failed.request.uri = "/nope.jpg";
+  failed.stage = "zmq-query";
+  failed.reason = "image file '/nope.jpg' cannot be read: No such file or directory";
+  records.failed.push_back(failed);
+  ASSERT_EQ(h.push(tensor_buffer({}, &records)), GST_FLOW_OK);
+  GstBuffer* out = h.pull();
+  ASSERT_NE(out, nullptr);
+  EXPECT_EQ(gst_buffer_get_size(out), 0u);
+  const gstmoe::BatchRecords& got = records_of(out);
+  EXPECT_TRUE(got.rows.empty());
+  ASSERT_EQ(got.failed.size(), 1u);
+  EXPECT_EQ(got.failed[0].request.id, "q7");
+  EXPECT_EQ(got.failed[0].request.uri, "/nope.jpg");
+  EXPECT_EQ(got.failed[0].stage, "zmq-query");
+  EXPECT_EQ(got.failed[0].reason, failed.reason);
+  gst_buffer_unref(out);
+}
+
+TEST_F(RouteExpertTest, BufferWithoutMetaGetsGeneratedIds) {
+  Harness h(route_line() + " ! " + expert_line());
+  std::set<std::string> ids;
+  for (unsigned b = 0; b < 2; ++b) {
+    const std::vector<float> rows = random_rows(3, 30 + b);
+    ASSERT_EQ(h.push(tensor_buffer(rows, nullptr)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    const gstmoe::BatchRecords& got = records_of(out);
+    ASSERT_EQ(got.rows.size(), 3u);
+    for (const gstmoe::RequestRecord& r : got.rows) {
+      EXPECT_FALSE(r.id.empty());
+      EXPECT_GT(r.arrival_mono_us, 0);
+      ids.insert(r.id);
+    }
+    expect_close(buffer_floats(out), engine().apply(as_tensor(rows)).embeddings);
+    gst_buffer_unref(out);
+  }
+  EXPECT_EQ(ids.size(), 6u);  // unique across buffers
+}
+
+TEST_F(RouteExpertTest, MetaRowCountMismatchIsAnError) {
+  Harness h(route_line());
+  const gstmoe::BatchRecords records = records_for(2);
+  EXPECT_EQ(h.push(tensor_buffer(random_rows(3, 4), &records)), GST_FLOW_ERROR);
+  const std::string error = pop_error(h.bus);
+  expect_contains(error, "3 rows");
+  expect_contains(error, "describes 2");
+}
+
+TEST_F(RouteExpertTest, PartialRowIsAnError) {
+  Harness h(route_line());
+  std::vector<float> data = random_rows(2, 5);
+  data.pop_back();
+  EXPECT_EQ(h.push(tensor_buffer(data, nullptr)), GST_FLOW_ERROR);
+  const std::string error = pop_error(h.bus);
+  expect_contains(error, "124 bytes");
+  expect_contains(error, "width 16");
+}
+
+TEST_F(RouteExpertTest, WidthMismatchIsNotNegotiated) {
+  for (const std::string& element : {route_line(), expert_line()}) {
+    Pipeline p(element, 8);
+    ASSERT_NE(gst_element_set_state(p.pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+    gst_app_src_push_buffer(GST_APP_SRC(p.src), tensor_buffer(random_rows(1, 6, 8), nullptr));
+    const std::string error = pop_error(p.bus);
+    expect_contains(error, "width 8");
+    expect_contains(error, "hidden_size 16");
+    expect_contains(error, adapter_dir());
+  }
+}
+
+TEST_F(RouteExpertTest, MissingModelFailsTheStateChange) {
+  const std::string missing = std::string(MOE_SOURCE_DIR) + "/tests/fixtures/no_such_adapter";
+  for (const char* factory : {"moe-route", "moe-expert"}) {
+    const std::string error = start_error(std::string(factory) + " model=\"" + missing + "\"");
+    expect_contains(error, missing);
+  }
+  expect_contains(start_error("moe-route"), "set the 'model' property");
+}
+
+TEST_F(RouteExpertTest, CudaDeviceIsRefusedWithTheReason) {
+  for (const char* device : {"cuda:0", "cuda:0,cuda:1", "all"}) {
+    const std::string error = start_error(expert_line(adapter_dir(), std::string("device=\"") + device + "\""));
+    expect_contains(error, device);
+    expect_contains(error, "this build runs experts on the CPU only and the CUDA expert backend is not available yet");
+  }
+  EXPECT_EQ(start_error(expert_line(adapter_dir(), "device=cpu")), "");
+}
+
+TEST_F(RouteExpertTest, ExpertWithoutRouteIsAnError) {
+  Harness h(expert_line());
+  const gstmoe::BatchRecords records = records_for(2);
+  EXPECT_EQ(h.push(tensor_buffer(random_rows(2, 8), &records)), GST_FLOW_ERROR);
+  const std::string error = pop_error(h.bus);
+  expect_contains(error, "no routing in the meta of row 0: place moe-route before moe-expert");
+}
+
+TEST_F(RouteExpertTest, ExpertOutsideTheAdapterIsAnError) {
+  Harness h(expert_line());
+  gstmoe::BatchRecords records = records_for(2);
+  for (gstmoe::RequestRecord& r : records.rows) {
+    r.experts = {1, 0};
+    r.expert_weights = {0.6f, 0.4f};
+  }
+  records.rows[1].experts = {7, 1};
+  records.adapter = "adapter_big";
+  EXPECT_EQ(h.push(tensor_buffer(random_rows(2, 9), &records)), GST_FLOW_ERROR);
+  const std::string error = pop_error(h.bus);
+  expect_contains(error, "row 1");
+  expect_contains(error, "expert 7");
+  expect_contains(error, adapter_dir());
+  expect_contains(error, "adapter_big");
+}
+
+TEST_F(RouteExpertTest, DifferentAdaptersMustMatch) {
+  // Same configuration in another directory: allowed.
+  {
+    gchar* tmp = g_dir_make_tmp("moe-adapter-copy-XXXXXX", nullptr);
+    const std::string copy = tmp;
+    g_free(tmp);
+    for (const char* f : {"adapter_config.json", "adapter.safetensors"})
+      ASSERT_EQ(symlink((adapter_dir() + "/" + f).c_str(), (copy + "/" + f).c_str()), 0);
+    {
+      Harness h(route_line() + " ! " + expert_line(copy));
+      const std::vector<float> rows = random_rows(4, 11);
+      const gstmoe::BatchRecords records = records_for(4);
+      ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+      GstBuffer* out = h.pull();
+      ASSERT_NE(out, nullptr);
+      expect_close(buffer_floats(out), engine().apply(as_tensor(rows)).embeddings);
+      gst_buffer_unref(out);
+    }
+    for (const char* f : {"adapter_config.json", "adapter.safetensors"}) std::remove((copy + "/" + f).c_str());
+    rmdir(copy.c_str());
+  }
+  // 4 experts upstream, 6 in moe-expert: refused before any buffer is processed.
+  TempAdapter other(4);
+  Pipeline p("moe-route model=\"" + other.dir() + "\" ! " + expert_line(), kWidth);
+  ASSERT_NE(gst_element_set_state(p.pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+  gst_app_src_push_buffer(GST_APP_SRC(p.src), tensor_buffer(random_rows(2, 12), nullptr));
+  const std::string error = pop_error(p.bus);
+  expect_contains(error, other.dir());
+  expect_contains(error, adapter_dir());
+  expect_contains(error, "4 experts");
+  expect_contains(error, "6 experts");
+}
+
+TEST_F(RouteExpertTest, StateCyclesReleaseTheAdapter) {
+  Pipeline p(route_line() + " ! " + expert_line(), kWidth);
+  for (unsigned cycle = 0; cycle < 3; ++cycle) {
+    ASSERT_NE(gst_element_set_state(p.pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE) << "cycle " << cycle;
+    const std::vector<float> rows = random_rows(2, 40 + cycle);
+    const gstmoe::BatchRecords records = records_for(2);
+    ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(p.src), tensor_buffer(rows, &records)), GST_FLOW_OK);
+    GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(p.sink), 10 * GST_SECOND);
+    ASSERT_NE(sample, nullptr) << "cycle " << cycle << ": " << pop_error(p.bus);
+    expect_close(buffer_floats(gst_sample_get_buffer(sample)), engine().apply(as_tensor(rows)).embeddings);
+    gst_sample_unref(sample);
+
+    // The elements hold the cached adapter while running and let go of it in NULL.
+    std::weak_ptr<const moe::MoeAdapter> cached = moe::shared_moe_adapter(adapter_dir());
+    ASSERT_EQ(gst_element_set_state(p.pipeline, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
+    EXPECT_TRUE(cached.expired()) << "cycle " << cycle;
+  }
+}
+
+}  // namespace

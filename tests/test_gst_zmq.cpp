@@ -1,0 +1,723 @@
+// zmq-publish and zmq-query against real ZeroMQ peers on loopback endpoints (ipc:// in a
+// temporary directory, or tcp://127.0.0.1 on a port the kernel picked).
+//
+// Delivery waits are bounded (receive timeouts of several seconds) so that a broken element fails
+// the test instead of hanging it; nothing asserts how fast anything is.
+#include <gst/check/gstharness.h>
+#include <gst/gst.h>
+#include <gtest/gtest.h>
+#include <json-glib/json-glib.h>
+
+#include <glib/gstdio.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+#include <zmq_addon.hpp>
+
+#include "gstmoemeta.h"
+#include "gstzmqpublish.h"
+#include "gstzmqquery.h"
+
+namespace {
+
+// How long a test waits for a message that must arrive.
+constexpr int kReceiveTimeoutMs = 10000;
+
+class ZmqTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    gst_init(nullptr, nullptr);
+    GST_ELEMENT_REGISTER(zmq_publish, nullptr);
+    GST_ELEMENT_REGISTER(zmq_query, nullptr);
+  }
+
+  void SetUp() override {
+    GError* error = nullptr;
+    gchar* dir = g_dir_make_tmp("gst-zmq-XXXXXX", &error);
+    ASSERT_NE(dir, nullptr) << error->message;
+    dir_ = dir;
+    g_free(dir);
+  }
+
+  void TearDown() override { remove_tree(dir_); }
+
+  static void remove_tree(const std::string& path) {
+    if (GDir* d = g_dir_open(path.c_str(), 0, nullptr)) {
+      while (const gchar* name = g_dir_read_name(d)) {
+        const std::string child = path + "/" + name;
+        if (g_file_test(child.c_str(), G_FILE_TEST_IS_DIR))
+          remove_tree(child);
+        else
+          g_remove(child.c_str());
+      }
+      g_dir_close(d);
+    }
+    g_rmdir(path.c_str());
+  }
+
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  std::string ipc(const std::string& name) const { return "ipc://" + path(name); }
+
+  std::string write_file(const std::string& name, const std::string& bytes) const {
+    const std::string p = path(name);
+    EXPECT_TRUE(g_file_set_contents(p.c_str(), bytes.data(), static_cast<gssize>(bytes.size()), nullptr));
+    return p;
+  }
+
+  // A loopback tcp endpoint that nothing listens on: the kernel picks a free port for a probe
+  // socket, which lets it go. The probe has a context of its own because only terminating the
+  // context waits until the port is really released (zmq_close is asynchronous).
+  static std::string free_tcp_endpoint() {
+    zmq::context_t probe_ctx;
+    zmq::socket_t probe(probe_ctx, zmq::socket_type::pull);
+    probe.set(zmq::sockopt::linger, 0);
+    probe.bind("tcp://127.0.0.1:*");
+    const std::string endpoint = probe.get(zmq::sockopt::last_endpoint);
+    probe.close();
+    probe_ctx.close();
+    return endpoint;
+  }
+
+  zmq::socket_t subscriber(const std::string& endpoint, const std::string& prefix, int rcvhwm = 1000) {
+    zmq::socket_t sub(ctx_, zmq::socket_type::sub);
+    sub.set(zmq::sockopt::linger, 0);
+    sub.set(zmq::sockopt::rcvhwm, rcvhwm);
+    sub.set(zmq::sockopt::rcvtimeo, kReceiveTimeoutMs);
+    sub.set(zmq::sockopt::subscribe, prefix);
+    sub.connect(endpoint);
+    return sub;
+  }
+
+  // A subscriber that binds a loopback tcp port itself, for a publisher that connects.
+  zmq::socket_t bound_subscriber(const std::string& prefix, std::string* endpoint) {
+    zmq::socket_t sub(ctx_, zmq::socket_type::sub);
+    sub.set(zmq::sockopt::linger, 0);
+    sub.set(zmq::sockopt::rcvtimeo, kReceiveTimeoutMs);
+    sub.set(zmq::sockopt::subscribe, prefix);
+    sub.bind("tcp://127.0.0.1:*");
+    *endpoint = sub.get(zmq::sockopt::last_endpoint);
+    return sub;
+  }
+
+  std::string dir_;
+  zmq::context_t ctx_;
+};
+
+std::string to_string(const zmq::message_t& m) { return std::string(m.data<char>(), m.size()); }
+
+guint64 stat(GstElement* element, const char* field) {
+  GstStructure* s = nullptr;
+  g_object_get(element, "stats", &s, nullptr);
+  guint64 value = G_MAXUINT64;
+  EXPECT_TRUE(s && gst_structure_get_uint64(s, field, &value)) << field;
+  if (s) gst_structure_free(s);
+  return value;
+}
+
+// The message of the first error on `bus`, "" if none.
+std::string bus_error(GstBus* bus) {
+  GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR);
+  if (!msg) return "";
+  GError* error = nullptr;
+  gst_message_parse_error(msg, &error, nullptr);
+  std::string text = error->message;
+  g_error_free(error);
+  gst_message_unref(msg);
+  return text;
+}
+
+// ---------------------------------------------------------------------------------------------
+// zmq-publish
+
+GstHarness* publish_harness(GstElement* element) {
+  GstHarness* h = gst_harness_new_with_element(element, "sink", nullptr);  // plays it
+  gst_object_unref(element);
+  gst_harness_set_src_caps_str(h, "application/json");
+  return h;
+}
+
+GstElement* make_publish(const std::string& endpoint, const std::string& topic = "", gboolean bind = TRUE) {
+  GstElement* e = gst_element_factory_make("zmq-publish", nullptr);
+  g_object_set(e, "endpoint", endpoint.c_str(), "topic", topic.c_str(), "bind", bind, nullptr);
+  return e;
+}
+
+GstFlowReturn push(GstHarness* h, const std::string& payload) {
+  return gst_harness_push(h, gst_buffer_new_memdup(payload.data(), payload.size()));
+}
+
+// The payload of the next message, checking the topic frame when `topic` is set; "" on timeout.
+std::string receive_payload(zmq::socket_t& sub, const std::string& topic) {
+  std::vector<zmq::message_t> frames;
+  if (!zmq::recv_multipart(sub, std::back_inserter(frames))) return "";
+  EXPECT_EQ(frames.size(), topic.empty() ? 1u : 2u);
+  if (!topic.empty()) {
+    EXPECT_EQ(to_string(frames.front()), topic);
+  }
+  return to_string(frames.back());
+}
+
+// Works around ZeroMQ's slow joiner: until the subscription has reached the publisher, its
+// messages go nowhere. Publishes numbered warm-up messages until `sub` receives one, then
+// consumes up to the last one sent. Returns how many were published.
+guint64 warm_up(GstHarness* h, zmq::socket_t& sub, const std::string& topic) {
+  for (int i = 0; i < 500; ++i) {
+    const std::string mark = "warm-up " + std::to_string(i);
+    EXPECT_EQ(push(h, mark), GST_FLOW_OK);
+    zmq::pollitem_t item{sub.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq::poll(&item, 1, std::chrono::milliseconds(20)) == 0) continue;
+    for (std::string got; got != mark;) {
+      got = receive_payload(sub, topic);
+      if (got.empty()) {
+        ADD_FAILURE() << "warm-up message '" << mark << "' never arrived";
+        break;
+      }
+    }
+    return static_cast<guint64>(i) + 1;
+  }
+  ADD_FAILURE() << "the subscription never reached the publisher";
+  return 500;
+}
+
+struct PublishCase {
+  const char* name;
+  const char* topic;
+  bool element_binds;  // false: the subscriber binds a tcp port and the element connects
+};
+
+void PrintTo(const PublishCase& c, std::ostream* os) { *os << c.name; }
+
+class PublishDelivery : public ZmqTest, public ::testing::WithParamInterface<PublishCase> {};
+
+TEST_P(PublishDelivery, SubscriberReceivesEachBufferAsOneMessage) {
+  const PublishCase& c = GetParam();
+  std::string endpoint = ipc("results.ipc");
+  zmq::socket_t sub = c.element_binds ? subscriber(endpoint, c.topic) : bound_subscriber(c.topic, &endpoint);
+  GstHarness* h = publish_harness(make_publish(endpoint, c.topic, c.element_binds));
+  const guint64 warm = warm_up(h, sub, c.topic);
+  guint64 warm_bytes = 0;
+  for (guint64 i = 0; i < warm; ++i) warm_bytes += ("warm-up " + std::to_string(i)).size();
+
+  const std::vector<std::string> docs = {R"({"type":"result","id":"q1","results":[]})",
+                                         R"({"type":"error","id":"q2","error":{"stage":"zmq-query"}})",
+                                         std::string(100000, 'x')};
+  guint64 bytes = 0;
+  for (const std::string& d : docs) {
+    EXPECT_EQ(push(h, d), GST_FLOW_OK);
+    bytes += d.size();
+  }
+  for (const std::string& d : docs) EXPECT_EQ(receive_payload(sub, c.topic), d);
+
+  EXPECT_EQ(stat(h->element, "sent"), warm + docs.size());
+  EXPECT_EQ(stat(h->element, "dropped"), 0u);
+  EXPECT_EQ(stat(h->element, "bytes"), warm_bytes + bytes);
+  gst_harness_teardown(h);
+}
+
+INSTANTIATE_TEST_SUITE_P(Modes, PublishDelivery,
+                         ::testing::Values(PublishCase{"BindNoTopic", "", true},
+                                           PublishCase{"ConnectWithTopic", "results", false}),
+                         [](const ::testing::TestParamInfo<PublishCase>& i) { return std::string(i.param.name); });
+
+TEST_F(ZmqTest, PublishDefaults) {
+  GstElement* e = gst_element_factory_make("zmq-publish", nullptr);
+  gchar *endpoint = nullptr, *topic = nullptr;
+  gboolean bind = FALSE, sync = TRUE;
+  gint hwm = 0;
+  g_object_get(e, "endpoint", &endpoint, "topic", &topic, "bind", &bind, "send-hwm", &hwm, "sync", &sync, nullptr);
+  EXPECT_STREQ(endpoint, "tcp://127.0.0.1:5556");
+  EXPECT_STREQ(topic, "");
+  EXPECT_TRUE(bind);
+  EXPECT_EQ(hwm, 1000);
+  EXPECT_FALSE(sync);  // a result stream never waits on the clock
+  EXPECT_EQ(stat(e, "sent"), 0u);
+  g_free(endpoint);
+  g_free(topic);
+  gst_object_unref(e);
+}
+
+TEST_F(ZmqTest, StalledSubscriberNeverBlocksThePipeline) {
+  const std::string endpoint = ipc("stalled.ipc");
+  const std::string topic = "results";
+  zmq::socket_t sub = subscriber(endpoint, topic, /*rcvhwm=*/1);
+  GstElement* e = make_publish(endpoint, topic);
+  g_object_set(e, "send-hwm", 10, nullptr);
+  GstHarness* h = publish_harness(e);
+  const guint64 warm = warm_up(h, sub, topic);
+
+  // The subscriber stops reading: its queue and the socket buffers fill up, after which every
+  // push must still return at once, the messages counted as dropped.
+  const int n = 3000;
+  const std::string big(64 * 1024, 'j');
+  for (int i = 0; i < n; ++i) ASSERT_EQ(push(h, big), GST_FLOW_OK) << "push " << i;
+  const guint64 sent = stat(h->element, "sent"), dropped = stat(h->element, "dropped");
+  EXPECT_GT(dropped, 0u);
+  EXPECT_EQ(sent + dropped, warm + n);
+
+  // What did get through is whole: [topic, payload] pairs, never a stray half message.
+  sub.set(zmq::sockopt::rcvtimeo, 1000);  // only ends the draining loop
+  guint64 received = 0;
+  for (std::vector<zmq::message_t> frames; zmq::recv_multipart(sub, std::back_inserter(frames)); frames.clear()) {
+    ASSERT_EQ(frames.size(), 2u);
+    EXPECT_EQ(to_string(frames[0]), topic);
+    EXPECT_EQ(frames[1].size(), big.size());
+    ++received;
+  }
+  EXPECT_GT(received, 0u);
+  EXPECT_LE(received, sent - warm);
+  gst_harness_teardown(h);
+}
+
+TEST_F(ZmqTest, VanishedSubscriberDoesNotDisturbThePipeline) {
+  const std::string endpoint = ipc("vanish.ipc");
+  GstHarness* h = publish_harness(make_publish(endpoint));
+  guint64 pushed = 0;
+  {
+    zmq::socket_t first = subscriber(endpoint, "");
+    pushed += warm_up(h, first, "");
+    for (int i = 0; i < 10; ++i, ++pushed) ASSERT_EQ(push(h, "doc " + std::to_string(i)), GST_FLOW_OK);
+    for (int i = 0; i < 5; ++i) EXPECT_EQ(receive_payload(first, ""), "doc " + std::to_string(i));
+    first.close();  // mid-stream, with messages still queued for it
+  }
+  for (int i = 0; i < 200; ++i, ++pushed) ASSERT_EQ(push(h, std::string(4096, 'v')), GST_FLOW_OK);
+
+  // A newcomer is served as usual.
+  zmq::socket_t second = subscriber(endpoint, "");
+  pushed += warm_up(h, second, "");
+  ASSERT_EQ(push(h, "after"), GST_FLOW_OK);
+  ++pushed;
+  EXPECT_EQ(receive_payload(second, ""), "after");
+  EXPECT_EQ(stat(h->element, "sent") + stat(h->element, "dropped"), pushed);
+  gst_harness_teardown(h);
+}
+
+// After EOS, stopping waits (up to drain-timeout) for queued messages to leave, so a stream that
+// ends does not lose its last results.
+TEST_F(ZmqTest, PublishDrainsQueuedMessagesAfterEos) {
+  const std::string endpoint = ipc("drain.ipc");
+  zmq::socket_t sub = subscriber(endpoint, "", /*rcvhwm=*/1);
+  GstElement* e = make_publish(endpoint);
+  g_object_set(e, "send-hwm", 0, "drain-timeout", 60000u, nullptr);
+  GstHarness* h = publish_harness(e);
+  warm_up(h, sub, "");
+
+  // The subscriber is not reading yet: most of these wait in the publisher's queue.
+  const int n = 200;
+  for (int i = 0; i < n; ++i) ASSERT_EQ(push(h, std::to_string(i) + std::string(64 * 1024, 'd')), GST_FLOW_OK);
+  EXPECT_EQ(stat(h->element, "dropped"), 0u);
+
+  std::thread stopper([h] {
+    gst_harness_push_event(h, gst_event_new_eos());
+    gst_element_set_state(h->element, GST_STATE_NULL);  // returns once the queue is delivered
+  });
+  int received = 0;
+  for (; received < n; ++received) {
+    const std::string got = receive_payload(sub, "");
+    if (got.empty()) break;
+    EXPECT_EQ(got.substr(0, std::to_string(received).size()), std::to_string(received));
+  }
+  stopper.join();
+  EXPECT_EQ(received, n);
+  gst_harness_teardown(h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Start failures (both elements)
+
+struct StartCase {
+  const char* element;
+  const char* expected_type;
+};
+
+void PrintTo(const StartCase& c, std::ostream* os) { *os << c.element; }
+
+class StartFailure : public ZmqTest, public ::testing::WithParamInterface<StartCase> {
+ protected:
+  // Starts the element on `endpoint`; returns the error message posted ("" if it started).
+  std::string start_error(const std::string& endpoint, gboolean bind = TRUE) {
+    GstElement* e = gst_element_factory_make(GetParam().element, nullptr);
+    g_object_set(e, "endpoint", endpoint.c_str(), "bind", bind, nullptr);
+    GstBus* bus = gst_bus_new();
+    gst_element_set_bus(e, bus);
+    const GstStateChangeReturn ret = gst_element_set_state(e, GST_STATE_PAUSED);
+    std::string error = bus_error(bus);
+    EXPECT_EQ(ret == GST_STATE_CHANGE_FAILURE, !error.empty()) << error;
+    gst_element_set_state(e, GST_STATE_NULL);
+    gst_element_set_bus(e, nullptr);
+    gst_object_unref(bus);
+    gst_object_unref(e);
+    return error;
+  }
+};
+
+TEST_P(StartFailure, EndpointInUseFailsNamingTheEndpoint) {
+  zmq::socket_t holder(ctx_, zmq::socket_type::pull);
+  holder.set(zmq::sockopt::linger, 0);
+  holder.bind("tcp://127.0.0.1:*");
+  const std::string endpoint = holder.get(zmq::sockopt::last_endpoint);
+
+  const std::string error = start_error(endpoint);
+  EXPECT_NE(error.find("'" + endpoint + "'"), std::string::npos) << error;
+  EXPECT_NE(error.find("bind"), std::string::npos) << error;
+  EXPECT_NE(error.find(GetParam().expected_type), std::string::npos) << error;
+  EXPECT_NE(error.find(zmq_strerror(EADDRINUSE)), std::string::npos) << error;
+}
+
+TEST_P(StartFailure, MalformedEndpointFailsWithAHint) {
+  for (bool bind : {true, false}) {
+    const std::string error = start_error("localhost:5555", bind);
+    EXPECT_NE(error.find("'localhost:5555'"), std::string::npos) << error;
+    EXPECT_NE(error.find("tcp://127.0.0.1:5556"), std::string::npos) << error;  // what endpoints look like
+  }
+}
+
+TEST_P(StartFailure, InprocEndpointIsRefused) {
+  const std::string error = start_error("inproc://results");
+  EXPECT_NE(error.find("inproc://"), std::string::npos) << error;
+  EXPECT_NE(error.find("ipc://"), std::string::npos) << error;
+}
+
+TEST_P(StartFailure, FreeEndpointStarts) { EXPECT_EQ(start_error(ipc("free.ipc")), ""); }
+
+INSTANTIATE_TEST_SUITE_P(Elements, StartFailure,
+                         ::testing::Values(StartCase{"zmq-publish", "PUB"}, StartCase{"zmq-query", "PULL"}),
+                         [](const ::testing::TestParamInfo<StartCase>& i) {
+                           return std::string(i.param.element == std::string("zmq-publish") ? "Publish" : "Query");
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// zmq-query
+
+GstHarness* query_harness(GstElement* element) {
+  GstHarness* h = gst_harness_new_with_element(element, nullptr, "src");
+  gst_object_unref(element);
+  gst_harness_play(h);  // a source is not started by the harness itself
+  return h;
+}
+
+GstElement* make_query(const std::string& endpoint, gint64 num_requests = -1) {
+  GstElement* e = gst_element_factory_make("zmq-query", nullptr);
+  g_object_set(e, "endpoint", endpoint.c_str(), "num-requests", num_requests, nullptr);
+  return e;
+}
+
+zmq::socket_t client(zmq::context_t& ctx, zmq::socket_type type, const std::string& endpoint) {
+  zmq::socket_t s(ctx, type);
+  s.set(zmq::sockopt::linger, 0);
+  s.set(zmq::sockopt::rcvtimeo, kReceiveTimeoutMs);
+  s.connect(endpoint);
+  return s;
+}
+
+std::string payload_of(GstBuffer* buf) {
+  GstMapInfo map;
+  EXPECT_TRUE(gst_buffer_map(buf, &map, GST_MAP_READ));
+  std::string s(reinterpret_cast<const char*>(map.data), map.size);
+  gst_buffer_unmap(buf, &map);
+  return s;
+}
+
+const gstmoe::BatchRecords& records_of(GstBuffer* buf) {
+  GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+  static const gstmoe::BatchRecords none;
+  EXPECT_TRUE(meta && meta->records) << "no GstMoeBatchMeta";
+  return meta && meta->records ? *meta->records : none;
+}
+
+// What one request must come out as.
+struct Expect {
+  std::string id;
+  gstmoe::Modality modality;
+  std::string payload;      // accepted requests
+  std::string uri;          // image requests, as far as known
+  int k = 0;                // accepted requests
+  std::string reason_part;  // rejected requests: a fragment of the reason; "" for accepted ones
+};
+
+void expect_request(GstBuffer* buf, const Expect& x) {
+  ASSERT_NE(buf, nullptr) << "no buffer for request '" << x.id << "'";
+  SCOPED_TRACE("request '" + x.id + "' " + x.reason_part);
+  EXPECT_TRUE(GST_BUFFER_PTS_IS_VALID(buf));
+  const gstmoe::BatchRecords& r = records_of(buf);
+  const gstmoe::RequestRecord* rec = nullptr;
+  if (x.reason_part.empty()) {
+    ASSERT_EQ(r.rows.size(), 1u);
+    EXPECT_TRUE(r.failed.empty());
+    rec = &r.rows[0];
+    EXPECT_EQ(payload_of(buf), x.payload);
+    EXPECT_EQ(rec->k, x.k);
+    if (x.modality == gstmoe::Modality::Text) {
+      EXPECT_EQ(rec->text, x.payload);
+    }
+  } else {
+    ASSERT_EQ(r.failed.size(), 1u);
+    EXPECT_TRUE(r.rows.empty());
+    EXPECT_EQ(gst_buffer_get_size(buf), 0u);
+    EXPECT_EQ(r.failed[0].stage, "zmq-query");
+    EXPECT_NE(r.failed[0].reason.find(x.reason_part), std::string::npos) << r.failed[0].reason;
+    rec = &r.failed[0].request;
+  }
+  EXPECT_EQ(rec->id, x.id);
+  EXPECT_EQ(rec->modality, x.modality);
+  EXPECT_EQ(rec->uri, x.uri);
+  EXPECT_GT(rec->arrival_wall_us, 0);
+  EXPECT_GT(rec->arrival_mono_us, 0);
+}
+
+// Runs until EOS; true if it came.
+bool wait_eos(GstHarness* h) {
+  while (GstEvent* ev = gst_harness_pull_event(h)) {
+    const bool eos = GST_EVENT_TYPE(ev) == GST_EVENT_EOS;
+    gst_event_unref(ev);
+    if (eos) return true;
+  }
+  return false;
+}
+
+TEST_F(ZmqTest, QueryDefaults) {
+  GstElement* e = gst_element_factory_make("zmq-query", nullptr);
+  gchar* endpoint = nullptr;
+  gint type = -1, hwm = 0;
+  guint64 max_image = 0;
+  gint64 num = 0;
+  gboolean live = FALSE;
+  g_object_get(e, "endpoint", &endpoint, "socket-type", &type, "recv-hwm", &hwm, "max-image-bytes", &max_image,
+               "num-requests", &num, "do-timestamp", &live, nullptr);
+  EXPECT_STREQ(endpoint, "tcp://127.0.0.1:5555");
+  EXPECT_EQ(type, GST_ZMQ_QUERY_SOCKET_PULL);
+  EXPECT_EQ(hwm, 1000);
+  EXPECT_EQ(max_image, 32u * 1024 * 1024);
+  EXPECT_EQ(num, -1);
+  EXPECT_TRUE(live);
+  EXPECT_TRUE(gst_base_src_is_live(GST_BASE_SRC(e)));
+  GEnumClass* cls = static_cast<GEnumClass*>(g_type_class_ref(GST_TYPE_ZMQ_QUERY_SOCKET_TYPE));
+  EXPECT_EQ(g_enum_get_value_by_nick(cls, "router")->value, GST_ZMQ_QUERY_SOCKET_ROUTER);
+  g_type_class_unref(cls);
+  g_free(endpoint);
+  gst_object_unref(e);
+}
+
+TEST_F(ZmqTest, QueryPullTurnsEachMessageIntoOneRequestBuffer) {
+  std::string image;
+  for (int i = 0; i < 300; ++i) image.push_back(static_cast<char>(i * 7));
+  const std::string image_path = write_file("photo.png", image.substr(0, 200));
+  const std::string big_path = write_file("big.png", std::string(2000, 'b'));
+  const std::string missing = path("nope.jpg");
+  gchar* uri = g_filename_to_uri(image_path.c_str(), nullptr, nullptr);
+  const std::string image_uri = uri;
+  g_free(uri);
+  gchar* b64 = g_base64_encode(reinterpret_cast<const guchar*>(image.data()), image.size());
+  std::string b64_wrapped = b64;  // line breaks, as base64(1) writes them
+  g_free(b64);
+  b64_wrapped.insert(76, "\n").insert(153, "\n");
+  gchar* big_b64 = g_base64_encode(reinterpret_cast<const guchar*>(std::string(2000, 'b').data()), 2000);
+  const std::string big_b64_s = big_b64;
+  g_free(big_b64);
+
+  using gstmoe::Modality;
+  struct Case {
+    std::vector<std::string> frames;
+    Expect expect;
+  };
+  auto json_str = [](const std::string& s) {
+    gchar* e = g_strescape(s.c_str(), nullptr);
+    std::string r = std::string("\"") + e + "\"";
+    g_free(e);
+    return r;
+  };
+  const std::vector<Case> cases = {
+      {{R"({"id":"t1","text":"red striped mug","k":5})"}, {"t1", Modality::Text, "red striped mug", "", 5, ""}},
+      {{R"({"id":"i2","image":)" + json_str(image_path) + "}"},
+       {"i2", Modality::Image, image.substr(0, 200), image_path, 0, ""}},
+      {{R"({"id":3,"image":)" + json_str(image_uri) + R"(,"k":1024})"},
+       {"3", Modality::Image, image.substr(0, 200), image_uri, 1024, ""}},
+      {{R"({"id":"b4","image_base64":)" + json_str(b64_wrapped) + "}"},
+       {"b4", Modality::Image, image, "base64:300 bytes", 0, ""}},
+      {{"this is not json"}, {"", Modality::Text, "", "", 0, "not valid JSON"}},
+      {{"\xff\xfe{}"}, {"", Modality::Text, "", "", 0, "UTF-8"}},
+      {{"[1, 2]"}, {"", Modality::Text, "", "", 0, "not a JSON object"}},
+      {{R"({"text":"no id"})"}, {"", Modality::Text, "", "", 0, "id is missing"}},
+      {{R"({"id":1.5,"text":"x"})"}, {"", Modality::Text, "", "", 0, "id must be a string or an integer"}},
+      {{R"({"id":"none"})"}, {"none", Modality::Text, "", "", 0, "it has none"}},
+      {{R"({"id":"both","text":"x","image":"/p.png"})"}, {"both", Modality::Text, "", "", 0, "it has text and image"}},
+      {{R"({"id":"missing","image":)" + json_str(missing) + "}"},
+       {"missing", Modality::Image, "", missing, 0, "image file '" + missing + "' cannot be read: No such file or directory"}},
+      {{R"({"id":"dir","image":)" + json_str(dir_) + "}"}, {"dir", Modality::Image, "", dir_, 0, "not a regular file"}},
+      {{R"({"id":"web","image":"http://example.com/a.png"})"},
+       {"web", Modality::Image, "", "http://example.com/a.png", 0, "neither a local path nor a file:// uri"}},
+      {{R"({"id":"bigfile","image":)" + json_str(big_path) + "}"},
+       {"bigfile", Modality::Image, "", big_path, 0, "is 2000 bytes, more than max-image-bytes (1000)"}},
+      {{R"({"id":"b64bad","image_base64":"abc$def="})"},
+       {"b64bad", Modality::Image, "", "", 0, "image_base64 is not valid base64: unexpected character '$'"}},
+      {{R"({"id":"b64len","image_base64":"abcde"})"}, {"b64len", Modality::Image, "", "", 0, "multiple of 4"}},
+      {{R"({"id":"b64big","image_base64":")" + big_b64_s + "\"}"},
+       {"b64big", Modality::Image, "", "", 0, "decodes to 2000 bytes, more than max-image-bytes (1000)"}},
+      {{R"({"id":"k0","text":"x","k":0})"}, {"k0", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024 (got 0)"}},
+      {{R"({"id":"kstr","text":"x","k":"5"})"}, {"kstr", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024"}},
+      {{R"({"id":"empty","text":""})"}, {"empty", Modality::Text, "", "", 0, "text is empty"}},
+      {{R"({"id":"f1","text":"x"})", "second frame"}, {"", Modality::Text, "", "", 0, "request has 2 frames"}},
+      {{R"({"id":"last","text":"still served after all that"})"},
+       {"last", Modality::Text, "still served after all that", "", 0, ""}},
+  };
+
+  const std::string endpoint = ipc("query.ipc");
+  GstElement* e = make_query(endpoint, static_cast<gint64>(cases.size()));
+  g_object_set(e, "max-image-bytes", G_GUINT64_CONSTANT(1000), nullptr);
+  GstHarness* h = query_harness(e);
+  zmq::socket_t push = client(ctx_, zmq::socket_type::push, endpoint);
+  for (const Case& c : cases) {
+    std::vector<zmq::const_buffer> parts;
+    for (const std::string& f : c.frames) parts.push_back(zmq::buffer(f));
+    ASSERT_TRUE(zmq::send_multipart(push, parts));
+  }
+
+  guint64 rejected = 0;
+  for (const Case& c : cases) {
+    GstBuffer* buf = gst_harness_pull(h);
+    expect_request(buf, c.expect);
+    if (buf) gst_buffer_unref(buf);
+    rejected += c.expect.reason_part.empty() ? 0 : 1;
+  }
+  EXPECT_TRUE(wait_eos(h)) << "num-requests reached, but no EOS";
+  GstCaps* caps = gst_pad_get_current_caps(h->sinkpad);
+  ASSERT_NE(caps, nullptr);
+  GstCaps* expected_caps = gst_caps_from_string(GST_MOE_REQUEST_CAPS);
+  EXPECT_TRUE(gst_caps_is_equal(caps, expected_caps));
+  gst_caps_unref(expected_caps);
+  gst_caps_unref(caps);
+  EXPECT_EQ(stat(h->element, "received"), cases.size());
+  EXPECT_EQ(stat(h->element, "rejected"), rejected);
+  gst_harness_teardown(h);
+}
+
+TEST_F(ZmqTest, QueryConnectsToABoundClient) {
+  zmq::socket_t push(ctx_, zmq::socket_type::push);
+  push.set(zmq::sockopt::linger, 0);
+  push.bind("tcp://127.0.0.1:*");
+  const std::string endpoint = push.get(zmq::sockopt::last_endpoint);
+  GstElement* e = make_query(endpoint, 1);
+  g_object_set(e, "bind", FALSE, nullptr);
+  GstHarness* h = query_harness(e);
+  ASSERT_TRUE(push.send(zmq::str_buffer(R"({"id":"c1","text":"blue shoe"})")));
+  GstBuffer* buf = gst_harness_pull(h);
+  expect_request(buf, {"c1", gstmoe::Modality::Text, "blue shoe", "", 0, ""});
+  if (buf) gst_buffer_unref(buf);
+  EXPECT_TRUE(wait_eos(h));
+  gst_harness_teardown(h);
+}
+
+TEST_F(ZmqTest, QueryAnswersLatencyAsLiveWithoutDelay) {
+  GstHarness* h = query_harness(make_query(ipc("latency.ipc")));
+  GstQuery* q = gst_query_new_latency();
+  ASSERT_TRUE(gst_pad_peer_query(h->sinkpad, q));
+  gboolean live = FALSE;
+  GstClockTime min = 1, max = 0;
+  gst_query_parse_latency(q, &live, &min, &max);
+  EXPECT_TRUE(live);
+  EXPECT_EQ(min, 0u);
+  EXPECT_EQ(max, GST_CLOCK_TIME_NONE);
+  gst_query_unref(q);
+  gst_harness_teardown(h);  // also checks that stop interrupts a create() waiting for a message
+}
+
+// The reply a ROUTER client gets, as (id or "null", status, error).
+std::tuple<std::string, std::string, std::string> parse_reply(const std::string& text) {
+  JsonParser* parser = json_parser_new();
+  EXPECT_TRUE(json_parser_load_from_data(parser, text.data(), static_cast<gssize>(text.size()), nullptr)) << text;
+  JsonObject* o = json_node_get_object(json_parser_get_root(parser));
+  JsonNode* id = json_object_get_member(o, "id");
+  std::tuple<std::string, std::string, std::string> r{
+      JSON_NODE_HOLDS_NULL(id) ? "null" : json_node_get_string(id), json_object_get_string_member(o, "status"),
+      json_object_has_member(o, "error") ? json_object_get_string_member(o, "error") : ""};
+  g_object_unref(parser);
+  return r;
+}
+
+TEST_F(ZmqTest, QueryRouterAcknowledgesDealerAndReqClients) {
+  const std::string endpoint = ipc("router.ipc");
+  GstElement* e = make_query(endpoint, 4);
+  g_object_set(e, "socket-type", GST_ZMQ_QUERY_SOCKET_ROUTER, nullptr);
+  GstHarness* h = query_harness(e);
+  zmq::socket_t dealer = client(ctx_, zmq::socket_type::dealer, endpoint);
+  zmq::socket_t req = client(ctx_, zmq::socket_type::req, endpoint);
+
+  zmq::message_t reply;
+  ASSERT_TRUE(dealer.send(zmq::str_buffer(R"({"id":"d1","text":"red mug"})")));
+  ASSERT_TRUE(dealer.recv(reply));
+  EXPECT_FALSE(reply.more());  // DEALER: no envelope comes back
+  EXPECT_EQ(parse_reply(to_string(reply)), std::make_tuple(std::string("d1"), std::string("accepted"), std::string()));
+
+  ASSERT_TRUE(req.send(zmq::str_buffer(R"({"id":"r1","image":"/no/such/file.png"})")));
+  ASSERT_TRUE(req.recv(reply));
+  auto [id, status, error] = parse_reply(to_string(reply));
+  EXPECT_EQ(id, "r1");
+  EXPECT_EQ(status, "rejected");
+  EXPECT_NE(error.find("image file '/no/such/file.png' cannot be read"), std::string::npos) << error;
+
+  ASSERT_TRUE(req.send(zmq::str_buffer("not json")));  // REQ needs the reply before its next request
+  ASSERT_TRUE(req.recv(reply));
+  EXPECT_EQ(std::get<0>(parse_reply(to_string(reply))), "null");
+
+  ASSERT_TRUE(req.send(zmq::str_buffer(R"({"id":7,"text":"last"})")));
+  ASSERT_TRUE(req.recv(reply));
+  EXPECT_EQ(parse_reply(to_string(reply)), std::make_tuple(std::string("7"), std::string("accepted"), std::string()));
+
+  const std::vector<Expect> expected = {{"d1", gstmoe::Modality::Text, "red mug", "", 0, ""},
+                                        {"r1", gstmoe::Modality::Image, "", "/no/such/file.png", 0, "cannot be read"},
+                                        {"", gstmoe::Modality::Text, "", "", 0, "not valid JSON"},
+                                        {"7", gstmoe::Modality::Text, "last", "", 0, ""}};
+  for (const Expect& x : expected) {
+    GstBuffer* buf = gst_harness_pull(h);
+    expect_request(buf, x);
+    if (buf) gst_buffer_unref(buf);
+  }
+  EXPECT_TRUE(wait_eos(h));
+  EXPECT_EQ(stat(h->element, "rejected"), 2u);
+  gst_harness_teardown(h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// State cycles: each start binds the same tcp endpoint again, and works.
+
+TEST_F(ZmqTest, QueryRebindsTheSameEndpointOnEveryStart) {
+  const std::string endpoint = free_tcp_endpoint();
+  GstHarness* h = query_harness(make_query(endpoint));
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    SCOPED_TRACE("cycle " + std::to_string(cycle));
+    if (cycle > 0) gst_harness_play(h);
+    zmq::socket_t push = client(ctx_, zmq::socket_type::push, endpoint);
+    const std::string id = "cycle" + std::to_string(cycle);
+    ASSERT_TRUE(push.send(zmq::buffer(R"({"id":")" + id + R"(","text":"x"})")));
+    GstBuffer* buf = gst_harness_pull(h);
+    expect_request(buf, {id, gstmoe::Modality::Text, "x", "", 0, ""});
+    if (buf) gst_buffer_unref(buf);
+    EXPECT_EQ(stat(h->element, "received"), 1u);  // reset at every start
+    ASSERT_EQ(gst_element_set_state(h->element, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
+  }
+  gst_harness_teardown(h);
+}
+
+TEST_F(ZmqTest, PublishRebindsTheSameEndpointOnEveryStart) {
+  const std::string endpoint = free_tcp_endpoint();
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    SCOPED_TRACE("cycle " + std::to_string(cycle));
+    GstHarness* h = publish_harness(make_publish(endpoint));
+    zmq::socket_t sub = subscriber(endpoint, "");
+    warm_up(h, sub, "");
+    ASSERT_EQ(push(h, "cycle " + std::to_string(cycle)), GST_FLOW_OK);
+    EXPECT_EQ(receive_payload(sub, ""), "cycle " + std::to_string(cycle));
+    gst_harness_teardown(h);
+  }
+
+  // The same element, cycled.
+  GstElement* e = make_publish(endpoint);
+  for (int cycle = 0; cycle < 3; ++cycle) {
+    ASSERT_NE(gst_element_set_state(e, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE) << "cycle " << cycle;
+    ASSERT_EQ(gst_element_set_state(e, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS) << "cycle " << cycle;
+  }
+  gst_object_unref(e);
+}
+
+}  // namespace
