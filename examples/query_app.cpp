@@ -13,6 +13,22 @@
 #include <string>
 #include <vector>
 
+namespace {
+
+// Prints the pipeline's first error message, if any; returns whether there was one.
+bool report_error(GstElement* pipeline) {
+  GstMessage* msg = gst_bus_pop_filtered(GST_ELEMENT_BUS(pipeline), GST_MESSAGE_ERROR);
+  if (!msg) return false;
+  GError* err = nullptr;
+  gst_message_parse_error(msg, &err, nullptr);
+  std::fprintf(stderr, "error: %s\n", err->message);
+  g_error_free(err);
+  gst_message_unref(msg);
+  return true;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   gst_init(&argc, &argv);
   std::string model, adapter, index;
@@ -62,14 +78,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   if (gst_element_set_state(pipeline, GST_STATE_PLAYING) == GST_STATE_CHANGE_FAILURE) {
-    GstMessage* msg = gst_bus_pop_filtered(GST_ELEMENT_BUS(pipeline), GST_MESSAGE_ERROR);
-    if (msg) {
-      GError* err = nullptr;
-      gst_message_parse_error(msg, &err, nullptr);
-      std::fprintf(stderr, "error: %s\n", err->message);
-      g_error_free(err);
-      gst_message_unref(msg);
-    }
+    report_error(pipeline);
     return 1;
   }
 
@@ -80,7 +89,6 @@ int main(int argc, char** argv) {
   }
   gst_app_src_end_of_stream(GST_APP_SRC(src));
 
-  int status = 0;
   for (;;) {
     GstSample* sample = gst_app_sink_pull_sample(GST_APP_SINK(sink));
     if (!sample) break;  // EOS
@@ -92,15 +100,7 @@ int main(int argc, char** argv) {
     }
     gst_sample_unref(sample);
   }
-  GstMessage* msg = gst_bus_pop_filtered(GST_ELEMENT_BUS(pipeline), GST_MESSAGE_ERROR);
-  if (msg) {
-    GError* err = nullptr;
-    gst_message_parse_error(msg, &err, nullptr);
-    std::fprintf(stderr, "error: %s\n", err->message);
-    g_error_free(err);
-    gst_message_unref(msg);
-    status = 1;
-  }
+  const int status = report_error(pipeline) ? 1 : 0;
   gst_element_set_state(pipeline, GST_STATE_NULL);
   gst_object_unref(pipeline);
   return status;

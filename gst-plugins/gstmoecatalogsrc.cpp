@@ -251,9 +251,7 @@ static GstFlowReturn gst_moe_catalog_src_create(GstPushSrc* src, GstBuffer** out
   GstBuffer* buf = nullptr;
   if (error.empty()) {
     try {
-      auto* bytes = new std::vector<uint8_t>(moe::read_image_file(item.path));
-      buf = gst_buffer_new_wrapped_full(GST_MEMORY_FLAG_READONLY, bytes->data(), bytes->size(), 0, bytes->size(), bytes,
-                                        [](gpointer p) { delete static_cast<std::vector<uint8_t>*>(p); });
+      buf = gstmoe::bytes_buffer(moe::read_image_file(item.path));
       records.rows.push_back(std::move(request));
     } catch (const moe::Error& e) {
       error = e.what();

@@ -14,12 +14,9 @@
 #include "gstmoeexpert.h"
 
 #include <cstring>
-#include <mutex>
 #include <utility>
 
-#include "gstmoemeta.h"
-#include "gstmoeroute.h"
-#include "moe/moe_layer.h"
+#include "gstmoeadapter.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_moe_expert_debug);
 #define GST_CAT_DEFAULT gst_moe_expert_debug
@@ -42,11 +39,7 @@ struct ExpertState {
   int width = 0;
   std::string route_dir;  // the adapter of the moe-route upstream, when one answered
 
-  // Statistics since the last start.
-  std::mutex stats_lock;
-  guint64 rows = 0;
-  guint64 batches = 0;
-  std::vector<guint64> expert_rows;
+  gstmoe::adapter::Stats stats;  // expert-rows: per expert, how many rows it ran on
 };
 
 }  // namespace
@@ -89,15 +82,6 @@ static void gst_moe_expert_set_property(GObject* object, guint prop_id, const GV
   GST_OBJECT_UNLOCK(self);
 }
 
-static GstStructure* gst_moe_expert_stats(GstMoeExpert* self) {
-  ExpertState* st = self->st;
-  std::lock_guard<std::mutex> lock(st->stats_lock);
-  GstStructure* s = gst_structure_new("moe-expert-stats", "rows", G_TYPE_UINT64, st->rows, "batches", G_TYPE_UINT64,
-                                      st->batches, nullptr);
-  gstmoe::adapter::set_uint64_array(s, "expert-rows", st->expert_rows);
-  return s;
-}
-
 static void gst_moe_expert_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
   GstMoeExpert* self = GST_MOE_EXPERT(object);
   switch (prop_id) {
@@ -112,7 +96,7 @@ static void gst_moe_expert_get_property(GObject* object, guint prop_id, GValue* 
       GST_OBJECT_UNLOCK(self);
       break;
     case PROP_STATS:
-      g_value_take_boxed(value, gst_moe_expert_stats(self));
+      g_value_take_boxed(value, self->st->stats.to_structure("moe-expert-stats", "expert-rows"));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -145,11 +129,7 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   st->adapter_name = gstmoe::adapter::name_of(dir);
   st->width = 0;
   st->route_dir.clear();
-  {
-    std::lock_guard<std::mutex> lock(st->stats_lock);
-    st->rows = st->batches = 0;
-    st->expert_rows.assign(static_cast<size_t>(cfg.num_experts), 0);
-  }
+  st->stats.reset(cfg.num_experts);
   GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, on %s", dir.c_str(), cfg.hidden_size,
                   cfg.num_experts, device.c_str());
   return TRUE;
@@ -284,12 +264,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   gst_buffer_unmap(buf, &map);
 
   for (gstmoe::RequestRecord& r : records.rows) r.timings_ms.emplace_back("expert", ms);
-  {
-    std::lock_guard<std::mutex> lock(st->stats_lock);
-    st->rows += rows;
-    st->batches += 1;
-    for (int32_t e : routing.expert_ids) ++st->expert_rows[static_cast<size_t>(e)];
-  }
+  st->stats.add_batch(rows, routing.expert_ids);
   GST_LOG_OBJECT(self, "ran the experts of %zu rows in %.3f ms", rows, ms);
   return GST_FLOW_OK;
 }
@@ -308,13 +283,7 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
   gobject_class->get_property = gst_moe_expert_get_property;
   gobject_class->finalize = gst_moe_expert_finalize;
 
-  g_object_class_install_property(
-      gobject_class, PROP_MODEL,
-      g_param_spec_string("model", "Adapter directory",
-                          "MoE adapter directory (adapter_config.json + adapter.safetensors); loaded when the "
-                          "element starts, shared with every element that names the same directory",
-                          nullptr,
-                          static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+  g_object_class_install_property(gobject_class, PROP_MODEL, gstmoe::adapter::model_param_spec());
   g_object_class_install_property(
       gobject_class, PROP_DEVICE,
       g_param_spec_string("device", "Device",

@@ -18,6 +18,12 @@ bool parse_tensor_caps(const GstCaps* caps, int* width) {
   return gst_structure_get_int(s, "width", width) && *width > 0;
 }
 
+GstBuffer* bytes_buffer(std::vector<uint8_t>&& bytes) {
+  auto* owned = new std::vector<uint8_t>(std::move(bytes));
+  return gst_buffer_new_wrapped_full(GST_MEMORY_FLAG_READONLY, owned->data(), owned->size(), 0, owned->size(), owned,
+                                     [](gpointer p) { delete static_cast<std::vector<uint8_t>*>(p); });
+}
+
 }  // namespace gstmoe
 
 GType gst_moe_batch_meta_api_get_type(void) {

@@ -89,6 +89,9 @@ GstCaps* tensor_caps(int width);
 // Reads width from tensor caps; false if the caps are not fixed x-moe-tensor f32 caps.
 bool parse_tensor_caps(const GstCaps* caps, int* width);
 
+// A read-only buffer that takes `bytes` without copying them (request payloads: image files).
+GstBuffer* bytes_buffer(std::vector<uint8_t>&& bytes);
+
 // Milliseconds between two g_get_monotonic_time() readings.
 inline double elapsed_ms(int64_t from_us, int64_t to_us) { return static_cast<double>(to_us - from_us) / 1000.0; }
 

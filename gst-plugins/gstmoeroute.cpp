@@ -10,133 +10,12 @@
  */
 #include "gstmoeroute.h"
 
-#include <mutex>
 #include <utility>
 
-#include "moe/model_cache.h"
+#include "gstmoeadapter.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_moe_route_debug);
 #define GST_CAT_DEFAULT gst_moe_route_debug
-
-// ------------------------------------------------------------------------------------------
-// Helpers shared with moe-expert.
-
-namespace gstmoe::adapter {
-
-static const char* const kRouteQuery = "moe-route-adapter";
-
-std::shared_ptr<const moe::MoeAdapter> load(GstElement* element, const std::string& dir) {
-  if (dir.empty()) {
-    GST_ELEMENT_ERROR(element, RESOURCE, NOT_FOUND,
-                      ("no MoE adapter: set the 'model' property to an adapter directory "
-                       "(adapter_config.json + adapter.safetensors)"),
-                      (nullptr));
-    return nullptr;
-  }
-  try {
-    return moe::shared_moe_adapter(dir);
-  } catch (const std::exception& e) {  // moe::Error names the file and the reason
-    GST_ELEMENT_ERROR(element, RESOURCE, OPEN_READ, ("cannot load the MoE adapter '%s': %s", dir.c_str(), e.what()),
-                      (nullptr));
-    return nullptr;
-  }
-}
-
-int caps_width(GstElement* element, const GstCaps* caps, const moe::MoeAdapter& adapter, const std::string& dir) {
-  int width = 0;
-  if (!parse_tensor_caps(caps, &width)) {
-    gchar* str = gst_caps_to_string(caps);
-    GST_ELEMENT_ERROR(element, CORE, NEGOTIATION, ("caps %s are not fixed %s caps", str, GST_MOE_TENSOR_MEDIA_TYPE),
-                      (nullptr));
-    g_free(str);
-    return 0;
-  }
-  const int hidden = adapter.layer().config().hidden_size;
-  if (width != hidden) {
-    GST_ELEMENT_ERROR(element, CORE, NEGOTIATION,
-                      ("input tensors have width %d but the MoE adapter '%s' has hidden_size %d: "
-                       "the encoder's embedding size must match the adapter",
-                       width, dir.c_str(), hidden),
-                      (nullptr));
-    return 0;
-  }
-  return width;
-}
-
-bool buffer_rows(GstElement* element, GstBuffer* buffer, int width, size_t* rows) {
-  const gsize size = gst_buffer_get_size(buffer);
-  const gsize row_bytes = static_cast<gsize>(width) * sizeof(float);
-  if (size % row_bytes != 0) {
-    GST_ELEMENT_ERROR(element, STREAM, FORMAT,
-                      ("tensor buffer of %" G_GSIZE_FORMAT " bytes is not a whole number of rows of width %d "
-                       "(%" G_GSIZE_FORMAT " bytes each)",
-                       size, width, row_bytes),
-                      (nullptr));
-    return false;
-  }
-  *rows = size / row_bytes;
-  return true;
-}
-
-bool check_meta_rows(GstElement* element, const GstMoeBatchMeta* meta, size_t rows) {
-  const size_t described = meta->records->rows.size();
-  if (described != rows) {
-    GST_ELEMENT_ERROR(element, STREAM, FORMAT,
-                      ("the tensor buffer holds %zu rows but its request meta describes %zu", rows, described),
-                      (nullptr));
-    return false;
-  }
-  return true;
-}
-
-std::string name_of(const std::string& dir) {
-  gchar* base = g_path_get_basename(dir.c_str());  // ignores trailing slashes
-  std::string name(base);
-  g_free(base);
-  return name;
-}
-
-void set_uint64_array(GstStructure* s, const char* field, const std::vector<guint64>& values) {
-  GValue array = G_VALUE_INIT;
-  gst_value_array_init(&array, static_cast<guint>(values.size()));
-  for (guint64 v : values) {
-    GValue item = G_VALUE_INIT;
-    g_value_init(&item, G_TYPE_UINT64);
-    g_value_set_uint64(&item, v);
-    gst_value_array_append_and_take_value(&array, &item);
-  }
-  gst_structure_take_value(s, field, &array);
-}
-
-bool is_route_query(GstQuery* query) {
-  if (GST_QUERY_TYPE(query) != GST_QUERY_CUSTOM) return false;
-  const GstStructure* s = gst_query_get_structure(query);
-  return s && gst_structure_has_name(s, kRouteQuery);
-}
-
-void answer_route_query(GstQuery* query, const std::string& dir, const moe::MoeConfig& config) {
-  gst_structure_set(gst_query_writable_structure(query), "path", G_TYPE_STRING, dir.c_str(), "hidden-size",
-                    G_TYPE_INT, config.hidden_size, "num-experts", G_TYPE_INT, config.num_experts, nullptr);
-}
-
-bool query_route(GstPad* sinkpad, RouteInfo* info) {
-  GstQuery* query = gst_query_new_custom(GST_QUERY_CUSTOM, gst_structure_new_empty(kRouteQuery));
-  bool answered = gst_pad_peer_query(sinkpad, query);
-  if (answered) {
-    const GstStructure* s = gst_query_get_structure(query);
-    const gchar* path = gst_structure_get_string(s, "path");
-    answered = path && gst_structure_get_int(s, "hidden-size", &info->hidden_size) &&
-               gst_structure_get_int(s, "num-experts", &info->num_experts);
-    if (answered) info->dir = path;
-  }
-  gst_query_unref(query);
-  return answered;
-}
-
-}  // namespace gstmoe::adapter
-
-// ------------------------------------------------------------------------------------------
-// The element.
 
 namespace {
 
@@ -157,11 +36,7 @@ struct RouteState {
   int width = 0;
   guint64 next_id = 0;  // ids for rows that arrive without a request meta
 
-  // Statistics since the last start.
-  std::mutex stats_lock;
-  guint64 rows = 0;
-  guint64 batches = 0;
-  std::vector<guint64> expert_load;
+  gstmoe::adapter::Stats stats;  // expert-load: per expert, how many rows chose it
 };
 
 }  // namespace
@@ -202,15 +77,6 @@ static void gst_moe_route_set_property(GObject* object, guint prop_id, const GVa
   GST_OBJECT_UNLOCK(self);
 }
 
-static GstStructure* gst_moe_route_stats(GstMoeRoute* self) {
-  RouteState* st = self->st;
-  std::lock_guard<std::mutex> lock(st->stats_lock);
-  GstStructure* s = gst_structure_new("moe-route-stats", "rows", G_TYPE_UINT64, st->rows, "batches", G_TYPE_UINT64,
-                                      st->batches, nullptr);
-  gstmoe::adapter::set_uint64_array(s, "expert-load", st->expert_load);
-  return s;
-}
-
 static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
   GstMoeRoute* self = GST_MOE_ROUTE(object);
   switch (prop_id) {
@@ -225,7 +91,7 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
       GST_OBJECT_UNLOCK(self);
       break;
     case PROP_STATS:
-      g_value_take_boxed(value, gst_moe_route_stats(self));
+      g_value_take_boxed(value, self->st->stats.to_structure("moe-route-stats", "expert-load"));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -257,11 +123,7 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   st->adapter_name = gstmoe::adapter::name_of(dir);
   st->top_k_used = top_k ? static_cast<int>(top_k) : cfg.top_k;
   GST_OBJECT_UNLOCK(self);
-  {
-    std::lock_guard<std::mutex> lock(st->stats_lock);
-    st->rows = st->batches = 0;
-    st->expert_load.assign(static_cast<size_t>(cfg.num_experts), 0);
-  }
+  st->stats.reset(cfg.num_experts);
   st->width = 0;
   GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, top-k %d", dir.c_str(), cfg.hidden_size,
                   cfg.num_experts, st->top_k_used);
@@ -339,21 +201,14 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   const double ms = gstmoe::elapsed_ms(t0, g_get_monotonic_time());
   gst_buffer_unmap(buf, &map);
 
-  std::vector<guint64> load(st->expert_load.size(), 0);
   for (size_t i = 0; i < rows; ++i) {
     gstmoe::RequestRecord& r = records.rows[i];
     const auto begin = static_cast<size_t>(i) * static_cast<size_t>(routing.top_k);
     r.experts.assign(routing.expert_ids.begin() + begin, routing.expert_ids.begin() + begin + routing.top_k);
     r.expert_weights.assign(routing.weights.begin() + begin, routing.weights.begin() + begin + routing.top_k);
     r.timings_ms.emplace_back("route", ms);
-    for (int32_t e : r.experts) ++load[static_cast<size_t>(e)];
   }
-  {
-    std::lock_guard<std::mutex> lock(st->stats_lock);
-    st->rows += rows;
-    st->batches += 1;
-    for (size_t e = 0; e < load.size(); ++e) st->expert_load[e] += load[e];
-  }
+  st->stats.add_batch(rows, routing.expert_ids);
   GST_LOG_OBJECT(self, "routed %zu rows in %.3f ms", rows, ms);
   return GST_FLOW_OK;
 }
@@ -372,13 +227,7 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
   gobject_class->get_property = gst_moe_route_get_property;
   gobject_class->finalize = gst_moe_route_finalize;
 
-  g_object_class_install_property(
-      gobject_class, PROP_MODEL,
-      g_param_spec_string("model", "Adapter directory",
-                          "MoE adapter directory (adapter_config.json + adapter.safetensors); loaded when the "
-                          "element starts, shared with every element that names the same directory",
-                          nullptr,
-                          static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+  g_object_class_install_property(gobject_class, PROP_MODEL, gstmoe::adapter::model_param_spec());
   g_object_class_install_property(
       gobject_class, PROP_TOP_K,
       g_param_spec_uint("top-k", "Experts per row",

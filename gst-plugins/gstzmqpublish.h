@@ -1,15 +1,8 @@
-/* zmq-publish: publishes every buffer (a JSON result document) as one ZeroMQ PUB message.
- *
- * Also home of gstmoe::ZmqSocket, the socket-with-context that zmq-publish and zmq-query share.
- */
+/* zmq-publish: publishes every buffer (a JSON result document) as one ZeroMQ PUB message. */
 #pragma once
 
 #include <gst/base/gstbasesink.h>
 #include <gst/gst.h>
-
-#include <functional>
-#include <string>
-#include <zmq.hpp>
 
 G_BEGIN_DECLS
 
@@ -19,39 +12,3 @@ G_DECLARE_FINAL_TYPE(GstZmqPublish, gst_zmq_publish, GST, ZMQ_PUBLISH, GstBaseSi
 GST_ELEMENT_REGISTER_DECLARE(zmq_publish);
 
 G_END_DECLS
-
-namespace gstmoe {
-
-// A ZeroMQ socket in a context of its own, bound or connected to one endpoint.
-//
-// Why a private context: zmq_close() is asynchronous, so a listener may still hold its address
-// for a moment after the socket is closed; only zmq_ctx_term() waits until every socket of the
-// context has really let go. Terminating the context when the element stops therefore lets the
-// next start rebind the same address at once (NULL->PLAYING->NULL cycles), and leaves nothing
-// behind in the process. The cost is one ZeroMQ I/O thread per running element. Since inproc://
-// endpoints only reach sockets of the same context, they are refused.
-class ZmqSocket {
- public:
-  // Opens a socket of `type` with ZMQ_LINGER 0 (closing discards what is still queued, so it
-  // never waits on a peer), lets `configure` set the options that must precede bind/connect
-  // (high-water marks), then binds or connects. Throws std::runtime_error with a message that
-  // names the socket type, the endpoint and ZeroMQ's reason.
-  ZmqSocket(zmq::socket_type type, const std::string& endpoint, bool bind,
-            const std::function<void(zmq::socket_t&)>& configure);
-  // Closes the socket, then terminates the context: returns once the endpoint is released,
-  // after at most the socket's linger time.
-  ~ZmqSocket() = default;
-  ZmqSocket(const ZmqSocket&) = delete;
-  ZmqSocket& operator=(const ZmqSocket&) = delete;
-
-  zmq::socket_t& socket() { return socket_; }
-  // How long closing may wait for queued messages to leave (ms; 0: discard them). False if
-  // ZeroMQ refused it.
-  bool set_linger(int ms) noexcept { return zmq_setsockopt(socket_.handle(), ZMQ_LINGER, &ms, sizeof ms) == 0; }
-
- private:
-  zmq::context_t context_;  // declared first: destroyed after the socket
-  zmq::socket_t socket_;
-};
-
-}  // namespace gstmoe

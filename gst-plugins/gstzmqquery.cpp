@@ -10,11 +10,9 @@
  */
 #include "gstzmqquery.h"
 
-#include <fcntl.h>
 #include <glib/gstdio.h>
 #include <json-glib/json-glib.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -25,7 +23,9 @@
 #include <zmq_addon.hpp>
 
 #include "gstmoemeta.h"
-#include "gstzmqpublish.h"
+#include "gstmoezmq.h"
+#include "moe/error.h"
+#include "moe/image_decode.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_zmq_query_debug);
 #define GST_CAT_DEFAULT gst_zmq_query_debug
@@ -111,43 +111,29 @@ struct Rejection {
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
-// The whole of a file, refused if it is not a readable regular file of 1..max_bytes bytes.
+// The bytes of the image file at `path`, read by the engine as moe-catalog-src reads catalog
+// images, refused unless it is a regular file of 1..max_bytes bytes. The size is checked before
+// reading, so that a refused file is never loaded, and again after, in case the file changed.
 GstBuffer* read_image_file(const std::string& path, guint64 max_bytes) {
   const std::string what = "image file " + quote(path);
-  const int fd = g_open(path.c_str(), O_RDONLY | O_CLOEXEC, 0);
-  if (fd < 0) reject(what + " cannot be read: " + g_strerror(errno));
+  auto check_size = [&](guint64 size) {
+    if (size == 0) reject(what + " is empty");
+    if (size > max_bytes)
+      reject(what + " is " + std::to_string(size) + " bytes, more than max-image-bytes (" +
+             std::to_string(max_bytes) + ")");
+  };
   GStatBuf st;
-  std::string problem;
-  if (fstat(fd, &st) != 0)
-    problem = std::string(" cannot be read: ") + g_strerror(errno);
-  else if (!S_ISREG(st.st_mode))
-    problem = " is not a regular file";
-  else if (st.st_size == 0)
-    problem = " is empty";
-  else if (static_cast<guint64>(st.st_size) > max_bytes)
-    problem = " is " + std::to_string(st.st_size) + " bytes, more than max-image-bytes (" + std::to_string(max_bytes) + ")";
-  if (!problem.empty()) {
-    close(fd);
-    reject(what + problem);
+  if (g_stat(path.c_str(), &st) != 0) reject(what + " cannot be read: " + g_strerror(errno));
+  if (!S_ISREG(st.st_mode)) reject(what + " is not a regular file");
+  check_size(static_cast<guint64>(st.st_size));
+  std::vector<uint8_t> bytes;
+  try {
+    bytes = moe::read_image_file(path);
+  } catch (const moe::Error& e) {  // "image file '<path>' cannot be read: <reason>"
+    reject(e.what());
   }
-  const gsize size = static_cast<gsize>(st.st_size);
-  auto* data = static_cast<guint8*>(g_malloc(size));
-  gsize done = 0;
-  while (done < size) {
-    const ssize_t n = read(fd, data + done, size - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      problem = n < 0 ? std::string(" cannot be read: ") + g_strerror(errno) : " was truncated while being read";
-      break;
-    }
-    done += static_cast<gsize>(n);
-  }
-  close(fd);
-  if (!problem.empty()) {
-    g_free(data);
-    reject(what + problem);
-  }
-  return gst_buffer_new_wrapped(data, size);
+  check_size(bytes.size());
+  return gstmoe::bytes_buffer(std::move(bytes));
 }
 
 // The local path an "image" value names: a path, or a file:// uri.

@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <fstream>
 #include <numeric>
-#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -27,23 +26,8 @@ using moe::AnnIndex;
 using moe::AnnIndexType;
 using moe::AnnItem;
 using moe::test::expect_error;
-
-// n x dim Gaussian vectors, each scaled to unit length.
-std::vector<float> random_unit_vectors(int64_t n, int dim, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(static_cast<size_t>(n * dim));
-  for (int64_t i = 0; i < n; ++i) {
-    double norm = 0;
-    for (int j = 0; j < dim; ++j) {
-      const float x = dist(rng);
-      v[i * dim + j] = x;
-      norm += static_cast<double>(x) * x;
-    }
-    for (int j = 0; j < dim; ++j) v[i * dim + j] = static_cast<float>(v[i * dim + j] / std::sqrt(norm));
-  }
-  return v;
-}
+using moe::test::random_unit_vectors;
+using moe::test::TempDir;
 
 std::vector<AnnItem> numbered_items(int64_t n) {
   std::vector<AnnItem> items;
@@ -71,20 +55,6 @@ std::vector<std::vector<AnnHit>> brute_force(const std::vector<float>& base, con
   }
   return out;
 }
-
-class TempDir {
- public:
-  TempDir() {
-    gchar* dir = g_dir_make_tmp("test_ann_index-XXXXXX", nullptr);
-    path_ = dir;
-    g_free(dir);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 std::string read_text(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -279,7 +249,7 @@ TEST_P(AnnIndexFiles, SaveLoadRoundTrip) {
   EXPECT_TRUE(std::filesystem::exists(path));
   EXPECT_TRUE(std::filesystem::exists(path + ".items.jsonl"));
   // Only the two files remain: the temporary files were renamed into place.
-  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_.file("")), std::filesystem::directory_iterator()), 2);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_.path()), std::filesystem::directory_iterator()), 2);
 
   const AnnIndex loaded = AnnIndex::load(path);
   EXPECT_EQ(loaded.type(), GetParam());
@@ -357,7 +327,7 @@ TEST_P(AnnIndexFiles, FailedSaveLeavesNoHalfIndex) {
   std::filesystem::create_directory(path + ".items.jsonl");
   expect_error([&] { build().save(path); }, {path + ".items.jsonl", "cannot be written"});
   EXPECT_FALSE(std::filesystem::exists(path));
-  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_.file("")), std::filesystem::directory_iterator()), 1);
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir_.path()), std::filesystem::directory_iterator()), 1);
 
   expect_error([&] { build().save(dir_.file("no-such-dir/catalog.faiss")); },
                {dir_.file("no-such-dir/catalog.faiss"), "cannot be written"});

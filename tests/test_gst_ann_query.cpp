@@ -6,15 +6,18 @@
 
 #include <cmath>
 #include <filesystem>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "gstannquery.h"
 #include "gstmoemeta.h"
 #include "moe/ann_index.h"
+#include "test_util.h"
 
 namespace {
+
+using moe::test::random_unit_vectors;
+using moe::test::TempDir;
 
 constexpr int kWidth = 16;
 constexpr int kItems = 50;
@@ -26,21 +29,6 @@ void init_once() {
     return true;
   }();
   (void)done;
-}
-
-std::vector<float> random_unit_vectors(int n, int dim, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist;
-  std::vector<float> v(static_cast<size_t>(n) * dim);
-  for (int i = 0; i < n; ++i) {
-    double norm = 0;
-    for (int j = 0; j < dim; ++j) {
-      v[i * dim + j] = dist(rng);
-      norm += static_cast<double>(v[i * dim + j]) * v[i * dim + j];
-    }
-    for (int j = 0; j < dim; ++j) v[i * dim + j] = static_cast<float>(v[i * dim + j] / std::sqrt(norm));
-  }
-  return v;
 }
 
 // The catalog record of item i, as moe-catalog-src would make it.
@@ -88,20 +76,6 @@ GstBuffer* tensor_buffer(const std::vector<float>& vectors, int first, const gst
   gst_buffer_add_moe_batch_meta(buf, records);
   return buf;
 }
-
-class TempDir {
- public:
-  TempDir() {
-    gchar* dir = g_dir_make_tmp("test_gst_ann_query-XXXXXX", nullptr);
-    path_ = dir;
-    g_free(dir);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
 
 // A parsed JSON document with typed accessors that fail the test on a missing field.
 class Json {

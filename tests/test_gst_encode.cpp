@@ -6,12 +6,10 @@
 #include <gst/check/gstharness.h>
 #include <gst/gst.h>
 #include <gst/video/video.h>
-#include <glib/gstdio.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,8 +20,12 @@
 #include "moe/clip_model.h"
 #include "moe/model_cache.h"
 #include "moe_build_config.h"
+#include "test_util.h"
 
 namespace {
+
+using moe::test::make_png;
+using moe::test::TempDir;
 
 const std::string kModelDir = std::string(MOE_SOURCE_DIR) + "/tests/fixtures/clip_tiny_bpe";
 constexpr int kWidth = 16;                                // clip_tiny_bpe's projection_dim
@@ -102,60 +104,6 @@ double max_abs_diff(const float* got, const moe::Tensor& want, int64_t want_row)
 bool has_timing(const gstmoe::RequestRecord& r, const std::string& stage) {
   return std::any_of(r.timings_ms.begin(), r.timings_ms.end(),
                      [&](const auto& t) { return t.first == stage && t.second >= 0.0; });
-}
-
-// A PNG file of an RGB8 (channels 3) or RGBA8 (4) image, written with stored (uncompressed)
-// deflate blocks: independent of the decoder under test.
-std::vector<uint8_t> make_png(const std::vector<uint8_t>& px, int w, int h, int channels) {
-  auto be32 = [](std::vector<uint8_t>& v, uint32_t x) {
-    for (int s = 24; s >= 0; s -= 8) v.push_back(static_cast<uint8_t>(x >> s));
-  };
-  auto crc32 = [](const uint8_t* p, size_t n) {
-    uint32_t c = 0xFFFFFFFFu;
-    for (size_t i = 0; i < n; ++i) {
-      c ^= p[i];
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-    }
-    return ~c;
-  };
-  std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
-  auto chunk = [&](const char* type, const std::vector<uint8_t>& data) {
-    be32(png, static_cast<uint32_t>(data.size()));
-    std::vector<uint8_t> body(type, type + 4);
-    body.insert(body.end(), data.begin(), data.end());
-    png.insert(png.end(), body.begin(), body.end());
-    be32(png, crc32(body.data(), body.size()));
-  };
-  std::vector<uint8_t> ihdr;
-  be32(ihdr, static_cast<uint32_t>(w));
-  be32(ihdr, static_cast<uint32_t>(h));
-  ihdr.insert(ihdr.end(), {8, static_cast<uint8_t>(channels == 4 ? 6 : 2), 0, 0, 0});
-  chunk("IHDR", ihdr);
-  std::vector<uint8_t> raw;  // filter type 0 before each row
-  const size_t row = static_cast<size_t>(w) * channels;
-  for (int y = 0; y < h; ++y) {
-    raw.push_back(0);
-    raw.insert(raw.end(), px.begin() + y * row, px.begin() + (y + 1) * row);
-  }
-  std::vector<uint8_t> z = {0x78, 0x01};
-  for (size_t at = 0;;) {
-    const size_t n = std::min<size_t>(65535, raw.size() - at);
-    const bool last = at + n == raw.size();
-    z.insert(z.end(), {static_cast<uint8_t>(last), static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
-                       static_cast<uint8_t>(~n), static_cast<uint8_t>(~n >> 8)});
-    z.insert(z.end(), raw.begin() + at, raw.begin() + at + n);
-    at += n;
-    if (last) break;
-  }
-  uint32_t a = 1, b = 0;
-  for (uint8_t v : raw) {
-    a = (a + v) % 65521;
-    b = (b + a) % 65521;
-  }
-  be32(z, (b << 16) | a);
-  chunk("IDAT", z);
-  chunk("IEND", {});
-  return png;
 }
 
 // w x h packed RGB8 with a pattern that depends on `seed`.
@@ -478,52 +426,44 @@ TEST(MoeEncode, RequestBuffersMixTextAndImagesAndCarryFailures) {
 
 /* ----- states and errors ----- */
 
-std::string pop_error(GstElement* pipeline, GError** error_out = nullptr) {
-  GstBus* bus = gst_element_get_bus(pipeline);
-  GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR);
-  gst_object_unref(bus);
-  if (msg == nullptr) return "";
+// Puts a `factory` element in a pipeline, with `property` set to `value` unless `property` is
+// null, and expects the change to `state` to fail; returns the error it posted (to be freed), or
+// null when there was none.
+GError* failed_state_change(const char* factory, const char* property, const std::string& value, GstState state) {
+  GstElement* pipeline = gst_pipeline_new(nullptr);
+  GstElement* e = gst_element_factory_make(factory, nullptr);
+  if (property != nullptr) g_object_set(e, property, value.c_str(), nullptr);
+  gst_bin_add(GST_BIN(pipeline), e);
+  EXPECT_EQ(gst_element_set_state(pipeline, state), GST_STATE_CHANGE_FAILURE);
   GError* err = nullptr;
-  gchar* debug = nullptr;
-  gst_message_parse_error(msg, &err, &debug);
-  const std::string text = err->message;
-  if (error_out != nullptr)
-    *error_out = err;
-  else
-    g_error_free(err);
-  g_free(debug);
-  gst_message_unref(msg);
-  return text;
+  GstBus* bus = gst_element_get_bus(pipeline);
+  if (GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR)) {
+    gst_message_parse_error(msg, &err, nullptr);
+    gst_message_unref(msg);
+  }
+  gst_object_unref(bus);
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(pipeline);
+  return err;
 }
 
 TEST(MoeEncode, BadModelPathFailsStateChangeNamingThePath) {
   const std::string bad = "/nonexistent/models/clip-missing";
-  GstElement* pipeline = gst_pipeline_new(nullptr);
-  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
-  g_object_set(e, "model", bad.c_str(), nullptr);
-  gst_bin_add(GST_BIN(pipeline), e);
-  EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_READY), GST_STATE_CHANGE_FAILURE);
-  GError* err = nullptr;
-  const std::string message = pop_error(pipeline, &err);
-  EXPECT_NE(message.find(bad), std::string::npos) << message;
+  GError* err = failed_state_change("moe-encode", "model", bad, GST_STATE_READY);
   ASSERT_NE(err, nullptr);
+  const std::string message = err->message;
+  EXPECT_NE(message.find(bad), std::string::npos) << message;
   EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_NOT_FOUND)) << message;
   g_error_free(err);
-  gst_element_set_state(pipeline, GST_STATE_NULL);
-  gst_object_unref(pipeline);
 }
 
 TEST(MoeEncode, NoModelIsASettingsError) {
-  GstElement* pipeline = gst_pipeline_new(nullptr);
-  gst_bin_add(GST_BIN(pipeline), gst_element_factory_make("moe-encode", nullptr));
-  EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_READY), GST_STATE_CHANGE_FAILURE);
-  GError* err = nullptr;
-  const std::string message = pop_error(pipeline, &err);
-  EXPECT_NE(message.find("model"), std::string::npos) << message;
+  GError* err = failed_state_change("moe-encode", nullptr, "", GST_STATE_READY);
   ASSERT_NE(err, nullptr);
+  const std::string message = err->message;
+  EXPECT_NE(message.find("model"), std::string::npos) << message;
   EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_SETTINGS)) << message;
   g_error_free(err);
-  gst_object_unref(pipeline);
 }
 
 TEST(MoeEncode, NullPlayingNullCyclesWork) {
@@ -557,32 +497,6 @@ TEST(MoeEncode, NullPlayingNullCyclesWork) {
 
 /* ----- moe-catalog-src ----- */
 
-// A temporary folder, removed with its files.
-class TempDir {
- public:
-  TempDir() {
-    gchar* d = g_dir_make_tmp("moe-catalog-XXXXXX", nullptr);
-    path_ = d;
-    g_free(d);
-  }
-  ~TempDir() {
-    for (const std::string& f : files_) g_remove(f.c_str());
-    g_rmdir(path_.c_str());
-  }
-  std::string write(const std::string& name, const std::vector<uint8_t>& bytes) {
-    const std::string p = path_ + "/" + name;
-    std::ofstream(p, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()), bytes.size());
-    files_.push_back(p);
-    return p;
-  }
-  std::string write(const std::string& name, const std::string& text) { return write(name, std::vector<uint8_t>(text.begin(), text.end())); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-  std::vector<std::string> files_;
-};
-
 std::string file_uri(const std::string& path) {
   gchar* u = g_filename_to_uri(path.c_str(), nullptr, nullptr);
   std::string s = u;
@@ -607,9 +521,8 @@ struct CatalogFixture {
                                "{\"path\": \"b.png\", \"caption\": \"blue\"}\n"
                                "\n"
                                "{\"path\": \"missing.png\", \"caption\": \"gone\", \"id\": \"M\"}\n"
-                               "{\"path\": \"" + dir.path() + "/c.png\", \"caption\": \"green\"}\n");
+                               "{\"path\": \"" + dir.file("c.png") + "\", \"caption\": \"green\"}\n");
   }
-  std::string path(const std::string& name) const { return dir.path() + "/" + name; }
 };
 
 GstHarness* catalog_harness(const std::string& location) {
@@ -650,7 +563,7 @@ TEST(MoeCatalogSrc, CatalogItemsThenEos) {
       rec = &meta->records->rows[0];
       gchar* bytes = nullptr;
       gsize size = 0;
-      ASSERT_TRUE(g_file_get_contents(fx.path(w.file).c_str(), &bytes, &size, nullptr));
+      ASSERT_TRUE(g_file_get_contents(fx.dir.file(w.file).c_str(), &bytes, &size, nullptr));
       EXPECT_EQ(gst_buffer_get_size(buf), size);
       EXPECT_EQ(gst_buffer_memcmp(buf, 0, bytes, size), 0) << "payload = the file's bytes";
       g_free(bytes);
@@ -660,12 +573,12 @@ TEST(MoeCatalogSrc, CatalogItemsThenEos) {
       ASSERT_EQ(meta->records->failed.size(), 1u) << w.id;
       const gstmoe::FailedRequest& f = meta->records->failed[0];
       EXPECT_EQ(f.stage, "moe-catalog-src");
-      EXPECT_NE(f.reason.find(fx.path(w.file)), std::string::npos) << f.reason;
+      EXPECT_NE(f.reason.find(fx.dir.file(w.file)), std::string::npos) << f.reason;
       rec = &f.request;
     }
     EXPECT_EQ(rec->id, w.id);
     EXPECT_EQ(rec->modality, gstmoe::Modality::Image);
-    EXPECT_EQ(rec->uri, file_uri(fx.path(w.file)));
+    EXPECT_EQ(rec->uri, file_uri(fx.dir.file(w.file)));
     EXPECT_EQ(rec->text, w.caption);
     EXPECT_GT(rec->arrival_wall_us, 0);
     gst_buffer_unref(buf);
@@ -686,7 +599,7 @@ TEST(MoeCatalogSrc, FolderWithoutCatalogListsImagesByName) {
     ASSERT_NE(meta, nullptr);
     ASSERT_EQ(meta->records->rows.size(), 1u);
     EXPECT_EQ(meta->records->rows[0].id, id);
-    EXPECT_EQ(meta->records->rows[0].uri, file_uri(fx.path(std::string(id) + ".png")));
+    EXPECT_EQ(meta->records->rows[0].uri, file_uri(fx.dir.file(std::string(id) + ".png")));
     EXPECT_EQ(meta->records->rows[0].text, "");
     gst_buffer_unref(buf);
   }
@@ -722,15 +635,10 @@ TEST(MoeCatalogSrc, MalformedLinesBecomeFailedRequests) {
 
 TEST(MoeCatalogSrc, MissingLocationIsAnErrorNamingThePath) {
   const std::string missing = "/nonexistent/catalog/folder";
-  GstElement* pipeline = gst_pipeline_new(nullptr);
-  GstElement* src = gst_element_factory_make("moe-catalog-src", nullptr);
-  g_object_set(src, "location", missing.c_str(), nullptr);
-  gst_bin_add(GST_BIN(pipeline), src);
-  EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_PAUSED), GST_STATE_CHANGE_FAILURE);
-  const std::string message = pop_error(pipeline);
-  EXPECT_NE(message.find(missing), std::string::npos) << message;
-  gst_element_set_state(pipeline, GST_STATE_NULL);
-  gst_object_unref(pipeline);
+  GError* err = failed_state_change("moe-catalog-src", "location", missing, GST_STATE_PAUSED);
+  ASSERT_NE(err, nullptr);
+  EXPECT_NE(std::string(err->message).find(missing), std::string::npos) << err->message;
+  g_error_free(err);
 }
 
 TEST(MoeCatalogSrc, ChainedIntoEncodeGivesRowsAndFailures) {

@@ -9,7 +9,6 @@
 #include <unistd.h>
 
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <numeric>
@@ -24,6 +23,7 @@
 #include "moe/model_cache.h"
 #include "moe/moe_layer.h"
 #include "moe_build_config.h"
+#include "test_util.h"
 
 namespace {
 
@@ -114,17 +114,6 @@ bool has_timing(const gstmoe::RequestRecord& r, const std::string& stage) {
   return false;
 }
 
-std::vector<guint64> uint64_array(const GstStructure* s, const char* field) {
-  std::vector<guint64> out;
-  const GValue* array = gst_structure_get_value(s, field);
-  EXPECT_NE(array, nullptr) << field;
-  if (!array) return out;
-  EXPECT_TRUE(GST_VALUE_HOLDS_ARRAY(array)) << field;
-  for (guint i = 0; i < gst_value_array_get_size(array); ++i)
-    out.push_back(g_value_get_uint64(gst_value_array_get_value(array, i)));
-  return out;
-}
-
 // The first error on `bus` as "message", or "" when none came within 10 s.
 std::string pop_error(GstBus* bus) {
   GstMessage* msg = gst_bus_timed_pop_filtered(bus, 10 * GST_SECOND, GST_MESSAGE_ERROR);
@@ -155,6 +144,34 @@ struct Harness {
   GstBuffer* pull() { return gst_harness_pull(h); }
   GstElement* element(const char* name) { return gst_bin_get_by_name(GST_BIN(h->element), name); }
 };
+
+// An element's 'stats': rows, batches and the per-expert counts in field `per_expert`.
+struct Stats {
+  std::string name;  // of the structure
+  guint64 rows = 0;
+  guint64 batches = 0;
+  std::vector<guint64> per_expert;
+};
+
+Stats read_stats(Harness& h, const char* element, const char* per_expert) {
+  GstElement* e = h.element(element);
+  GstStructure* s = nullptr;
+  g_object_get(e, "stats", &s, nullptr);
+  gst_object_unref(e);
+  Stats out;
+  EXPECT_NE(s, nullptr);
+  if (!s) return out;
+  out.name = gst_structure_get_name(s);
+  EXPECT_TRUE(gst_structure_get_uint64(s, "rows", &out.rows));
+  EXPECT_TRUE(gst_structure_get_uint64(s, "batches", &out.batches));
+  const GValue* array = gst_structure_get_value(s, per_expert);
+  EXPECT_TRUE(array && GST_VALUE_HOLDS_ARRAY(array)) << per_expert;
+  if (array && GST_VALUE_HOLDS_ARRAY(array))
+    for (guint i = 0; i < gst_value_array_get_size(array); ++i)
+      out.per_expert.push_back(g_value_get_uint64(gst_value_array_get_value(array, i)));
+  gst_structure_free(s);
+  return out;
+}
 
 std::string route_line(const std::string& extra = "") {
   return "moe-route name=route model=\"" + adapter_dir() + "\" " + extra;
@@ -217,9 +234,6 @@ void expect_contains(const std::string& text, const std::string& fragment) {
 class TempAdapter {
  public:
   explicit TempAdapter(int num_experts) {
-    gchar* dir = g_dir_make_tmp("moe-adapter-XXXXXX", nullptr);
-    dir_ = dir;
-    g_free(dir);
     const int D = kWidth, I = 24;
     std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {{"gate.weight", {num_experts, D}}};
     for (int e = 0; e < num_experts; ++e) {
@@ -248,24 +262,15 @@ class TempAdapter {
     std::memcpy(&file[0], &len, 8);  // little-endian host
     file += header;
     file.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
-    write("adapter.safetensors", file);
-    write("adapter_config.json", "{\"format\":\"gst-moe-adapter\",\"version\":1,\"hidden_size\":16,\"num_experts\":" +
+    dir_.write("adapter.safetensors", file);
+    dir_.write("adapter_config.json", "{\"format\":\"gst-moe-adapter\",\"version\":1,\"hidden_size\":16,\"num_experts\":" +
                                      std::to_string(num_experts) +
                                      ",\"top_k\":2,\"intermediate_size\":24,\"routing\":\"mixtral\"}");
   }
-  ~TempAdapter() {
-    std::remove((dir_ + "/adapter.safetensors").c_str());
-    std::remove((dir_ + "/adapter_config.json").c_str());
-    rmdir(dir_.c_str());
-  }
-  const std::string& dir() const { return dir_; }
+  const std::string& dir() const { return dir_.path(); }
 
  private:
-  void write(const std::string& name, const std::string& bytes) {
-    ASSERT_TRUE(g_file_set_contents((dir_ + "/" + name).c_str(), bytes.data(), static_cast<gssize>(bytes.size()),
-                                    nullptr));
-  }
-  std::string dir_;
+  moe::test::TempDir dir_;
 };
 
 class RouteExpertTest : public ::testing::Test {
@@ -312,21 +317,12 @@ TEST_F(RouteExpertTest, RouteStatsCountRowsBatchesAndExpertLoad) {
     gst_buffer_unref(h.pull());
     for (int32_t e : engine().route(as_tensor(rows)).expert_ids) ++want_load[static_cast<size_t>(e)];
   }
-  GstElement* route = h.element("route");
-  GstStructure* stats = nullptr;
-  g_object_get(route, "stats", &stats, nullptr);
-  ASSERT_NE(stats, nullptr);
-  EXPECT_TRUE(gst_structure_has_name(stats, "moe-route-stats"));
-  guint64 rows = 0, batches = 0;
-  EXPECT_TRUE(gst_structure_get_uint64(stats, "rows", &rows));
-  EXPECT_TRUE(gst_structure_get_uint64(stats, "batches", &batches));
-  EXPECT_EQ(rows, 8u);
-  EXPECT_EQ(batches, 2u);
-  const std::vector<guint64> load = uint64_array(stats, "expert-load");
-  EXPECT_EQ(load, want_load);
-  EXPECT_EQ(std::accumulate(load.begin(), load.end(), guint64{0}), 8u * kTopK);
-  gst_structure_free(stats);
-  gst_object_unref(route);
+  const Stats stats = read_stats(h, "route", "expert-load");
+  EXPECT_EQ(stats.name, "moe-route-stats");
+  EXPECT_EQ(stats.rows, 8u);
+  EXPECT_EQ(stats.batches, 2u);
+  EXPECT_EQ(stats.per_expert, want_load);
+  EXPECT_EQ(std::accumulate(stats.per_expert.begin(), stats.per_expert.end(), guint64{0}), 8u * kTopK);
 }
 
 TEST_F(RouteExpertTest, TopKOverride) {
@@ -378,21 +374,12 @@ TEST_F(RouteExpertTest, RouteThenExpertEqualsAdapterApply) {
   EXPECT_EQ(meta.adapter, "adapter_tiny");
   gst_buffer_unref(out);
 
-  GstElement* expert = h.element("expert");
-  GstStructure* stats = nullptr;
-  g_object_get(expert, "stats", &stats, nullptr);
-  ASSERT_NE(stats, nullptr);
-  EXPECT_TRUE(gst_structure_has_name(stats, "moe-expert-stats"));
-  guint64 n = 0, batches = 0;
-  EXPECT_TRUE(gst_structure_get_uint64(stats, "rows", &n));
-  EXPECT_TRUE(gst_structure_get_uint64(stats, "batches", &batches));
-  EXPECT_EQ(n, 9u);
-  EXPECT_EQ(batches, 1u);
-  const std::vector<guint64> expert_rows = uint64_array(stats, "expert-rows");
-  EXPECT_EQ(expert_rows.size(), static_cast<size_t>(kExperts));
-  EXPECT_EQ(std::accumulate(expert_rows.begin(), expert_rows.end(), guint64{0}), 9u * kTopK);
-  gst_structure_free(stats);
-  gst_object_unref(expert);
+  const Stats stats = read_stats(h, "expert", "expert-rows");
+  EXPECT_EQ(stats.name, "moe-expert-stats");
+  EXPECT_EQ(stats.rows, 9u);
+  EXPECT_EQ(stats.batches, 1u);
+  EXPECT_EQ(stats.per_expert.size(), static_cast<size_t>(kExperts));
+  EXPECT_EQ(std::accumulate(stats.per_expert.begin(), stats.per_expert.end(), guint64{0}), 9u * kTopK);
 }
 
 TEST_F(RouteExpertTest, ZeroRowBufferKeepsItsFailures) {
@@ -517,13 +504,11 @@ TEST_F(RouteExpertTest, ExpertOutsideTheAdapterIsAnError) {
 TEST_F(RouteExpertTest, DifferentAdaptersMustMatch) {
   // Same configuration in another directory: allowed.
   {
-    gchar* tmp = g_dir_make_tmp("moe-adapter-copy-XXXXXX", nullptr);
-    const std::string copy = tmp;
-    g_free(tmp);
+    moe::test::TempDir copy;
     for (const char* f : {"adapter_config.json", "adapter.safetensors"})
-      ASSERT_EQ(symlink((adapter_dir() + "/" + f).c_str(), (copy + "/" + f).c_str()), 0);
+      ASSERT_EQ(symlink((adapter_dir() + "/" + f).c_str(), copy.file(f).c_str()), 0);
     {
-      Harness h(route_line() + " ! " + expert_line(copy));
+      Harness h(route_line() + " ! " + expert_line(copy.path()));
       const std::vector<float> rows = random_rows(4, 11);
       const gstmoe::BatchRecords records = records_for(4);
       ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
@@ -532,8 +517,6 @@ TEST_F(RouteExpertTest, DifferentAdaptersMustMatch) {
       expect_close(buffer_floats(out), engine().apply(as_tensor(rows)).embeddings);
       gst_buffer_unref(out);
     }
-    for (const char* f : {"adapter_config.json", "adapter.safetensors"}) std::remove((copy + "/" + f).c_str());
-    rmdir(copy.c_str());
   }
   // 4 experts upstream, 6 in moe-expert: refused before any buffer is processed.
   TempAdapter other(4);

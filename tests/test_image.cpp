@@ -1,12 +1,9 @@
 // CLIP image preprocessing: compared with transformers.CLIPImageProcessor output recorded in
 // tests/fixtures/preprocess.safetensors, plus unit checks of the Pillow-exact bicubic resize.
-#include <glib.h>
-#include <glib/gstdio.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <string>
 #include <vector>
 
@@ -19,6 +16,8 @@
 
 using moe::test::expect_error;
 using moe::test::fixture_path;
+using moe::test::make_png;
+using moe::test::png_file;
 
 namespace {
 
@@ -156,24 +155,15 @@ TEST(ClipImagePreprocess, SmallImageIsZeroPaddedWhenNotResized) {
       }
 }
 
+// A temporary model folder whose preprocessor_config.json a test rewrites.
 class ConfigDir {
  public:
-  ConfigDir() {
-    gchar* dir = g_dir_make_tmp("moe-image-XXXXXX", nullptr);
-    if (dir == nullptr) throw std::runtime_error("cannot create temp dir");
-    path_ = dir;
-    g_free(dir);
-  }
-  ~ConfigDir() {
-    g_remove(file().c_str());
-    g_rmdir(path_.c_str());
-  }
-  void write(const std::string& json) { std::ofstream(file()) << json; }
-  std::string file() const { return path_ + "/preprocessor_config.json"; }
-  const std::string& path() const { return path_; }
+  void write(const std::string& json) const { dir_.write("preprocessor_config.json", json); }
+  std::string file() const { return dir_.file("preprocessor_config.json"); }
+  const std::string& path() const { return dir_.path(); }
 
  private:
-  std::string path_;
+  moe::test::TempDir dir_;
 };
 
 TEST(ImagePreprocessConfig, ReadsHuggingFaceLayout) {
@@ -228,63 +218,6 @@ TEST(ImagePreprocessConfig, RejectsUnsupportedValues) {
 #include "moe/image_decode.h"
 
 namespace {
-
-// A PNG file: IHDR for a w x h 8-bit RGB (channels 3) or RGBA (4) image, then `rows` (filter
-// byte + pixels per row) in stored (uncompressed) deflate blocks. Written by hand so that the
-// decoder is not checked against its own library.
-std::vector<uint8_t> png_file(int w, int h, int channels, const std::vector<uint8_t>& rows) {
-  auto be32 = [](std::vector<uint8_t>& v, uint32_t x) {
-    for (int s = 24; s >= 0; s -= 8) v.push_back(static_cast<uint8_t>(x >> s));
-  };
-  std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
-  auto chunk = [&](const char* type, const std::vector<uint8_t>& data) {
-    be32(png, static_cast<uint32_t>(data.size()));
-    std::vector<uint8_t> body(type, type + 4);
-    body.insert(body.end(), data.begin(), data.end());
-    uint32_t crc = 0xFFFFFFFFu;
-    for (uint8_t b : body) {
-      crc ^= b;
-      for (int k = 0; k < 8; ++k) crc = (crc & 1) ? 0xEDB88320u ^ (crc >> 1) : crc >> 1;
-    }
-    png.insert(png.end(), body.begin(), body.end());
-    be32(png, ~crc);
-  };
-  std::vector<uint8_t> ihdr;
-  be32(ihdr, static_cast<uint32_t>(w));
-  be32(ihdr, static_cast<uint32_t>(h));
-  ihdr.insert(ihdr.end(), {8, static_cast<uint8_t>(channels == 4 ? 6 : 2), 0, 0, 0});
-  chunk("IHDR", ihdr);
-  std::vector<uint8_t> z = {0x78, 0x01};
-  for (size_t at = 0;;) {
-    const size_t n = std::min<size_t>(65535, rows.size() - at);
-    const bool last = at + n == rows.size();
-    z.insert(z.end(), {static_cast<uint8_t>(last), static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
-                       static_cast<uint8_t>(~n), static_cast<uint8_t>(~n >> 8)});
-    z.insert(z.end(), rows.begin() + static_cast<std::ptrdiff_t>(at), rows.begin() + static_cast<std::ptrdiff_t>(at + n));
-    at += n;
-    if (last) break;
-  }
-  uint32_t a = 1, b = 0;
-  for (uint8_t v : rows) {
-    a = (a + v) % 65521;
-    b = (b + a) % 65521;
-  }
-  be32(z, (b << 16) | a);
-  chunk("IDAT", z);
-  chunk("IEND", {});
-  return png;
-}
-
-std::vector<uint8_t> make_png(const std::vector<uint8_t>& px, int w, int h, int channels) {
-  std::vector<uint8_t> rows;
-  const size_t row = static_cast<size_t>(w) * channels;
-  for (int y = 0; y < h; ++y) {
-    rows.push_back(0);  // filter: none
-    rows.insert(rows.end(), px.begin() + static_cast<std::ptrdiff_t>(y * row),
-                px.begin() + static_cast<std::ptrdiff_t>((y + 1) * row));
-  }
-  return png_file(w, h, channels, rows);
-}
 
 std::vector<uint8_t> pattern(int w, int h, int channels) {
   std::vector<uint8_t> px(static_cast<size_t>(w) * h * channels);
@@ -349,11 +282,11 @@ TEST(DecodeImage, RefusesHugeCanvasBeforeDecoding) {
 TEST(DecodeImage, FilesAreReadAndMissingOnesNamed) {
   const std::vector<uint8_t> px = pattern(3, 4, 3);
   const std::vector<uint8_t> png = make_png(px, 3, 4, 3);
-  ConfigDir dir;  // a temporary folder; the image goes where its config file would be
-  std::ofstream(dir.file(), std::ios::binary).write(reinterpret_cast<const char*>(png.data()), static_cast<std::streamsize>(png.size()));
-  EXPECT_EQ(moe::read_image_file(dir.file()), png);
-  EXPECT_EQ(moe::decode_image_file(dir.file()).pixels, px);
-  const std::string missing = dir.path() + "/nope.png";
+  moe::test::TempDir dir;
+  const std::string file = dir.write("image.png", png);
+  EXPECT_EQ(moe::read_image_file(file), png);
+  EXPECT_EQ(moe::decode_image_file(file).pixels, px);
+  const std::string missing = dir.file("nope.png");
   expect_error([&] { moe::decode_image_file(missing); }, {"image file '" + missing + "'", "No such file"});
   expect_error([&] { moe::read_image_file(dir.path()); }, {dir.path(), "cannot be read"});
 }

@@ -1,12 +1,21 @@
-// Shared helpers for the GoogleTest suites: fixture paths and error measures.
+// Shared helpers for the GoogleTest suites: fixture paths, error measures, temporary folders
+// and test data (random unit vectors, PNG files).
 #pragma once
 
+#include <glib.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "moe/error.h"
 #include "moe/safetensors.h"
 #include "moe/tensor.h"
 #include "moe_build_config.h"
@@ -50,6 +59,111 @@ void expect_error(Fn&& fn, std::initializer_list<std::string> fragments) {
     const std::string msg = e.what();
     for (const std::string& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
   }
+}
+
+// A temporary folder, removed with everything in it at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    gchar* dir = g_dir_make_tmp("moe-test-XXXXXX", nullptr);
+    if (dir == nullptr) throw std::runtime_error("cannot create a temporary folder");
+    path_ = dir;
+    g_free(dir);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+  // Writes file(name) and returns its path.
+  std::string write(const std::string& name, const std::string& bytes) const {
+    const std::string p = file(name);
+    std::ofstream(p, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    return p;
+  }
+  std::string write(const std::string& name, const std::vector<uint8_t>& bytes) const {
+    return write(name, std::string(bytes.begin(), bytes.end()));
+  }
+
+ private:
+  std::string path_;
+};
+
+// n x dim Gaussian vectors, each scaled to unit length; the same for the same seed.
+inline std::vector<float> random_unit_vectors(int64_t n, int dim, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(static_cast<size_t>(n * dim));
+  for (int64_t i = 0; i < n; ++i) {
+    double norm = 0;
+    for (int j = 0; j < dim; ++j) {
+      const float x = dist(rng);
+      v[i * dim + j] = x;
+      norm += static_cast<double>(x) * x;
+    }
+    for (int j = 0; j < dim; ++j) v[i * dim + j] = static_cast<float>(v[i * dim + j] / std::sqrt(norm));
+  }
+  return v;
+}
+
+// A PNG file: IHDR for a w x h 8-bit RGB (channels 3) or RGBA (4) image, then `rows` (filter
+// byte + pixels per row) in stored (uncompressed) deflate blocks. Written by hand so that the
+// image decoder is not checked against its own library, and so that a header may promise more
+// rows than follow.
+inline std::vector<uint8_t> png_file(int w, int h, int channels, const std::vector<uint8_t>& rows) {
+  auto be32 = [](std::vector<uint8_t>& v, uint32_t x) {
+    for (int s = 24; s >= 0; s -= 8) v.push_back(static_cast<uint8_t>(x >> s));
+  };
+  std::vector<uint8_t> png = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  auto chunk = [&](const char* type, const std::vector<uint8_t>& data) {
+    be32(png, static_cast<uint32_t>(data.size()));
+    std::vector<uint8_t> body(type, type + 4);
+    body.insert(body.end(), data.begin(), data.end());
+    uint32_t crc = 0xFFFFFFFFu;
+    for (uint8_t b : body) {
+      crc ^= b;
+      for (int k = 0; k < 8; ++k) crc = (crc & 1) ? 0xEDB88320u ^ (crc >> 1) : crc >> 1;
+    }
+    png.insert(png.end(), body.begin(), body.end());
+    be32(png, ~crc);
+  };
+  std::vector<uint8_t> ihdr;
+  be32(ihdr, static_cast<uint32_t>(w));
+  be32(ihdr, static_cast<uint32_t>(h));
+  ihdr.insert(ihdr.end(), {8, static_cast<uint8_t>(channels == 4 ? 6 : 2), 0, 0, 0});
+  chunk("IHDR", ihdr);
+  std::vector<uint8_t> z = {0x78, 0x01};
+  for (size_t at = 0;;) {
+    const size_t n = std::min<size_t>(65535, rows.size() - at);
+    const bool last = at + n == rows.size();
+    z.insert(z.end(), {static_cast<uint8_t>(last), static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
+                       static_cast<uint8_t>(~n), static_cast<uint8_t>(~n >> 8)});
+    z.insert(z.end(), rows.begin() + static_cast<std::ptrdiff_t>(at), rows.begin() + static_cast<std::ptrdiff_t>(at + n));
+    at += n;
+    if (last) break;
+  }
+  uint32_t a = 1, b = 0;
+  for (uint8_t v : rows) {
+    a = (a + v) % 65521;
+    b = (b + a) % 65521;
+  }
+  be32(z, (b << 16) | a);
+  chunk("IDAT", z);
+  chunk("IEND", {});
+  return png;
+}
+
+// The PNG file of packed RGB8 (channels 3) or RGBA8 (4) pixels.
+inline std::vector<uint8_t> make_png(const std::vector<uint8_t>& px, int w, int h, int channels) {
+  std::vector<uint8_t> rows;
+  const size_t row = static_cast<size_t>(w) * channels;
+  for (int y = 0; y < h; ++y) {
+    rows.push_back(0);  // filter: none
+    rows.insert(rows.end(), px.begin() + static_cast<std::ptrdiff_t>(y * row),
+                px.begin() + static_cast<std::ptrdiff_t>((y + 1) * row));
+  }
+  return png_file(w, h, channels, rows);
 }
 
 }  // namespace moe::test

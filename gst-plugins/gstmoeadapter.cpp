@@ -1,0 +1,142 @@
+#include "gstmoeadapter.h"
+
+#include "moe/model_cache.h"
+
+namespace gstmoe::adapter {
+
+static const char* const kRouteQuery = "moe-route-adapter";
+
+GParamSpec* model_param_spec() {
+  return g_param_spec_string("model", "Adapter directory",
+                             "MoE adapter directory (adapter_config.json + adapter.safetensors); loaded when the "
+                             "element starts, shared with every element that names the same directory",
+                             nullptr,
+                             static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS |
+                                                      GST_PARAM_MUTABLE_READY));
+}
+
+std::shared_ptr<const moe::MoeAdapter> load(GstElement* element, const std::string& dir) {
+  if (dir.empty()) {
+    GST_ELEMENT_ERROR(element, RESOURCE, NOT_FOUND,
+                      ("no MoE adapter: set the 'model' property to an adapter directory "
+                       "(adapter_config.json + adapter.safetensors)"),
+                      (nullptr));
+    return nullptr;
+  }
+  try {
+    return moe::shared_moe_adapter(dir);
+  } catch (const std::exception& e) {  // moe::Error names the file and the reason
+    GST_ELEMENT_ERROR(element, RESOURCE, OPEN_READ, ("cannot load the MoE adapter '%s': %s", dir.c_str(), e.what()),
+                      (nullptr));
+    return nullptr;
+  }
+}
+
+int caps_width(GstElement* element, const GstCaps* caps, const moe::MoeAdapter& adapter, const std::string& dir) {
+  int width = 0;
+  if (!parse_tensor_caps(caps, &width)) {
+    gchar* str = gst_caps_to_string(caps);
+    GST_ELEMENT_ERROR(element, CORE, NEGOTIATION, ("caps %s are not fixed %s caps", str, GST_MOE_TENSOR_MEDIA_TYPE),
+                      (nullptr));
+    g_free(str);
+    return 0;
+  }
+  const int hidden = adapter.layer().config().hidden_size;
+  if (width != hidden) {
+    GST_ELEMENT_ERROR(element, CORE, NEGOTIATION,
+                      ("input tensors have width %d but the MoE adapter '%s' has hidden_size %d: "
+                       "the encoder's embedding size must match the adapter",
+                       width, dir.c_str(), hidden),
+                      (nullptr));
+    return 0;
+  }
+  return width;
+}
+
+bool buffer_rows(GstElement* element, GstBuffer* buffer, int width, size_t* rows) {
+  const gsize size = gst_buffer_get_size(buffer);
+  const gsize row_bytes = static_cast<gsize>(width) * sizeof(float);
+  if (size % row_bytes != 0) {
+    GST_ELEMENT_ERROR(element, STREAM, FORMAT,
+                      ("tensor buffer of %" G_GSIZE_FORMAT " bytes is not a whole number of rows of width %d "
+                       "(%" G_GSIZE_FORMAT " bytes each)",
+                       size, width, row_bytes),
+                      (nullptr));
+    return false;
+  }
+  *rows = size / row_bytes;
+  return true;
+}
+
+bool check_meta_rows(GstElement* element, const GstMoeBatchMeta* meta, size_t rows) {
+  const size_t described = meta->records->rows.size();
+  if (described != rows) {
+    GST_ELEMENT_ERROR(element, STREAM, FORMAT,
+                      ("the tensor buffer holds %zu rows but its request meta describes %zu", rows, described),
+                      (nullptr));
+    return false;
+  }
+  return true;
+}
+
+std::string name_of(const std::string& dir) {
+  gchar* base = g_path_get_basename(dir.c_str());  // ignores trailing slashes
+  std::string name(base);
+  g_free(base);
+  return name;
+}
+
+void Stats::reset(int num_experts) {
+  std::lock_guard<std::mutex> lock(lock_);
+  rows_ = batches_ = 0;
+  per_expert_.assign(static_cast<size_t>(num_experts), 0);
+}
+
+void Stats::add_batch(size_t rows, const std::vector<int32_t>& expert_ids) {
+  std::lock_guard<std::mutex> lock(lock_);
+  rows_ += rows;
+  batches_ += 1;
+  for (int32_t e : expert_ids) ++per_expert_[static_cast<size_t>(e)];
+}
+
+GstStructure* Stats::to_structure(const char* name, const char* per_expert) const {
+  std::lock_guard<std::mutex> lock(lock_);
+  GstStructure* s = gst_structure_new(name, "rows", G_TYPE_UINT64, rows_, "batches", G_TYPE_UINT64, batches_, nullptr);
+  GValue array = G_VALUE_INIT;
+  gst_value_array_init(&array, static_cast<guint>(per_expert_.size()));
+  for (guint64 v : per_expert_) {
+    GValue item = G_VALUE_INIT;
+    g_value_init(&item, G_TYPE_UINT64);
+    g_value_set_uint64(&item, v);
+    gst_value_array_append_and_take_value(&array, &item);
+  }
+  gst_structure_take_value(s, per_expert, &array);
+  return s;
+}
+
+bool is_route_query(GstQuery* query) {
+  if (GST_QUERY_TYPE(query) != GST_QUERY_CUSTOM) return false;
+  const GstStructure* s = gst_query_get_structure(query);
+  return s && gst_structure_has_name(s, kRouteQuery);
+}
+
+void answer_route_query(GstQuery* query, const std::string& dir, const moe::MoeConfig& config) {
+  gst_structure_set(gst_query_writable_structure(query), "path", G_TYPE_STRING, dir.c_str(), "hidden-size",
+                    G_TYPE_INT, config.hidden_size, "num-experts", G_TYPE_INT, config.num_experts, nullptr);
+}
+
+bool query_route(GstPad* sinkpad, RouteInfo* info) {
+  GstQuery* query = gst_query_new_custom(GST_QUERY_CUSTOM, gst_structure_new_empty(kRouteQuery));
+  bool answered = gst_pad_peer_query(sinkpad, query);
+  if (answered) {
+    const GstStructure* s = gst_query_get_structure(query);
+    const gchar* path = gst_structure_get_string(s, "path");
+    answered = path && gst_structure_get_int(s, "hidden-size", &info->hidden_size) &&
+               gst_structure_get_int(s, "num-experts", &info->num_experts);
+    if (answered) info->dir = path;
+  }
+  gst_query_unref(query);
+  return answered;
+}
+
+}  // namespace gstmoe::adapter
