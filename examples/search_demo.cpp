@@ -1,0 +1,225 @@
+// The search demo's client: sends text and image queries to a running query service over
+// ZeroMQ, matches the result documents to the queries by id, prints each query's top results as
+// a table, and writes a self-contained HTML page (thumbnails embedded) that a person can open.
+//
+//   moe-search-demo [--requests EP] [--results EP] [--k N] [--html FILE]
+//                   [--text QUERY]... [--image FILE]...
+#include <glib.h>
+#include <json-glib/json-glib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+
+namespace {
+
+struct Query {
+  std::string id, text, image;  // exactly one of text / image
+  JsonNode* result = nullptr;   // the document that answered it
+};
+
+std::string html_escape(const std::string& s) {
+  gchar* e = g_markup_escape_text(s.c_str(), -1);
+  std::string out(e);
+  g_free(e);
+  return out;
+}
+
+// A data: URI of an image file, so the page needs nothing beside it.
+std::string data_uri(const std::string& path_or_uri) {
+  std::string path = path_or_uri;
+  if (path.rfind("file://", 0) == 0) {
+    gchar* p = g_filename_from_uri(path.c_str(), nullptr, nullptr);
+    if (p) path = p;
+    g_free(p);
+  }
+  gchar* bytes = nullptr;
+  gsize len = 0;
+  if (!g_file_get_contents(path.c_str(), &bytes, &len, nullptr)) return "";
+  gchar* mime = g_content_type_guess(path.c_str(), reinterpret_cast<const guchar*>(bytes), len, nullptr);
+  gchar* b64 = g_base64_encode(reinterpret_cast<const guchar*>(bytes), len);
+  gchar* mime_type = g_content_type_get_mime_type(mime);
+  std::string out = std::string("data:") + (mime_type ? mime_type : "image/png") + ";base64," + b64;
+  g_free(mime_type);
+  g_free(b64);
+  g_free(mime);
+  g_free(bytes);
+  return out;
+}
+
+const char* str_or(JsonObject* o, const char* key, const char* fallback) {
+  JsonNode* n = json_object_get_member(o, key);
+  return n && JSON_NODE_HOLDS_VALUE(n) ? json_node_get_string(n) : fallback;
+}
+
+std::string experts_text(JsonObject* doc) {
+  std::string out;
+  JsonArray* ex = json_object_get_array_member(doc, "experts");
+  for (guint i = 0; ex && i < json_array_get_length(ex); ++i) {
+    JsonObject* e = json_array_get_object_element(ex, i);
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s#%lld %.2f", i ? ", " : "", static_cast<long long>(json_object_get_int_member(e, "expert")),
+                  json_object_get_double_member(e, "weight"));
+    out += buf;
+  }
+  return out;
+}
+
+void print_table(const std::vector<Query>& queries) {
+  for (const Query& q : queries) {
+    std::printf("\n%s  %s\n", q.text.empty() ? "image" : "text ", q.text.empty() ? q.image.c_str() : ("\"" + q.text + "\"").c_str());
+    if (!q.result) {
+      std::printf("  (no answer)\n");
+      continue;
+    }
+    JsonObject* doc = json_node_get_object(q.result);
+    if (g_strcmp0(str_or(doc, "type", ""), "error") == 0) {
+      JsonObject* e = json_object_get_object_member(doc, "error");
+      std::printf("  error in %s: %s\n", str_or(e, "stage", "?"), str_or(e, "reason", "?"));
+      continue;
+    }
+    std::printf("  experts: %s\n  %-4s %-7s %s\n", experts_text(doc).c_str(), "rank", "score", "caption");
+    JsonArray* results = json_object_get_array_member(doc, "results");
+    for (guint i = 0; i < json_array_get_length(results); ++i) {
+      JsonObject* r = json_array_get_object_element(results, i);
+      std::printf("  %-4lld %-7.3f %s\n", static_cast<long long>(json_object_get_int_member(r, "rank")),
+                  json_object_get_double_member(r, "score"), str_or(r, "caption", str_or(r, "uri", "")));
+    }
+  }
+}
+
+void write_html(const std::vector<Query>& queries, const std::string& path) {
+  std::ofstream out(path);
+  out << "<!doctype html><html><head><meta charset=\"utf-8\"><title>gst-moe search demo</title><style>"
+         "body{font-family:sans-serif;margin:2em;background:#fafafa}h2{margin-top:1.6em;font-size:1.1em}"
+         ".row{display:flex;gap:12px;flex-wrap:wrap}.hit{width:110px;font-size:11px;text-align:center}"
+         ".hit img,.q img{width:96px;height:96px;object-fit:contain;image-rendering:pixelated;border:1px solid #ccc;background:#fff}"
+         ".meta{color:#666;font-size:12px}</style></head><body><h1>gst-moe search demo</h1>"
+         "<p class=\"meta\">Each query went through the query pipeline (zmq-query → moe-encode → moe-route → moe-expert → "
+         "ann-query → zmq-publish); results are the catalog items nearest to the adapted embedding.</p>\n";
+  for (const Query& q : queries) {
+    out << "<h2>";
+    if (!q.text.empty()) out << "“" << html_escape(q.text) << "”";
+    else out << "image query <span class=\"q\"><img src=\"" << data_uri(q.image) << "\"></span>";
+    out << "</h2>\n";
+    if (!q.result) {
+      out << "<p>(no answer)</p>\n";
+      continue;
+    }
+    JsonObject* doc = json_node_get_object(q.result);
+    if (g_strcmp0(str_or(doc, "type", ""), "error") == 0) {
+      out << "<p>error: " << html_escape(str_or(json_object_get_object_member(doc, "error"), "reason", "?")) << "</p>\n";
+      continue;
+    }
+    out << "<p class=\"meta\">experts " << html_escape(experts_text(doc)) << "</p><div class=\"row\">";
+    JsonArray* results = json_object_get_array_member(doc, "results");
+    for (guint i = 0; i < json_array_get_length(results); ++i) {
+      JsonObject* r = json_array_get_object_element(results, i);
+      char score[32];
+      std::snprintf(score, sizeof score, "%.3f", json_object_get_double_member(r, "score"));
+      out << "<div class=\"hit\"><img src=\"" << data_uri(str_or(r, "uri", "")) << "\"><br>" << score << "<br>"
+          << html_escape(str_or(r, "caption", "")) << "</div>";
+    }
+    out << "</div>\n";
+  }
+  out << "</body></html>\n";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string requests = "tcp://127.0.0.1:5555", results = "tcp://127.0.0.1:5556", html;
+  int k = 5;
+  std::vector<Query> queries;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (i + 1 >= argc) {
+      std::fprintf(stderr, "%s needs a value\n", a.c_str());
+      return 2;
+    }
+    const std::string v = argv[++i];
+    if (a == "--requests") requests = v;
+    else if (a == "--results") results = v;
+    else if (a == "--k") k = std::atoi(v.c_str());
+    else if (a == "--html") html = v;
+    else if (a == "--text") queries.push_back({"q" + std::to_string(queries.size()), v, "", nullptr});
+    else if (a == "--image") queries.push_back({"q" + std::to_string(queries.size()), "", v, nullptr});
+    else {
+      std::fprintf(stderr, "unknown option %s\n", a.c_str());
+      return 2;
+    }
+  }
+  zmq::context_t ctx;
+  zmq::socket_t sub(ctx, zmq::socket_type::sub), push(ctx, zmq::socket_type::push);
+  sub.set(zmq::sockopt::subscribe, "");
+  sub.connect(results);
+  push.set(zmq::sockopt::linger, 1000);
+  push.connect(requests);
+
+  // PUB/SUB joins asynchronously: probe until the service answers, so no result is missed.
+  JsonParser* parser = json_parser_new();
+  bool connected = false;
+  for (int attempt = 0; attempt < 120 && !connected; ++attempt) {
+    const std::string probe = R"({"id": "probe-)" + std::to_string(attempt) + R"(", "text": "probe"})";
+    push.send(zmq::buffer(probe), zmq::send_flags::none);
+    zmq::pollitem_t item{sub.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq::poll(&item, 1, std::chrono::milliseconds(500)) > 0) {
+      zmq::message_t m;
+      connected = sub.recv(m, zmq::recv_flags::none).has_value();
+    }
+  }
+  if (!connected) {
+    std::fprintf(stderr, "no answer from the service at %s / %s\n", requests.c_str(), results.c_str());
+    return 1;
+  }
+
+  std::map<std::string, Query*> by_id;
+  for (Query& q : queries) {
+    by_id[q.id] = &q;
+    JsonBuilder* b = json_builder_new();
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "id");
+    json_builder_add_string_value(b, q.id.c_str());
+    json_builder_set_member_name(b, "k");
+    json_builder_add_int_value(b, k);
+    json_builder_set_member_name(b, q.text.empty() ? "image" : "text");
+    json_builder_add_string_value(b, q.text.empty() ? q.image.c_str() : q.text.c_str());
+    json_builder_end_object(b);
+    JsonNode* root = json_builder_get_root(b);
+    gchar* text = json_to_string(root, FALSE);
+    push.send(zmq::buffer(std::string(text)), zmq::send_flags::none);
+    g_free(text);
+    json_node_unref(root);
+    g_object_unref(b);
+  }
+  size_t answered = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (answered < queries.size() && std::chrono::steady_clock::now() < deadline) {
+    zmq::pollitem_t item{sub.handle(), 0, ZMQ_POLLIN, 0};
+    if (zmq::poll(&item, 1, std::chrono::milliseconds(200)) <= 0) continue;
+    zmq::message_t m;
+    if (!sub.recv(m, zmq::recv_flags::none)) continue;
+    if (!json_parser_load_from_data(parser, static_cast<const char*>(m.data()), static_cast<gssize>(m.size()), nullptr))
+      continue;
+    JsonNode* root = json_parser_get_root(parser);
+    if (!JSON_NODE_HOLDS_OBJECT(root)) continue;
+    auto it = by_id.find(str_or(json_node_get_object(root), "id", ""));
+    if (it == by_id.end() || it->second->result) continue;
+    it->second->result = json_node_copy(root);
+    ++answered;
+  }
+  g_object_unref(parser);
+  print_table(queries);
+  if (!html.empty()) {
+    write_html(queries, html);
+    std::printf("\nHTML page with thumbnails: %s\n", html.c_str());
+  }
+  for (Query& q : queries)
+    if (q.result) json_node_unref(q.result);
+  return answered == queries.size() ? 0 : 1;
+}
