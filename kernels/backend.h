@@ -1,18 +1,52 @@
 // gst-moe compute backends behind one interface.
 //
-// A Backend owns a memory space (host RAM, or one CUDA device with its stream) and runs
-// operations on buffers in that space with the contracts written in kernels/cpu/cpu_ops.h.
-// The CPU backend is the reference; every CUDA operation is tested against it.
-// The operation set grows as CUDA twins are written; an operation is added here only together
-// with its implementation in every backend.
+// A Backend owns a memory space (host RAM, or one CUDA device) and runs the engine's operations
+// on buffers in that space, in the order they are queued (CUDA: one compute stream). A second
+// queue (CUDA: a copy stream) carries asynchronous host-to-device copies, so expert weights can
+// be preloaded while earlier batches compute.
+//
+// Contracts (shared by every backend; kernels/cpu/cpu_ops.h is the reference implementation):
+// activations, biases, norms and outputs are row-major contiguous f32; weights are row-major
+// [out, in] ("Linear weights") stored as f32, f16 or bf16 and always accumulated in f32; sizes are
+// element counts; pointers passed to operations point into this backend's memory unless stated.
+//
+// Threads: copy_from_host_async, event_complete and memory_info may be called from any thread,
+// concurrently with everything else; all other members from one thread at a time.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace moe::kernels {
+
+enum class WeightType : uint8_t { F32, F16, BF16 };
+size_t weight_type_size(WeightType type);
+const char* weight_type_name(WeightType type);
+
+// A Linear weight [out, in] in backend memory.
+struct WeightRef {
+  const void* data = nullptr;
+  WeightType type = WeightType::F32;
+};
+
+// One SwiGLU expert: w1 (gate) [inter, d], w3 (up) [inter, d], w2 (down) [d, inter].
+struct ExpertWeights {
+  WeightRef w1, w3, w2;
+};
+
+// Completion of asynchronous work. Backends define what is inside.
+class Event {
+ public:
+  virtual ~Event() = default;
+};
+
+struct MemoryInfo {
+  size_t free_bytes = 0;
+  size_t total_bytes = 0;
+};
 
 class Backend {
  public:
@@ -21,20 +55,94 @@ class Backend {
   // "cpu" or "cuda:N".
   virtual std::string name() const = 0;
   virtual bool is_host_memory() const = 0;
+  virtual MemoryInfo memory_info() const = 0;
 
-  // Memory in this backend's space. allocate() throws moe::Error when out of memory.
+  // ---- memory ----------------------------------------------------------------------------
+  // allocate() throws moe::Error naming the backend and the size when out of memory.
   virtual void* allocate(size_t bytes) = 0;
   virtual void deallocate(void* ptr) = 0;
+  // Host memory the backend copies from asynchronously (CUDA: page-locked).
+  virtual void* allocate_host_staging(size_t bytes) = 0;
+  virtual void free_host_staging(void* ptr) = 0;
+  // Queued with the operations; `src` must stay valid until the next synchronize().
   virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
+  // Waits for the queued operations, then copies.
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
-  // Waits until every operation queued so far has finished.
+  // Device-to-device copy within this backend, queued with the operations.
+  virtual void copy_on_device(void* dst, const void* src, size_t bytes) = 0;
+  // On the copy queue, concurrently with operations; the event completes with the copy. `src`
+  // must stay valid until then (and be staging memory for the copy to be truly asynchronous).
+  virtual std::shared_ptr<Event> copy_from_host_async(void* dst, const void* src, size_t bytes) = 0;
+  // Events are only valid with the backend that made them (another backend's event: moe::Error).
+  virtual bool event_complete(const Event& event) = 0;
+  // Operations queued after this call start after `event` completed (CUDA: the compute stream
+  // waits, the host does not; CPU: the host blocks until the copy is done).
+  virtual void wait_event(const Event& event) = 0;
+  // Waits until everything queued so far on the operation queue has finished: operations,
+  // copy_from_host, copy_on_device. Copies on the copy queue are awaited through their events
+  // only (wait_event, then synchronize, covers both).
   virtual void synchronize() = 0;
 
-  // x / max(‖x‖₂, eps) per row, in place (see cpu::l2_normalize_rows).
+  // ---- operations ---------------------------------------------------------------------------
+  // y[m,n] = x[m,k] · w[n,k]ᵀ (+ bias[n] when bias != nullptr).
+  virtual void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n,
+                      int64_t k) = 0;
+  // Per row: (x - mean) / sqrt(var + eps) · gamma + beta (population variance). y may alias x.
+  virtual void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows,
+                          int64_t cols, float eps) = 0;
+  // In place: exact GELU 0.5·x·(1 + erf(x/√2)).
+  virtual void gelu(float* x, int64_t n) = 0;
+  // In place: x · sigmoid(1.702·x).
+  virtual void quick_gelu(float* x, int64_t n) = 0;
+  // out = silu(gate) · up; out may alias gate or up.
+  virtual void silu_mul(const float* gate, const float* up, float* out, int64_t n) = 0;
+  // y += x.
+  virtual void add(float* y, const float* x, int64_t n) = 0;
+  // Multi-head attention over a packed batch of sequences (lengths on the host, rows back to
+  // back): qkv [T, 3·heads·head_dim] holds q | k | v per row; out [T, heads·head_dim].
+  // scale = head_dim^-0.5; with `causal` a row attends to rows at or before it in its sequence.
+  // CUDA: head_dim ≤ 128 (moe::Error otherwise); meant for short sequences (≤ a few hundred).
+  virtual void attention(const float* qkv, float* out, const std::vector<int64_t>& seq_lens, int64_t heads,
+                         int64_t head_dim, bool causal) = 0;
+  // In place: x / max(‖x‖₂, eps) per row.
   virtual void l2_normalize_rows(float* x, int64_t rows, int64_t cols, float eps) = 0;
+
+  // Router: softmax over `experts` logits per row (f32), the top_k largest (descending, ties to
+  // the lower index) into ids [rows, top_k] (int32) and weights [rows, top_k], divided by their
+  // sum when `renormalize`.
+  virtual void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
+                            int32_t* ids, float* weights) = 0;
+  // Groups rows per expert: counts the (row, j) slots of each expert, prefix-sums them and
+  // copies row x[row] to x_sorted[slot] so that expert e's slots are rows
+  // [offsets[e], offsets[e+1]) of x_sorted (within an expert, slots keep (row, j) order).
+  // slot_of[row·top_k + j] receives the slot of (row, j). Returns offsets (experts + 1 entries)
+  // on the host: the grouped GEMM needs the sizes (CUDA: waits for the compute stream). An id
+  // outside [0, experts) is a moe::Error.
+  virtual std::vector<int64_t> moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t experts,
+                                           const float* x, int64_t cols, float* x_sorted, int32_t* slot_of) = 0;
+  // For every expert e with rows: out_sorted[offsets[e]:offsets[e+1]] = w2(silu(w1 x) · w3 x) over
+  // x_sorted's rows of that expert (one grouped GEMM per projection). `experts[e]` may be empty
+  // (null data) for experts without rows.
+  virtual void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
+                              const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter,
+                              float* out_sorted) = 0;
+  // y[row] = Σ_j weights[row·top_k + j] · out_sorted[slot_of[row·top_k + j]] (overwrites y).
+  virtual void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
+                             int64_t top_k, int64_t cols, float* y) = 0;
+
+  // Exact inner-product search: for each of nq queries [nq, d] the k best of nb base vectors
+  // [nb, d] (k ≤ nb), scores descending, ties to the lower index; ids [nq, k] int64, scores f32.
+  // CUDA: k ≤ 1024 (moe::Error otherwise).
+  virtual void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d,
+                                  int64_t k, int64_t* ids, float* scores) = 0;
 };
 
-std::unique_ptr<Backend> make_cpu_backend();
+struct CpuBackendOptions {
+  // Run copy_from_host_async on a worker thread (a host "device" with a real copy queue), so
+  // the expert cache's asynchronous paths run, and are tested, without a GPU.
+  bool async_copies = false;
+};
+std::unique_ptr<Backend> make_cpu_backend(const CpuBackendOptions& options = {});
 
 // Number of usable CUDA devices; 0 when built without CUDA or when no driver/device is present.
 // `why`, when given, receives the reason for 0 in words.

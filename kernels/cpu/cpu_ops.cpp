@@ -4,8 +4,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
+#include <string>
 #include <vector>
+
+#include "moe/error.h"
 
 namespace moe::kernels::cpu {
 
@@ -123,6 +127,174 @@ void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t to
     for (int64_t j = 0; j < top_k; ++j) {
       ids[r * top_k + j] = order[j];
       weights[r * top_k + j] = renormalize ? probs[order[j]] / sum : probs[order[j]];
+    }
+  }
+}
+
+// ---- weights in f32 / f16 / bf16 -----------------------------------------------------------
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant · 2^-24, exact in f32
+    const float v = std::ldexp(static_cast<float>(mant), -24);
+    return sign ? -v : v;
+  }
+  uint32_t bits;
+  if (exp == 31)
+    bits = sign | 0x7f800000u | (mant << 13);  // inf / NaN
+  else
+    bits = sign | ((exp - 15 + 127) << 23) | (mant << 13);
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+float bf16_to_f32(uint16_t b) {
+  const uint32_t bits = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+void weight_rows_to_f32(WeightRef w, int64_t cols, int64_t row0, int64_t rows, float* out) {
+  const int64_t n = rows * cols;
+  switch (w.type) {
+    case WeightType::F32:
+      std::copy_n(static_cast<const float*>(w.data) + row0 * cols, n, out);
+      return;
+    case WeightType::F16: {
+      const uint16_t* src = static_cast<const uint16_t*>(w.data) + row0 * cols;
+      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(src[i]);
+      return;
+    }
+    case WeightType::BF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(w.data) + row0 * cols;
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16_to_f32(src[i]);
+      return;
+    }
+  }
+  throw Error("cpu: unknown weight type " + std::to_string(static_cast<int>(w.type)));
+}
+
+void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  if (w.type == WeightType::F32) {
+    linear(x, static_cast<const float*>(w.data), bias, y, m, n, k);
+    return;
+  }
+  if (m == 0 || n == 0) return;
+  if (bias)
+    for (int64_t i = 0; i < m; ++i) std::copy(bias, bias + n, y + i * n);
+  else
+    std::fill(y, y + m * n, 0.0f);
+  // Widen ~1 MiB of weight rows at a time; each block fills columns [n0, n0 + nb) of y.
+  const int64_t block = std::max<int64_t>(1, std::min<int64_t>(n, (int64_t{1} << 18) / std::max<int64_t>(k, 1)));
+  std::vector<float> wf(static_cast<size_t>(block * k));
+  for (int64_t n0 = 0; n0 < n; n0 += block) {
+    const int64_t nb = std::min(block, n - n0);
+    weight_rows_to_f32(w, k, n0, nb, wf.data());
+    gemm(false, true, m, nb, k, 1.0f, x, k, wf.data(), k, 1.0f, y + n0, n);
+  }
+}
+
+// ---- grouped MoE execution -------------------------------------------------------------------
+
+void moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t experts, const float* x, int64_t cols,
+                 float* x_sorted, int32_t* slot_of, int64_t* offsets) {
+  const int64_t slots = rows * top_k;
+  std::vector<int64_t> fill(static_cast<size_t>(experts), 0);
+  for (int64_t i = 0; i < slots; ++i) {
+    const int32_t e = ids[i];
+    if (e < 0 || e >= experts)
+      throw Error("moe_permute: expert id " + std::to_string(e) + " at row " + std::to_string(i / top_k) +
+                  " is outside [0, " + std::to_string(experts) + ")");
+    ++fill[static_cast<size_t>(e)];
+  }
+  offsets[0] = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    offsets[e + 1] = offsets[e] + fill[static_cast<size_t>(e)];
+    fill[static_cast<size_t>(e)] = offsets[e];
+  }
+  for (int64_t i = 0; i < slots; ++i) {
+    const int64_t slot = fill[static_cast<size_t>(ids[i])]++;
+    slot_of[i] = static_cast<int32_t>(slot);
+    std::copy_n(x + (i / top_k) * cols, cols, x_sorted + slot * cols);
+  }
+}
+
+void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
+                    const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted) {
+  int64_t most = 0;
+  for (size_t e = 0; e < experts.size(); ++e) most = std::max(most, offsets[e + 1] - offsets[e]);
+  std::vector<float> gate(static_cast<size_t>(most * inter)), up(static_cast<size_t>(most * inter));
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    if (n == 0) continue;
+    const float* x = x_sorted + offsets[e] * d;
+    linear(x, experts[e].w1, nullptr, gate.data(), n, inter, d);
+    linear(x, experts[e].w3, nullptr, up.data(), n, inter, d);
+    silu_mul(gate.data(), up.data(), gate.data(), n * inter);
+    linear(gate.data(), experts[e].w2, nullptr, out_sorted + offsets[e] * d, n, d, inter);
+  }
+}
+
+void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
+                   int64_t top_k, int64_t cols, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* yr = y + r * cols;
+    std::fill(yr, yr + cols, 0.0f);
+    for (int64_t j = 0; j < top_k; ++j) {
+      const float w = weights[r * top_k + j];
+      const float* src = out_sorted + static_cast<int64_t>(slot_of[r * top_k + j]) * cols;
+      for (int64_t c = 0; c < cols; ++c) yr[c] += w * src[c];
+    }
+  }
+}
+
+// ---- search --------------------------------------------------------------------------------
+
+void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,
+                        int64_t* ids, float* scores) {
+  if (nq == 0 || k == 0) return;
+  struct Hit {
+    float score;
+    int64_t id;
+  };
+  // "a before b" in the result order: higher score, then lower index.
+  const auto better = [](const Hit& a, const Hit& b) { return a.score != b.score ? a.score > b.score : a.id < b.id; };
+  constexpr int64_t kQueryTile = 64, kBaseTile = 4096;
+  std::vector<float> tile(static_cast<size_t>(kQueryTile * kBaseTile));
+  std::vector<std::vector<Hit>> heaps(static_cast<size_t>(std::min(nq, kQueryTile)));
+  for (int64_t q0 = 0; q0 < nq; q0 += kQueryTile) {
+    const int64_t nqt = std::min(kQueryTile, nq - q0);
+    for (auto& h : heaps) h.clear();
+    for (int64_t b0 = 0; b0 < nb; b0 += kBaseTile) {
+      const int64_t nbt = std::min(kBaseTile, nb - b0);
+      gemm(false, true, nqt, nbt, d, 1.0f, queries + q0 * d, d, base + b0 * d, d, 0.0f, tile.data(), nbt);
+      for (int64_t q = 0; q < nqt; ++q) {
+        // A heap whose front is the worst kept hit.
+        std::vector<Hit>& heap = heaps[static_cast<size_t>(q)];
+        for (int64_t j = 0; j < nbt; ++j) {
+          const Hit hit{tile[static_cast<size_t>(q * nbt + j)], b0 + j};
+          if (static_cast<int64_t>(heap.size()) < k) {
+            heap.push_back(hit);
+            std::push_heap(heap.begin(), heap.end(), better);
+          } else if (better(hit, heap.front())) {
+            std::pop_heap(heap.begin(), heap.end(), better);
+            heap.back() = hit;
+            std::push_heap(heap.begin(), heap.end(), better);
+          }
+        }
+      }
+    }
+    for (int64_t q = 0; q < nqt; ++q) {
+      std::vector<Hit>& heap = heaps[static_cast<size_t>(q)];
+      std::sort(heap.begin(), heap.end(), better);
+      for (int64_t j = 0; j < k; ++j) {
+        ids[(q0 + q) * k + j] = heap[static_cast<size_t>(j)].id;
+        scores[(q0 + q) * k + j] = heap[static_cast<size_t>(j)].score;
+      }
     }
   }
 }

@@ -6,6 +6,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
+
+#include "backend.h"
 
 namespace moe::kernels::cpu {
 
@@ -49,5 +52,42 @@ void attention(const float* q, const float* k, const float* v, int64_t ld, float
 // their sum (Mixtral); without, they stay softmax probabilities (Qwen2-MoE default).
 void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k,
                   bool renormalize, int32_t* ids, float* weights);
+
+// ---- weights in f32 / f16 / bf16 -----------------------------------------------------------
+
+// Exact widening of IEEE half and bfloat16 bit patterns.
+float f16_to_f32(uint16_t h);
+float bf16_to_f32(uint16_t b);
+// Rows [row0, row0 + rows) of a weight with `cols` columns, widened to f32 into out[rows, cols].
+void weight_rows_to_f32(WeightRef w, int64_t cols, int64_t row0, int64_t rows, float* out);
+
+// linear() with a weight stored as f32, f16 or bf16: f16/bf16 weights are widened to f32 in
+// blocks of rows (a bounded scratch buffer, allocated here) and multiplied in f32.
+void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k);
+
+// ---- grouped MoE execution -------------------------------------------------------------------
+
+// Counts the (row, j) slots of each expert (ids [rows, top_k] int32), prefix-sums the counts into
+// offsets[experts + 1] and copies x[row] (cols wide) to x_sorted[slot]; within an expert, slots
+// keep (row, j) order. slot_of[row·top_k + j] = slot. Throws moe::Error on an id outside
+// [0, experts).
+void moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t experts, const float* x, int64_t cols,
+                 float* x_sorted, int32_t* slot_of, int64_t* offsets);
+
+// For each expert e with offsets[e] < offsets[e+1]: out_sorted rows of e = w2(silu(w1 x)·w3 x)
+// over x_sorted rows of e (x [n_e, d], w1/w3 [inter, d], w2 [d, inter]). Allocates its scratch.
+void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
+                    const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted);
+
+// y[row] = Σ_j weights[row·top_k + j] · out_sorted[slot_of[row·top_k + j]], summed in j order.
+void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
+                   int64_t top_k, int64_t cols, float* y);
+
+// ---- search --------------------------------------------------------------------------------
+
+// For each query [nq, d] the k (≤ nb) best base vectors [nb, d] by inner product: scores
+// descending, ties to the lower index. Scores come from tiled sgemm; allocates its scratch.
+void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,
+                        int64_t* ids, float* scores);
 
 }  // namespace moe::kernels::cpu
