@@ -80,7 +80,10 @@ TEST(InProcessTransport, ExchangesCountsAndRows) {
     EXPECT_EQ(t.world_size(), world);
     // Rank r sends (r + p) rows to rank p, two counts per destination: (r + p, 10·r + p).
     std::vector<int64_t> counts;
-    for (int p = 0; p < world; ++p) counts.insert(counts.end(), {r + p, 10 * r + p});
+    for (int p = 0; p < world; ++p) {
+      counts.push_back(r + p);
+      counts.push_back(10 * r + p);
+    }
     const std::vector<int64_t> got = t.exchange_counts(counts, 2);
     for (int p = 0; p < world; ++p) {
       EXPECT_EQ(got[static_cast<size_t>(2 * p)], p + r);
