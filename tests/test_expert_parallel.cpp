@@ -169,6 +169,30 @@ TEST(ExpertParallelMoe, LocalExpertsCanComeFromAnExpertCache) {
   });
 }
 
+TEST(ExpertParallelMoe, AFailureOnOneRankFailsEveryRank) {
+  // Rank 0 fails between the two all-to-alls (its weights are missing); rank 1 waits for its
+  // results in the second one and must get an error, not hang.
+  const MoeLayer layer = moe::test::random_moe_layer(4, 8, 8, 2, 5);
+  const Tensor x = moe::test::random_tensor(6, 8, 6);
+  const moe::Routing routing = layer.route(x);
+  auto transports = moe::make_in_process_transports(2);
+  on_ranks(2, [&](int r) {
+    auto backend = moe::kernels::make_cpu_backend();
+    const HostExpertStore store = HostExpertStore::from_layer(*backend, layer, WeightType::F32);
+    ExpertParallelMoe ep(*transports[static_cast<size_t>(r)], *backend, layer.config(),
+                         ExpertParallelMoe::block_owners(4, 2));
+    try {
+      ep.forward_host(x.slice_rows(3 * r, 3 * r + 3), slice(routing, 3 * r, 3 * r + 3), [&](int32_t e) {
+        if (r == 0) throw moe::Error("weights of expert " + std::to_string(e) + " are missing");
+        return store.host_weights(e);
+      });
+      ADD_FAILURE() << "rank " << r << " finished";
+    } catch (const moe::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("are missing"), std::string::npos) << "rank " << r << ": " << e.what();
+    }
+  });
+}
+
 TEST(ExpertParallelMoe, RejectsBadOwners) {
   const MoeLayer layer = moe::test::random_moe_layer(4, 8, 8, 2, 1);
   auto transports = moe::make_in_process_transports(2);

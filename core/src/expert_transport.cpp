@@ -124,6 +124,8 @@ class InProcessTransport final : public ExpertTransport {
     });
   }
 
+  void abort(const std::string& why) override { group_->abort(rank_, why); }
+
  private:
   // Runs one collective; a failure breaks the group so that the other ranks fail instead of
   // waiting at a barrier forever.
@@ -220,6 +222,17 @@ ExpertParallelMoe::ExpertParallelMoe(ExpertTransport& transport, kernels::Backen
 }
 
 void ExpertParallelMoe::forward(const float* x, const moe::Routing& routing, const LocalWeights& weights, float* y) {
+  try {
+    forward_impl(x, routing, weights, y);
+  } catch (const std::exception& e) {
+    // The other ranks may be waiting in a collective for this one: make them fail too.
+    transport_.abort(e.what());
+    throw;
+  }
+}
+
+void ExpertParallelMoe::forward_impl(const float* x, const moe::Routing& routing, const LocalWeights& weights,
+                                     float* y) {
   const int W = transport_.world_size(), E = config_.num_experts, L = static_cast<int>(local_.size());
   const int64_t N = routing.rows, K = routing.top_k, D = config_.hidden_size, I = config_.intermediate_size;
   const size_t ML = static_cast<size_t>(max_local_);

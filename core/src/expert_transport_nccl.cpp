@@ -54,7 +54,16 @@ class NcclTransport final : public ExpertTransport {
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
 
+  void abort(const std::string& why) override {
+    if (!comm_) return;
+    aborted_ = why;
+    cudaSetDevice(device_);
+    ncclCommAbort(comm_);  // peers blocked in a collective with this rank return an error
+    comm_ = nullptr;
+  }
+
   std::vector<int64_t> exchange_counts(const std::vector<int64_t>& send_counts, int per_rank) override {
+    check_usable();
     const size_t n = static_cast<size_t>(world_), per = static_cast<size_t>(per_rank);
     if (per_rank < 1 || send_counts.size() != n * per)
       throw Error("NCCL transport: exchange_counts got " + std::to_string(send_counts.size()) + " counts for " +
@@ -86,6 +95,7 @@ class NcclTransport final : public ExpertTransport {
 
   void all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
                   const std::vector<int64_t>& recv_counts, int64_t cols) override {
+    check_usable();
     const size_t n = static_cast<size_t>(world_);
     if (send_counts.size() != n || recv_counts.size() != n || cols <= 0)
       throw Error("NCCL transport: all_to_all needs " + std::to_string(world_) + " send and receive counts and cols > 0");
@@ -109,7 +119,14 @@ class NcclTransport final : public ExpertTransport {
 
  private:
   int rank_, world_, device_;
+  // Throws once abort() was called.
+  void check_usable() const {
+    if (!comm_)
+      throw Error("NCCL transport (rank " + std::to_string(rank_) + "): aborted: " + aborted_);
+  }
+
   ncclComm_t comm_ = nullptr;
+  std::string aborted_;
   cudaStream_t stream_ = nullptr;
   int64_t* counts_ = nullptr;
   size_t counts_capacity_ = 0;

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backend.h"
@@ -25,9 +26,10 @@
 
 namespace moe {
 
-// Collectives: every rank of the group calls them in the same order. A failure on one rank
-// (moe::Error) makes the others' pending and later calls fail too, never hang (in-process);
-// NCCL reports it through its own error handling.
+// Collectives: every rank of the group calls them in the same order. A rank that fails between
+// collectives calls abort(), so that the other ranks' pending and later calls throw instead of
+// waiting for it forever (in-process: always, also when a collective itself fails; NCCL:
+// ncclCommAbort, after which this rank's transport is unusable).
 class ExpertTransport {
  public:
   virtual ~ExpertTransport() = default;
@@ -45,6 +47,9 @@ class ExpertTransport {
   // `recv` is complete and `send` may be reused.
   virtual void all_to_all(const float* send, const std::vector<int64_t>& send_counts, float* recv,
                           const std::vector<int64_t>& recv_counts, int64_t cols) = 0;
+
+  // Breaks the group: every later collective on any rank throws moe::Error naming `why`.
+  virtual void abort(const std::string& why) = 0;
 };
 
 // N transports that talk to each other through shared memory; transport i has rank i and is used
@@ -79,7 +84,8 @@ class ExpertParallelMoe {
   // BatchLease::acquire of an ExpertCache).
   using LocalWeights = std::function<kernels::ExpertWeights(int32_t expert)>;
 
-  // Collective. y[rows, hidden] = Σ_j routing.weight(row, j) · expert_{routing.expert(row, j)}(x[row])
+  // Collective; when it throws on one rank it aborts the transport, so the others throw too.
+  // y[rows, hidden] = Σ_j routing.weight(row, j) · expert_{routing.expert(row, j)}(x[row])
   // for this rank's rows x[rows, hidden] (rows = routing.rows, may be 0); x and y in backend
   // memory, routing on the host. The shared expert (Qwen2-MoE) is dense and not part of it.
   void forward(const float* x, const moe::Routing& routing, const LocalWeights& weights, float* y);
@@ -92,6 +98,8 @@ class ExpertParallelMoe {
   const std::vector<int32_t>& local_experts() const { return local_; }
 
  private:
+  void forward_impl(const float* x, const moe::Routing& routing, const LocalWeights& weights, float* y);
+
   ExpertTransport& transport_;
   kernels::Backend& backend_;
   MoeConfig config_;
