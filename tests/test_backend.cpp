@@ -475,22 +475,26 @@ TEST(CpuBackend, AsyncCopiesRunOnTheCopyQueueWhileOperationsRun) {
   std::vector<float*> dst(kThreads * kCopies);
   for (float*& p : dst) p = static_cast<float*>(cpu->allocate(kFloats * 4));
   std::vector<std::vector<std::shared_ptr<moe::kernels::Event>>> events(kThreads);
+  // Staging is allocated by the owner thread (only the async copy, event_complete and
+  // memory_info may be called from other threads).
+  std::vector<float*> staging(kThreads);
+  for (int t = 0; t < kThreads; ++t) {
+    staging[t] = static_cast<float*>(cpu->allocate_host_staging(kFloats * 4));
+    std::copy(sources[t].begin(), sources[t].end(), staging[t]);
+  }
   std::atomic<int> started{0};
   std::vector<std::thread> threads;
   for (int t = 0; t < kThreads; ++t)
     threads.emplace_back([&, t] {
-      float* staging = static_cast<float*>(cpu->allocate_host_staging(kFloats * 4));
-      std::copy(sources[t].begin(), sources[t].end(), staging);
       ++started;
       for (int c = 0; c < kCopies; ++c) {
-        events[t].push_back(cpu->copy_from_host_async(dst[t * kCopies + c], staging, kFloats * 4));
+        events[t].push_back(cpu->copy_from_host_async(dst[t * kCopies + c], staging[t], kFloats * 4));
         cpu->event_complete(*events[t].back());  // polled from this thread while others submit
         (void)cpu->memory_info();
       }
       // Copies complete in FIFO order: once the last one is done, all earlier ones are.
       while (!cpu->event_complete(*events[t].back())) std::this_thread::yield();
       for (const auto& e : events[t]) EXPECT_TRUE(cpu->event_complete(*e));
-      cpu->free_host_staging(staging);
     });
   // Operations on the owner thread meanwhile.
   const std::vector<float> x = random_values(64 * 64, 30);
@@ -506,6 +510,7 @@ TEST(CpuBackend, AsyncCopiesRunOnTheCopyQueueWhileOperationsRun) {
       ASSERT_EQ(std::memcmp(dst[t * kCopies + c], sources[t].data(), kFloats * 4), 0) << t << " " << c;
     }
   for (float* p : dst) cpu->deallocate(p);
+  for (float* p : staging) cpu->free_host_staging(p);
 
   // wait_event blocks until the copy is done; the destructor drains pending copies.
   std::vector<float> big_src = random_values(1 << 20, 32), big_dst(big_src.size()), last(big_src.size());
@@ -533,6 +538,189 @@ TEST(CpuBackend, AsyncCopiesRunOnTheCopyQueueWhileOperationsRun) {
 // CUDA backend against the CPU backend
 // =================================================================================================
 
+// Tolerances (max |gpu - cpu| / max |cpu|): f32 paths 1e-4. With f16/bf16 weights the GPU rounds
+// the activations to the weight's type before the tensor-core GEMM (cuBLAS needs one input type)
+// while the CPU keeps them in f32: 1e-2 (bf16 keeps 8 significant bits, about 4e-3 per value).
+namespace {
+
+constexpr double kF32Tol = 1e-4;
+constexpr double kHalfTol = 1e-2;
+
+double tolerance(WeightType t) { return t == WeightType::F32 ? kF32Tol : kHalfTol; }
+
+// A buffer in a backend's memory; uploads synchronise so the host source may go away.
+template <typename T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer(Backend& b, size_t n) : b_(b), n_(n), p_(static_cast<T*>(b.allocate(std::max<size_t>(n, 1) * sizeof(T)))) {}
+  DeviceBuffer(Backend& b, const std::vector<T>& host) : DeviceBuffer(b, host.size()) {
+    b_.copy_from_host(p_, host.data(), n_ * sizeof(T));
+    b_.synchronize();
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { b_.deallocate(p_); }
+  T* get() const { return p_; }
+  std::vector<T> host() const {
+    std::vector<T> v(n_);
+    b_.copy_to_host(v.data(), p_, n_ * sizeof(T));
+    return v;
+  }
+
+ private:
+  Backend& b_;
+  size_t n_;
+  T* p_;
+};
+
+// A weight's bytes in a backend's memory.
+struct DeviceWeight {
+  DeviceWeight(Backend& b, const HostWeight& w)
+      : bytes(b, std::vector<uint8_t>(static_cast<const uint8_t*>(w.data()),
+                                      static_cast<const uint8_t*>(w.data()) + w.bytes())),
+        type(w.type) {}
+  WeightRef ref() const { return {bytes.get(), type}; }
+  DeviceBuffer<uint8_t> bytes;
+  WeightType type;
+};
+
+std::vector<int64_t> random_lengths(size_t count, int64_t max_len, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int64_t> len(1, max_len);
+  std::vector<int64_t> lens(count);
+  for (int64_t& l : lens) l = len(rng);
+  lens[0] = max_len;
+  return lens;
+}
+
+}  // namespace
+
+TEST(CudaBackend, MemoryCopiesAndEvents) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  EXPECT_EQ(gpu->name(), "cuda:0");
+  EXPECT_FALSE(gpu->is_host_memory());
+  const moe::kernels::MemoryInfo info = gpu->memory_info();
+  EXPECT_GT(info.total_bytes, 0u);
+  EXPECT_LE(info.free_bytes, info.total_bytes);
+
+  const std::vector<float> src = random_values(1 << 16, 40);
+  DeviceBuffer<float> a(*gpu, src), b(*gpu, src.size());
+  gpu->copy_on_device(b.get(), a.get(), src.size() * 4);
+  EXPECT_EQ(b.host(), src);
+
+  // Asynchronous copies from several threads into separate buffers while operations run on the
+  // compute stream; each thread waits for its own events.
+  constexpr int kThreads = 4, kCopies = 16;
+  constexpr size_t kFloats = 1 << 18;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> dst;
+  for (int i = 0; i < kThreads * kCopies; ++i) dst.push_back(std::make_unique<DeviceBuffer<float>>(*gpu, kFloats));
+  std::vector<std::vector<float>> sources;
+  for (int t = 0; t < kThreads; ++t) sources.push_back(random_values(kFloats, 41 + t));
+  std::vector<std::vector<std::shared_ptr<moe::kernels::Event>>> events(kThreads);
+  std::vector<float*> staging(kThreads);  // allocated by the owner thread
+  for (int t = 0; t < kThreads; ++t) {
+    staging[t] = static_cast<float*>(gpu->allocate_host_staging(kFloats * 4));
+    std::copy(sources[t].begin(), sources[t].end(), staging[t]);
+  }
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      for (int c = 0; c < kCopies; ++c) {
+        events[t].push_back(gpu->copy_from_host_async(dst[t * kCopies + c]->get(), staging[t], kFloats * 4));
+        (void)gpu->memory_info();
+      }
+      while (!gpu->event_complete(*events[t].back())) std::this_thread::yield();
+      for (const auto& e : events[t]) EXPECT_TRUE(gpu->event_complete(*e));
+    });
+  const std::vector<float> ones(kFloats, 1.0f);
+  DeviceBuffer<float> acc(*gpu, ones), inc(*gpu, ones);
+  for (int i = 0; i < 100; ++i) gpu->add(acc.get(), inc.get(), kFloats);
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(acc.host(), std::vector<float>(kFloats, 101.0f));
+  for (int t = 0; t < kThreads; ++t)
+    for (int c = 0; c < kCopies; ++c) ASSERT_EQ(dst[t * kCopies + c]->host(), sources[t]) << t << " " << c;
+  for (float* p : staging) gpu->free_host_staging(p);
+
+  // wait_event orders the compute stream after the copy: add the freshly copied data.
+  float* twos = static_cast<float*>(gpu->allocate_host_staging(kFloats * 4));
+  std::fill(twos, twos + kFloats, 2.0f);
+  DeviceBuffer<float> fresh(*gpu, kFloats), sum(*gpu, ones);
+  auto ev = gpu->copy_from_host_async(fresh.get(), twos, kFloats * 4);
+  gpu->wait_event(*ev);
+  gpu->add(sum.get(), fresh.get(), kFloats);
+  EXPECT_EQ(sum.host(), std::vector<float>(kFloats, 3.0f));
+  EXPECT_TRUE(gpu->event_complete(*ev));
+  gpu->free_host_staging(twos);
+
+  auto cpu = moe::kernels::make_cpu_backend();
+  float x = 0, y = 1;
+  auto foreign = cpu->copy_from_host_async(&x, &y, 4);
+  expect_error([&] { gpu->wait_event(*foreign); }, {"cuda:0", "wait_event", "another backend"});
+  expect_error([&] { gpu->allocate(size_t{1} << 50); }, {"cuda:0", "allocate", "out of device memory"});
+  gpu->synchronize();  // the failed allocation left no error behind
+}
+
+TEST(CudaBackend, LinearMatchesCpuForEveryWeightType) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  auto cpu = moe::kernels::make_cpu_backend();
+  for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 768, 768}, {308, 2304, 768}, {1000, 512, 768},
+                         {7, 33, 5}}) {
+    const std::vector<float> x = random_values(static_cast<size_t>(m * k), 50);
+    const std::vector<float> bias = random_values(static_cast<size_t>(n), 51);
+    DeviceBuffer<float> dx(*gpu, x), dbias(*gpu, bias), dy(*gpu, static_cast<size_t>(m * n));
+    for (WeightType type : {WeightType::F32, WeightType::F16, WeightType::BF16}) {
+      const HostWeight w = make_weight(type, n, k, 52, 0.05f);
+      DeviceWeight dw(*gpu, w);
+      for (bool with_bias : {false, true}) {
+        std::vector<float> ref(static_cast<size_t>(m * n));
+        cpu->linear(x.data(), w.ref(), with_bias ? bias.data() : nullptr, ref.data(), m, n, k);
+        gpu->linear(dx.get(), dw.ref(), with_bias ? dbias.get() : nullptr, dy.get(), m, n, k);
+        EXPECT_LT(rel_error(dy.host(), ref), tolerance(type))
+            << moe::kernels::weight_type_name(type) << " " << m << "x" << n << "x" << k << (with_bias ? " bias" : "");
+      }
+    }
+  }
+}
+
+TEST(CudaBackend, LayerNormAndElementwiseMatchCpu) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  auto cpu = moe::kernels::make_cpu_backend();
+  for (auto [rows, cols] : {std::pair<int64_t, int64_t>{1, 512}, {77, 768}, {1000, 768}, {3, 1000}}) {
+    std::vector<float> x = random_values(static_cast<size_t>(rows * cols), 60, 2.0f);
+    for (float& v : x) v += 3.0f;
+    const std::vector<float> gamma = random_values(cols, 61), beta = random_values(cols, 62);
+    std::vector<float> ref(x.size());
+    cpu->layer_norm(x.data(), gamma.data(), beta.data(), ref.data(), rows, cols, 1e-5f);
+    DeviceBuffer<float> dx(*gpu, x), dg(*gpu, gamma), db(*gpu, beta);
+    gpu->layer_norm(dx.get(), dg.get(), db.get(), dx.get(), rows, cols, 1e-5f);  // in place
+    EXPECT_LT(rel_error(dx.host(), ref), kF32Tol) << rows << "x" << cols;
+  }
+  const size_t n = 1000 * 3072 + 5;
+  const std::vector<float> a = random_values(n, 63, 3.0f), b = random_values(n, 64, 3.0f);
+  DeviceBuffer<float> da(*gpu, a), db(*gpu, b);
+  const auto run = [&](auto&& gpu_op, auto&& cpu_op, const char* what) {
+    DeviceBuffer<float> d(*gpu, a);
+    std::vector<float> ref = a;
+    gpu_op(d.get());
+    cpu_op(ref.data());
+    EXPECT_LT(rel_error(d.host(), ref), 1e-5) << what;
+  };
+  const auto N = static_cast<int64_t>(n);
+  run([&](float* p) { gpu->gelu(p, N); }, [&](float* p) { cpu->gelu(p, N); }, "gelu");
+  run([&](float* p) { gpu->quick_gelu(p, N); }, [&](float* p) { cpu->quick_gelu(p, N); }, "quick_gelu");
+  run([&](float* p) { gpu->silu_mul(p, db.get(), p, N); }, [&](float* p) { cpu->silu_mul(p, b.data(), p, N); },
+      "silu_mul");
+  run([&](float* p) { gpu->silu_mul(da.get(), p, p, N); }, [&](float* p) { cpu->silu_mul(a.data(), p, p, N); },
+      "silu_mul (out aliases up)");
+  run([&](float* p) { gpu->add(p, db.get(), N); }, [&](float* p) { cpu->add(p, b.data(), N); }, "add");
+}
+
 TEST(CudaBackend, L2NormalizeMatchesCpu) {
   std::string why;
   if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
@@ -541,13 +729,241 @@ TEST(CudaBackend, L2NormalizeMatchesCpu) {
     std::vector<float> host = random_values(static_cast<size_t>(rows * cols), static_cast<unsigned>(cols), 3.0f);
     std::vector<float> ref = host;
     moe::kernels::cpu::l2_normalize_rows(ref.data(), rows, cols);
-    void* dev = gpu->allocate(host.size() * sizeof(float));
-    gpu->copy_from_host(dev, host.data(), host.size() * sizeof(float));
-    gpu->l2_normalize_rows(static_cast<float*>(dev), rows, cols, 1e-12f);
-    gpu->copy_to_host(host.data(), dev, host.size() * sizeof(float));
-    gpu->deallocate(dev);
+    DeviceBuffer<float> dev(*gpu, host);
+    gpu->l2_normalize_rows(dev.get(), rows, cols, 1e-12f);
+    host = dev.host();
     for (size_t i = 0; i < host.size(); ++i) ASSERT_NEAR(host[i], ref[i], 1e-6) << rows << "x" << cols << " at " << i;
   }
+}
+
+TEST(CudaBackend, AttentionMatchesCpu) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  auto cpu = moe::kernels::make_cpu_backend();
+  struct Case {
+    std::vector<int64_t> lens;
+    int64_t heads, head_dim;
+    bool causal;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {random_lengths(64, 77, 70), 8, 64, true, "text: 64 prompts ≤ 77 tokens, causal"},
+      {random_lengths(3, 77, 71), 12, 64, true, "text: 3 prompts, 12 heads"},
+      {std::vector<int64_t>(16, 50), 12, 64, false, "ViT-B/32: 16 images × 50 patches"},
+      {std::vector<int64_t>(4, 197), 12, 64, false, "ViT-B/16: 4 images × 197 patches"},
+      {{197, 0, 50, 1}, 4, 128, false, "head_dim 128, an empty and a one-row sequence"},
+      {{77, 5}, 3, 80, true, "head_dim 80 (not a multiple of 32)"},
+      {{9}, 2, 1, false, "head_dim 1"},
+  };
+  for (const Case& c : cases) {
+    int64_t total = 0;
+    for (int64_t l : c.lens) total += l;
+    const int64_t width = c.heads * c.head_dim;
+    const std::vector<float> qkv = random_values(static_cast<size_t>(total * 3 * width), 72);
+    std::vector<float> ref(static_cast<size_t>(total * width));
+    cpu->attention(qkv.data(), ref.data(), c.lens, c.heads, c.head_dim, c.causal);
+    DeviceBuffer<float> dqkv(*gpu, qkv), dout(*gpu, ref.size());
+    gpu->attention(dqkv.get(), dout.get(), c.lens, c.heads, c.head_dim, c.causal);
+    EXPECT_LT(rel_error(dout.host(), ref), kF32Tol) << c.what;
+  }
+  DeviceBuffer<float> dummy(*gpu, 3 * 129);
+  expect_error([&] { gpu->attention(dummy.get(), dummy.get(), {1}, 1, 129, false); },
+               {"cuda:0", "attention", "head_dim 129"});
+}
+
+TEST(CudaBackend, TopkSoftmaxMatchesCpu) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  auto cpu = moe::kernels::make_cpu_backend();
+  struct Case {
+    int64_t rows, experts, top_k;
+    bool renormalize;
+  };
+  for (const Case& c : {Case{1, 8, 2, true}, Case{1000, 8, 2, true}, Case{1000, 60, 4, false}, Case{333, 64, 8, true},
+                        Case{100, 256, 8, false}, Case{10, 7, 7, true}, Case{50, 3000, 3, true}}) {
+    std::vector<float> logits = random_values(static_cast<size_t>(c.rows * c.experts), 80, 2.0f);
+    // Ties: the first row all equal, the last row with its first half repeated in the second.
+    std::fill(logits.begin(), logits.begin() + c.experts, 0.25f);
+    float* last = logits.data() + (c.rows - 1) * c.experts;
+    if (c.rows > 1)
+      for (int64_t e = c.experts / 2; e < c.experts; ++e) last[e] = last[e - c.experts / 2];
+    std::vector<int32_t> ids(static_cast<size_t>(c.rows * c.top_k));
+    std::vector<float> w(ids.size());
+    cpu->topk_softmax(logits.data(), c.rows, c.experts, c.top_k, c.renormalize, ids.data(), w.data());
+    DeviceBuffer<float> dl(*gpu, logits), dw(*gpu, w.size());
+    DeviceBuffer<int32_t> di(*gpu, ids.size());
+    gpu->topk_softmax(dl.get(), c.rows, c.experts, c.top_k, c.renormalize, di.get(), dw.get());
+    EXPECT_EQ(di.host(), ids) << c.rows << " rows, " << c.experts << " experts, top " << c.top_k;
+    const std::vector<float> gw = dw.host();
+    double err = 0;
+    for (size_t i = 0; i < w.size(); ++i) err = std::max(err, std::fabs(static_cast<double>(gw[i]) - w[i]));
+    EXPECT_LT(err, 1e-6) << c.rows << " rows, " << c.experts << " experts";
+  }
+}
+
+namespace {
+
+struct MoeCase {
+  int64_t rows, d, inter, experts, top_k;
+  bool renormalize;
+  std::vector<WeightType> types;  // cycled over the experts
+};
+
+void check_cuda_moe(Backend& gpu, Backend& cpu, const MoeCase& c) {
+  const std::string what = std::to_string(c.rows) + " rows, d " + std::to_string(c.d) + ", " +
+                           std::to_string(c.experts) + " experts top-" + std::to_string(c.top_k) + ", " +
+                           moe::kernels::weight_type_name(c.types[0]) + (c.types.size() > 1 ? " (mixed)" : "");
+  const int64_t slots = c.rows * c.top_k, empty = c.experts - 1;
+  const std::vector<float> x = random_values(static_cast<size_t>(c.rows * c.d), 90);
+  std::vector<float> logits = random_values(static_cast<size_t>(c.rows * c.experts), 91, 2.0f);
+  for (int64_t r = 0; r < c.rows; ++r) logits[r * c.experts + empty] = -100.0f;  // never chosen
+  std::vector<int32_t> ids(static_cast<size_t>(slots));
+  std::vector<float> weights(ids.size());
+  cpu.topk_softmax(logits.data(), c.rows, c.experts, c.top_k, c.renormalize, ids.data(), weights.data());
+
+  std::vector<HostWeight> hw;
+  std::vector<std::unique_ptr<DeviceWeight>> dw;
+  std::vector<ExpertWeights> cpu_experts(c.experts), gpu_experts(c.experts);
+  for (int64_t e = 0; e < c.experts; ++e) {
+    if (e == empty) continue;  // no rows, no weights
+    const WeightType t = c.types[static_cast<size_t>(e) % c.types.size()];
+    for (int p = 0; p < 3; ++p) {
+      const bool down = p == 2;
+      hw.push_back(make_weight(t, down ? c.d : c.inter, down ? c.inter : c.d, static_cast<unsigned>(1000 + 3 * e + p),
+                               0.05f));
+      dw.push_back(std::make_unique<DeviceWeight>(gpu, hw.back()));
+    }
+    const size_t i = hw.size() - 3;
+    cpu_experts[e] = {hw[i].ref(), hw[i + 1].ref(), hw[i + 2].ref()};
+    gpu_experts[e] = {dw[i]->ref(), dw[i + 1]->ref(), dw[i + 2]->ref()};
+  }
+
+  // CPU reference.
+  std::vector<float> xs(static_cast<size_t>(slots * c.d)), os(xs.size()), y(static_cast<size_t>(c.rows * c.d));
+  std::vector<int32_t> slot_of(ids.size());
+  const std::vector<int64_t> offsets =
+      cpu.moe_permute(ids.data(), c.rows, c.top_k, c.experts, x.data(), c.d, xs.data(), slot_of.data());
+  cpu.grouped_swiglu(xs.data(), offsets, cpu_experts, c.d, c.inter, os.data());
+  cpu.moe_unpermute(os.data(), slot_of.data(), weights.data(), c.rows, c.top_k, c.d, y.data());
+
+  // GPU: each stage on the GPU's own previous output, and unpermute once more on the CPU's.
+  DeviceBuffer<float> dx(gpu, x), dxs(gpu, xs.size()), dos(gpu, os.size()), dy(gpu, y.size());
+  DeviceBuffer<int32_t> dids(gpu, ids), dslot(gpu, slot_of.size());
+  DeviceBuffer<float> dweights(gpu, weights);
+  const std::vector<int64_t> goffsets =
+      gpu.moe_permute(dids.get(), c.rows, c.top_k, c.experts, dx.get(), c.d, dxs.get(), dslot.get());
+  EXPECT_EQ(goffsets, offsets) << what;
+  EXPECT_EQ(dslot.host(), slot_of) << what;
+  EXPECT_EQ(dxs.host(), xs) << what;
+  gpu.grouped_swiglu(dxs.get(), goffsets, gpu_experts, c.d, c.inter, dos.get());
+  const double tol = c.types.size() > 1 ? kHalfTol : tolerance(c.types[0]);
+  EXPECT_LT(rel_error(dos.host(), os), tol) << what;
+  gpu.moe_unpermute(dos.get(), dslot.get(), dweights.get(), c.rows, c.top_k, c.d, dy.get());
+  EXPECT_LT(rel_error(dy.host(), y), tol) << what;
+  DeviceBuffer<float> cpu_os(gpu, os);
+  gpu.moe_unpermute(cpu_os.get(), dslot.get(), dweights.get(), c.rows, c.top_k, c.d, dy.get());
+  EXPECT_LT(rel_error(dy.host(), y), 1e-6) << what << " (unpermute alone)";
+}
+
+}  // namespace
+
+TEST(CudaBackend, MoePermuteSwigluUnpermuteMatchCpu) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  auto cpu = moe::kernels::make_cpu_backend();
+  const std::vector<WeightType> f32 = {WeightType::F32}, f16 = {WeightType::F16}, bf16 = {WeightType::BF16};
+  check_cuda_moe(*gpu, *cpu, {1, 512, 1024, 8, 2, true, f32});
+  check_cuda_moe(*gpu, *cpu, {1000, 768, 1024, 8, 2, true, f32});
+  check_cuda_moe(*gpu, *cpu, {300, 512, 1024, 8, 2, true, f16});
+  check_cuda_moe(*gpu, *cpu, {300, 768, 512, 8, 2, true, bf16});
+  check_cuda_moe(*gpu, *cpu, {100, 512, 256, 60, 4, false, f32});  // Qwen2-MoE-like routing
+  check_cuda_moe(*gpu, *cpu, {50, 512, 256, 8, 2, true, {WeightType::F32, WeightType::F16, WeightType::BF16}});
+
+  const std::vector<int32_t> ids = {0, 1, 2, 9};
+  DeviceBuffer<int32_t> dids(*gpu, ids);
+  DeviceBuffer<float> x(*gpu, 2 * 4), xs(*gpu, 4 * 4);
+  DeviceBuffer<int32_t> slot_of(*gpu, 4);
+  expect_error([&] { gpu->moe_permute(dids.get(), 2, 2, 4, x.get(), 4, xs.get(), slot_of.get()); },
+               {"cuda:0", "moe_permute", "expert id 9 at row 1", "[0, 4)"});
+  // The backend is still usable after the error.
+  gpu->moe_permute(dids.get(), 1, 2, 4, x.get(), 4, xs.get(), slot_of.get());
+  EXPECT_EQ(slot_of.host()[0], 0);
+}
+
+namespace {
+
+// GPU vs CPU search. Exact data (small integers): ids and scores equal. Random data: scores
+// within kF32Tol; where ids differ, the two candidates' exact scores are within kF32Tol too.
+void check_cuda_search(Backend& gpu, Backend& cpu, int64_t nq, int64_t nb, int64_t d, int64_t k, bool exact) {
+  const std::string what = std::to_string(nq) + " queries, " + std::to_string(nb) + " base, d " + std::to_string(d) +
+                           ", k " + std::to_string(k) + (exact ? " (integers)" : "");
+  std::vector<float> q, base;
+  if (exact) {
+    std::mt19937 rng(100);
+    std::uniform_int_distribution<int> small(-2, 2);
+    q.resize(static_cast<size_t>(nq * d));
+    base.resize(static_cast<size_t>(nb * d));
+    for (float& v : q) v = static_cast<float>(small(rng));
+    for (float& v : base) v = static_cast<float>(small(rng));
+  } else {
+    q = random_values(static_cast<size_t>(nq * d), 101);
+    base = random_values(static_cast<size_t>(nb * d), 102);
+  }
+  std::vector<int64_t> ids(static_cast<size_t>(nq * k));
+  std::vector<float> scores(ids.size());
+  cpu.inner_product_topk(q.data(), nq, base.data(), nb, d, k, ids.data(), scores.data());
+  DeviceBuffer<float> dq(gpu, q), db(gpu, base), ds(gpu, scores.size());
+  DeviceBuffer<int64_t> di(gpu, ids.size());
+  gpu.inner_product_topk(dq.get(), nq, db.get(), nb, d, k, di.get(), ds.get());
+  const std::vector<int64_t> gids = di.host();
+  const std::vector<float> gscores = ds.host();
+  if (exact) {
+    EXPECT_EQ(gids, ids) << what;
+    EXPECT_EQ(gscores, scores) << what;
+    return;
+  }
+  EXPECT_LT(rel_error(gscores, scores), kF32Tol) << what;
+  double scale = 1e-6;
+  for (float s : scores) scale = std::max(scale, std::fabs(static_cast<double>(s)));
+  int differing = 0;
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t a = gids[i * k + j], b = ids[i * k + j];
+      if (a == b) continue;
+      ++differing;
+      ASSERT_GE(a, 0);
+      ASSERT_LT(a, nb);
+      double sa = 0, sb = 0;
+      for (int64_t c = 0; c < d; ++c) {
+        sa += static_cast<double>(q[i * d + c]) * base[a * d + c];
+        sb += static_cast<double>(q[i * d + c]) * base[b * d + c];
+      }
+      EXPECT_LT(std::fabs(sa - sb) / scale, kF32Tol) << what << ": query " << i << " rank " << j << " ids " << a
+                                                      << " vs " << b;
+    }
+  EXPECT_LE(differing, 2 + nq * k / 100) << what << ": too many near-ties";
+}
+
+}  // namespace
+
+TEST(CudaBackend, InnerProductTopkMatchesCpu) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  auto cpu = moe::kernels::make_cpu_backend();
+  check_cuda_search(*gpu, *cpu, 1, 10000, 512, 10, false);
+  check_cuda_search(*gpu, *cpu, 1000, 20000, 512, 10, false);  // crosses the GPU's 16384-vector tiles
+  check_cuda_search(*gpu, *cpu, 100, 20000, 768, 1024, false);
+  check_cuda_search(*gpu, *cpu, 3, 20, 8, 20, false);              // k = nb
+  check_cuda_search(*gpu, *cpu, 1500, 40000, 8, 10, true);         // ties; crosses the 1024-query tile
+  check_cuda_search(*gpu, *cpu, 20, 40000, 4, 1024, true);         // ties across tiles, largest k
+  DeviceBuffer<float> q(*gpu, 8), b(*gpu, 2000 * 8), s(*gpu, 1025);
+  DeviceBuffer<int64_t> i(*gpu, 1025);
+  expect_error([&] { gpu->inner_product_topk(q.get(), 1, b.get(), 2000, 8, 1025, i.get(), s.get()); },
+               {"cuda:0", "inner_product_topk", "k = 1025"});
 }
 
 TEST(CudaBackend, UnavailableBackendSaysWhy) {

@@ -1,117 +1,303 @@
-// CUDA backend. Every kernel here has its CPU twin in kernels/cpu/cpu_ops.cpp; tests/test_cuda.cpp
-// compares the two on random inputs.
-#include <cuda_runtime.h>
-
+// CUDA backend: one device, a compute stream (every operation, copy_from_host, copy_to_host,
+// copy_on_device, in order) and a copy stream (copy_from_host_async, one cudaEvent per copy).
+// Kernels live in the other files of this folder by topic; every one has its CPU twin in
+// kernels/cpu/cpu_ops.cpp, and tests/test_backend.cpp compares the two on random inputs.
+// Every CUDA and cuBLAS call is checked; errors are moe::Error "cuda:N: <operation>: <call>: <reason>".
+#include <algorithm>
+#include <cstdlib>
+#include <mutex>
 #include <string>
 
 #include "backend.h"
+#include "cuda_common.h"
 #include "moe/error.h"
+#include "op_checks.h"
 
 namespace moe::kernels {
 
+namespace cuda {
+
+void fail(const Ctx& ctx, const char* op, const std::string& why) { throw Error(ctx.name + ": " + op + ": " + why); }
+
+const char* cublas_status_name(cublasStatus_t status) {
+  switch (status) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+  }
+  return "unknown cuBLAS status";
+}
+
+void check(const Ctx& ctx, const char* op, cudaError_t err, const char* call) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // a non-sticky error must not be reported again by the next launch check
+    fail(ctx, op, std::string(call) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
+  }
+}
+
+void check(const Ctx& ctx, const char* op, cublasStatus_t status, const char* call) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    fail(ctx, op, std::string(call) + ": " + cublas_status_name(status) + " (" + std::to_string(status) + ")");
+}
+
+void check_launch(const Ctx& ctx, const char* op, const char* kernel) {
+  check(ctx, op, cudaGetLastError(), (std::string("launching ") + kernel).c_str());
+  if (ctx.sync_each_op) check(ctx, op, cudaStreamSynchronize(ctx.stream), (std::string("running ") + kernel).c_str());
+}
+
+char* scratch(Ctx& ctx, size_t bytes, const char* op) {
+  if (bytes > ctx.scratch_bytes) {
+    // Work queued earlier may still use the old buffer.
+    check(ctx, op, cudaStreamSynchronize(ctx.stream), "cudaStreamSynchronize(before growing scratch)");
+    if (ctx.scratch) check(ctx, op, cudaFree(ctx.scratch), "cudaFree(scratch)");
+    ctx.scratch = nullptr;
+    ctx.scratch_bytes = 0;
+    const size_t want = std::max(bytes, size_t{1} << 20);
+    check(ctx, op, cudaMalloc(&ctx.scratch, want),
+          ("cudaMalloc(" + std::to_string(want) + " bytes of scratch)").c_str());
+    ctx.scratch_bytes = want;
+  }
+  return static_cast<char*>(ctx.scratch);
+}
+
+}  // namespace cuda
+
 namespace {
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw Error(std::string("cuda: ") + what + ": " + cudaGetErrorString(err));
-}
+using cuda::check;
 
-// One block per row: a block-wide sum of squares, then a scale. Rows are embeddings
-// (hundreds to a few thousand wide), so one block per row keeps every SM busy for batch >= #SMs.
-constexpr int kL2Threads = 256;
-
-__global__ void l2_normalize_rows_kernel(float* x, int64_t cols, float eps) {
-  __shared__ float partial[kL2Threads / 32];
-  float* row = x + static_cast<int64_t>(blockIdx.x) * cols;
-  float ss = 0.0f;
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) ss += row[c] * row[c];
-  for (int offset = 16; offset > 0; offset >>= 1) ss += __shfl_down_sync(0xffffffffu, ss, offset);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  __shared__ float inv;
-  if (threadIdx.x == 0) {
-    float total = 0.0f;
-    for (int w = 0; w < kL2Threads / 32; ++w) total += partial[w];
-    inv = 1.0f / fmaxf(sqrtf(total), eps);
+class CudaEvent final : public Event {
+ public:
+  CudaEvent(const void* owner, int device, cudaEvent_t event) : owner(owner), device(device), event(event) {}
+  ~CudaEvent() override {
+    cudaSetDevice(device);
+    cudaEventDestroy(event);  // fine while pending: resources are released once it completes
   }
-  __syncthreads();
-  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) row[c] *= inv;
-}
+  const void* owner;
+  int device;
+  cudaEvent_t event;
+};
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : device_(device) {
-    check(cudaSetDevice(device_), "cudaSetDevice");
-    check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  explicit CudaBackend(int device) {
+    ctx_.device = device;
+    ctx_.name = "cuda:" + std::to_string(device);
+    const char* sync = std::getenv("MOE_CUDA_SYNC");
+    ctx_.sync_each_op = sync && *sync && std::string(sync) != "0";
+    try {
+      check(ctx_, "init", cudaSetDevice(device), "cudaSetDevice");
+      check(ctx_, "init", cudaStreamCreateWithFlags(&ctx_.stream, cudaStreamNonBlocking), "cudaStreamCreate(compute)");
+      check(ctx_, "init", cudaStreamCreateWithFlags(&copy_stream_, cudaStreamNonBlocking), "cudaStreamCreate(copy)");
+      check(ctx_, "init", cublasCreate(&ctx_.blas), "cublasCreate");
+      check(ctx_, "init", cublasSetStream(ctx_.blas, ctx_.stream), "cublasSetStream");
+      // fp32 stays fp32: no TF32 or other reduced-precision shortcuts.
+      check(ctx_, "init", cublasSetMathMode(ctx_.blas, CUBLAS_DEFAULT_MATH), "cublasSetMathMode");
+    } catch (...) {
+      release();
+      throw;
+    }
   }
   ~CudaBackend() override {
-    cudaSetDevice(device_);
-    cudaStreamDestroy(stream_);
+    cudaSetDevice(ctx_.device);
+    // Drain both queues before the buffers they may use go away.
+    if (ctx_.stream) cudaStreamSynchronize(ctx_.stream);
+    if (copy_stream_) cudaStreamSynchronize(copy_stream_);
+    release();
   }
-  std::string name() const override { return "cuda:" + std::to_string(device_); }
+
+  std::string name() const override { return ctx_.name; }
   bool is_host_memory() const override { return false; }
+  MemoryInfo memory_info() const override {
+    on_device("memory_info");
+    MemoryInfo info;
+    check(ctx_, "memory_info", cudaMemGetInfo(&info.free_bytes, &info.total_bytes), "cudaMemGetInfo");
+    return info;
+  }
+
+  // ---- memory ----
   void* allocate(size_t bytes) override {
-    check(cudaSetDevice(device_), "cudaSetDevice");
+    on_device("allocate");
     void* p = nullptr;
-    check(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc");
+    const cudaError_t err = cudaMalloc(&p, bytes ? bytes : 1);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw Error(ctx_.name + ": allocate: out of device memory allocating " + std::to_string(bytes) +
+                  " bytes (cudaMalloc: " + cudaGetErrorString(err) + ")");
+    }
     return p;
   }
   void deallocate(void* ptr) override {
-    cudaSetDevice(device_);
-    cudaFree(ptr);
+    if (!ptr) return;
+    on_device("deallocate");
+    check(ctx_, "deallocate", cudaFree(ptr), "cudaFree");
+  }
+  void* allocate_host_staging(size_t bytes) override {
+    on_device("allocate_host_staging");
+    void* p = nullptr;
+    const cudaError_t err = cudaHostAlloc(&p, bytes ? bytes : 1, cudaHostAllocPortable);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw Error(ctx_.name + ": allocate_host_staging: cannot allocate " + std::to_string(bytes) +
+                  " bytes of page-locked host memory (cudaHostAlloc: " + cudaGetErrorString(err) + ")");
+    }
+    return p;
+  }
+  void free_host_staging(void* ptr) override {
+    if (!ptr) return;
+    check(ctx_, "free_host_staging", cudaFreeHost(ptr), "cudaFreeHost");
   }
   void copy_from_host(void* dst, const void* src, size_t bytes) override {
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_), "copy to device");
+    if (!bytes) return;
+    on_device("copy_from_host");
+    check(ctx_, "copy_from_host", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, ctx_.stream),
+          "cudaMemcpyAsync");
   }
   void copy_to_host(void* dst, const void* src, size_t bytes) override {
-    check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_), "copy to host");
-    synchronize();
+    on_device("copy_to_host");
+    if (bytes)
+      check(ctx_, "copy_to_host", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, ctx_.stream),
+            "cudaMemcpyAsync");
+    check(ctx_, "copy_to_host", cudaStreamSynchronize(ctx_.stream), "cudaStreamSynchronize");
   }
-  void synchronize() override { check(cudaStreamSynchronize(stream_), "cudaStreamSynchronize"); }
-  // Not yet on CUDA (the next commits implement them); each says so.
-  [[noreturn]] void todo(const char* op) const { throw Error(name() + ": " + op + " is not implemented yet"); }
-  MemoryInfo memory_info() const override { todo("memory_info"); }
-  void* allocate_host_staging(size_t) override { todo("allocate_host_staging"); }
-  void free_host_staging(void*) override { todo("free_host_staging"); }
-  void copy_on_device(void*, const void*, size_t) override { todo("copy_on_device"); }
-  std::shared_ptr<Event> copy_from_host_async(void*, const void*, size_t) override { todo("copy_from_host_async"); }
-  bool event_complete(const Event&) override { todo("event_complete"); }
-  void wait_event(const Event&) override { todo("wait_event"); }
-  void linear(const float*, WeightRef, const float*, float*, int64_t, int64_t, int64_t) override { todo("linear"); }
-  void layer_norm(const float*, const float*, const float*, float*, int64_t, int64_t, float) override {
-    todo("layer_norm");
+  void copy_on_device(void* dst, const void* src, size_t bytes) override {
+    if (!bytes) return;
+    on_device("copy_on_device");
+    check(ctx_, "copy_on_device", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
+          "cudaMemcpyAsync");
   }
-  void gelu(float*, int64_t) override { todo("gelu"); }
-  void quick_gelu(float*, int64_t) override { todo("quick_gelu"); }
-  void silu_mul(const float*, const float*, float*, int64_t) override { todo("silu_mul"); }
-  void add(float*, const float*, int64_t) override { todo("add"); }
-  void attention(const float*, float*, const std::vector<int64_t>&, int64_t, int64_t, bool) override {
-    todo("attention");
+  std::shared_ptr<Event> copy_from_host_async(void* dst, const void* src, size_t bytes) override {
+    const char* op = "copy_from_host_async";
+    on_device(op);
+    cudaEvent_t event = nullptr;
+    check(ctx_, op, cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    auto result = std::make_shared<CudaEvent>(this, ctx_.device, event);  // owns the event from here
+    // One thread at a time between the copy and its record, so the event marks exactly this copy.
+    std::lock_guard<std::mutex> lock(copy_mu_);
+    if (bytes) check(ctx_, op, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, copy_stream_), "cudaMemcpyAsync");
+    check(ctx_, op, cudaEventRecord(event, copy_stream_), "cudaEventRecord");
+    return result;
   }
-  void topk_softmax(const float*, int64_t, int64_t, int64_t, bool, int32_t*, float*) override { todo("topk_softmax"); }
-  std::vector<int64_t> moe_permute(const int32_t*, int64_t, int64_t, int64_t, const float*, int64_t, float*,
-                                   int32_t*) override {
-    todo("moe_permute");
+  bool event_complete(const Event& event) override {
+    const cudaEvent_t e = own(event, "event_complete");
+    on_device("event_complete");
+    const cudaError_t err = cudaEventQuery(e);
+    if (err == cudaErrorNotReady) {
+      if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
+      return false;
+    }
+    check(ctx_, "event_complete", err, "cudaEventQuery");
+    return true;
   }
-  void grouped_swiglu(const float*, const std::vector<int64_t>&, const std::vector<ExpertWeights>&, int64_t, int64_t,
-                      float*) override {
-    todo("grouped_swiglu");
+  void wait_event(const Event& event) override {
+    const cudaEvent_t e = own(event, "wait_event");
+    on_device("wait_event");
+    check(ctx_, "wait_event", cudaStreamWaitEvent(ctx_.stream, e, 0), "cudaStreamWaitEvent");
   }
-  void moe_unpermute(const float*, const int32_t*, const float*, int64_t, int64_t, int64_t, float*) override {
-    todo("moe_unpermute");
+  void synchronize() override {
+    on_device("synchronize");
+    check(ctx_, "synchronize", cudaStreamSynchronize(ctx_.stream), "cudaStreamSynchronize");
   }
-  void inner_product_topk(const float*, int64_t, const float*, int64_t, int64_t, int64_t, int64_t*, float*) override {
-    todo("inner_product_topk");
+
+  // ---- operations ----
+  void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) override {
+    checks::linear(ctx_.name, w, m, n, k);
+    on_device("linear");
+    cuda::linear(ctx_, x, w, bias, y, m, n, k);
+  }
+  void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
+                  float eps) override {
+    checks::non_negative(ctx_.name, "layer_norm", {rows, cols});
+    on_device("layer_norm");
+    cuda::layer_norm(ctx_, x, gamma, beta, y, rows, cols, eps);
+  }
+  void gelu(float* x, int64_t n) override {
+    on_device("gelu");
+    cuda::gelu(ctx_, x, n);
+  }
+  void quick_gelu(float* x, int64_t n) override {
+    on_device("quick_gelu");
+    cuda::quick_gelu(ctx_, x, n);
+  }
+  void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {
+    on_device("silu_mul");
+    cuda::silu_mul(ctx_, gate, up, out, n);
+  }
+  void add(float* y, const float* x, int64_t n) override {
+    on_device("add");
+    cuda::add(ctx_, y, x, n);
+  }
+  void attention(const float* qkv, float* out, const std::vector<int64_t>& seq_lens, int64_t heads, int64_t head_dim,
+                 bool causal) override {
+    const int64_t total = checks::attention(ctx_.name, seq_lens, heads, head_dim);
+    on_device("attention");
+    cuda::attention(ctx_, qkv, out, seq_lens, total, heads, head_dim, causal);
   }
   void l2_normalize_rows(float* x, int64_t rows, int64_t cols, float eps) override {
-    if (rows == 0) return;
-    check(cudaSetDevice(device_), "cudaSetDevice");
-    l2_normalize_rows_kernel<<<static_cast<unsigned>(rows), kL2Threads, 0, stream_>>>(x, cols, eps);
-    check(cudaGetLastError(), "l2_normalize_rows launch");
+    on_device("l2_normalize_rows");
+    cuda::l2_normalize_rows(ctx_, x, rows, cols, eps);
+  }
+  void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize, int32_t* ids,
+                    float* weights) override {
+    checks::topk_softmax(ctx_.name, rows, experts, top_k);
+    on_device("topk_softmax");
+    cuda::topk_softmax(ctx_, logits, rows, experts, top_k, renormalize, ids, weights);
+  }
+  std::vector<int64_t> moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t experts, const float* x,
+                                   int64_t cols, float* x_sorted, int32_t* slot_of) override {
+    checks::moe_permute(ctx_.name, rows, top_k, experts, cols);
+    on_device("moe_permute");
+    return cuda::moe_permute(ctx_, ids, rows, top_k, experts, x, cols, x_sorted, slot_of);
+  }
+  void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
+                      const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter,
+                      float* out_sorted) override {
+    checks::grouped_swiglu(ctx_.name, offsets, experts, d, inter);
+    on_device("grouped_swiglu");
+    cuda::grouped_swiglu(ctx_, x_sorted, offsets, experts, d, inter, out_sorted);
+  }
+  void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
+                     int64_t top_k, int64_t cols, float* y) override {
+    checks::moe_unpermute(ctx_.name, rows, top_k, cols);
+    on_device("moe_unpermute");
+    cuda::moe_unpermute(ctx_, out_sorted, slot_of, weights, rows, top_k, cols, y);
+  }
+  void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,
+                          int64_t* ids, float* scores) override {
+    checks::inner_product_topk(ctx_.name, nq, nb, d, k);
+    on_device("inner_product_topk");
+    cuda::inner_product_topk(ctx_, queries, nq, base, nb, d, k, ids, scores);
   }
 
  private:
-  int device_;
-  cudaStream_t stream_ = nullptr;
+  // The runtime's current device is per host thread: set it on every entry.
+  void on_device(const char* op) const { check(ctx_, op, cudaSetDevice(ctx_.device), "cudaSetDevice"); }
+  cudaEvent_t own(const Event& event, const char* op) const {
+    const auto* e = dynamic_cast<const CudaEvent*>(&event);
+    if (!e || e->owner != this) throw Error(ctx_.name + ": " + op + ": the event belongs to another backend");
+    return e->event;
+  }
+  void release() {
+    if (ctx_.scratch) cudaFree(ctx_.scratch);
+    if (ctx_.blas) cublasDestroy(ctx_.blas);
+    if (copy_stream_) cudaStreamDestroy(copy_stream_);
+    if (ctx_.stream) cudaStreamDestroy(ctx_.stream);
+    ctx_.scratch = nullptr;
+    ctx_.blas = nullptr;
+    copy_stream_ = nullptr;
+    ctx_.stream = nullptr;
+  }
+
+  cuda::Ctx ctx_;
+  cudaStream_t copy_stream_ = nullptr;
+  std::mutex copy_mu_;
 };
 
 }  // namespace
@@ -120,6 +306,7 @@ int cuda_device_count(std::string* why) {
   int n = 0;
   const cudaError_t err = cudaGetDeviceCount(&n);
   if (err != cudaSuccess) {
+    cudaGetLastError();
     if (why) *why = std::string("no usable CUDA device: ") + cudaGetErrorString(err);
     return 0;
   }
@@ -132,8 +319,7 @@ std::unique_ptr<Backend> make_cuda_backend(int device) {
   const int n = cuda_device_count(&why);
   if (n == 0) throw Error("cuda:" + std::to_string(device) + ": " + why);
   if (device < 0 || device >= n)
-    throw Error("cuda:" + std::to_string(device) + ": no such device (" + std::to_string(n) +
-                " present)");
+    throw Error("cuda:" + std::to_string(device) + ": no such device (" + std::to_string(n) + " present)");
   return std::make_unique<CudaBackend>(device);
 }
 

@@ -1,0 +1,118 @@
+// Internal to the CUDA backend: the per-backend context every launcher receives, error checks
+// that name the backend, the operation and the failing call, and the scratch arena.
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "moe/error.h"
+
+namespace moe::kernels::cuda {
+
+struct Ctx {
+  std::string name;             // "cuda:N"
+  int device = 0;
+  cudaStream_t stream = nullptr;  // the compute stream: every operation runs here, in order
+  cublasHandle_t blas = nullptr;  // bound to `stream`
+  // Scratch: one device buffer reused by every operation (stream order makes reuse safe).
+  void* scratch = nullptr;
+  size_t scratch_bytes = 0;
+  // MOE_CUDA_SYNC=1: synchronise after every operation so a failing kernel is named exactly.
+  bool sync_each_op = false;
+  // Whether cublasGemmGroupedBatchedEx accepts f16/bf16 inputs with f32 output (-1: not tried).
+  int grouped_half_f32_out = -1;
+};
+
+[[noreturn]] void fail(const Ctx& ctx, const char* op, const std::string& why);
+const char* cublas_status_name(cublasStatus_t status);
+void check(const Ctx& ctx, const char* op, cudaError_t err, const char* call);
+void check(const Ctx& ctx, const char* op, cublasStatus_t status, const char* call);
+// After a kernel launch: the launch error, and with sync_each_op the execution error.
+void check_launch(const Ctx& ctx, const char* op, const char* kernel);
+
+// A device buffer of at least `bytes` (256-byte aligned), valid until the next call. Growing it
+// waits for the compute stream first, so work still using the old buffer is finished.
+char* scratch(Ctx& ctx, size_t bytes, const char* op);
+
+// Lays out several arrays in one scratch buffer: call take() once with base == nullptr to
+// measure (bytes()), then again over the real buffer with the same sequence.
+class Carver {
+ public:
+  explicit Carver(char* base = nullptr) : base_(base) {}
+  template <typename T>
+  T* take(size_t count) {
+    offset_ = (offset_ + 255) / 256 * 256;
+    T* p = base_ ? reinterpret_cast<T*>(base_ + offset_) : nullptr;
+    offset_ += count * sizeof(T);
+    return p;
+  }
+  size_t bytes() const { return offset_; }
+
+ private:
+  char* base_;
+  size_t offset_ = 0;
+};
+
+// Grid size for a grid-stride loop over n elements.
+inline unsigned grid_for(int64_t n, int threads) {
+  const int64_t blocks = (n + threads - 1) / threads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
+}
+
+// ---- launchers, by topic (each file's header comment describes its kernels) ----------------
+
+// cuda_elementwise.cu
+void gelu(Ctx& ctx, float* x, int64_t n);
+void quick_gelu(Ctx& ctx, float* x, int64_t n);
+void silu_mul(Ctx& ctx, const float* gate, const float* up, float* out, int64_t n);
+void add(Ctx& ctx, float* y, const float* x, int64_t n);
+void add_bias(Ctx& ctx, float* y, const float* bias, int64_t m, int64_t n);
+// out[i] = x[i] rounded to `type` (F16 or BF16), round to nearest even. `op` names the caller.
+void cast_from_f32(Ctx& ctx, const char* op, const float* x, void* out, WeightType type, int64_t n);
+void layer_norm(Ctx& ctx, const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
+                float eps);
+void l2_normalize_rows(Ctx& ctx, float* x, int64_t rows, int64_t cols, float eps);
+
+// cuda_attention.cu
+void attention(Ctx& ctx, const float* qkv, float* out, const std::vector<int64_t>& seq_lens, int64_t total_rows,
+               int64_t heads, int64_t head_dim, bool causal);
+
+// cuda_gemm.cu
+// y[m,n] = x[m,k] · w[n,k]ᵀ (+ bias).
+void linear(Ctx& ctx, const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k);
+// One problem of a grouped GEMM in row-major terms: c[rows, cols] = b[rows, inner] · a[cols, inner]ᵀ
+// with leading dimensions lda, ldb, ldc; a is the weight (f32/f16/bf16), b the activation in the
+// weight's type, c f32.
+struct GemmProblem {
+  const void* a;
+  const void* b;
+  float* c;
+  int64_t rows, cols, inner, lda, ldb, ldc;
+};
+// All `problems` share the weight type `type`. dev_ptrs: device memory for 3 · problems.size()
+// pointers (filled here, on the stream).
+void grouped_gemm(Ctx& ctx, const char* op, WeightType type, const std::vector<GemmProblem>& problems,
+                  void** dev_ptrs);
+
+// cuda_moe.cu
+void topk_softmax(Ctx& ctx, const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
+                  int32_t* ids, float* weights);
+std::vector<int64_t> moe_permute(Ctx& ctx, const int32_t* ids, int64_t rows, int64_t top_k, int64_t experts,
+                                 const float* x, int64_t cols, float* x_sorted, int32_t* slot_of);
+void grouped_swiglu(Ctx& ctx, const float* x_sorted, const std::vector<int64_t>& offsets,
+                    const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted);
+void moe_unpermute(Ctx& ctx, const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
+                   int64_t top_k, int64_t cols, float* y);
+
+// cuda_search.cu
+void inner_product_topk(Ctx& ctx, const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d,
+                        int64_t k, int64_t* ids, float* scores);
+constexpr int64_t kMaxSearchK = 1024;
+
+}  // namespace moe::kernels::cuda
