@@ -43,8 +43,11 @@ Tensor pattern(int e, ExpertMatrix which, int64_t rows, int64_t cols) {
 struct Rig {
   std::unique_ptr<moe::kernels::Backend> backend;
   HostExpertStore store;
+  // Default: the CPU backend whose asynchronous copies run on a worker thread.
   Rig(int experts, int64_t hidden, int64_t inter, WeightType type = WeightType::F32)
-      : backend(moe::kernels::make_cpu_backend({/*async_copies=*/true})),
+      : Rig(moe::kernels::make_cpu_backend({/*async_copies=*/true}), experts, hidden, inter, type) {}
+  Rig(std::unique_ptr<moe::kernels::Backend> b, int experts, int64_t hidden, int64_t inter, WeightType type)
+      : backend(std::move(b)),
         store(*backend, type, experts, hidden, inter, [hidden, inter](int e, ExpertMatrix w) {
           return w == ExpertMatrix::W2 ? pattern(e, w, hidden, inter) : pattern(e, w, inter, hidden);
         }) {}
@@ -465,4 +468,37 @@ TEST(ExpertCache, LeaseMayOutliveTheCacheObject) {
   cache.reset();
   EXPECT_TRUE(rig.slot_intact(*lease, 3));
   lease.reset();  // frees the slots now
+}
+
+// ---- the same on a GPU (skipped without one) ----------------------------------------------------
+
+TEST(ExpertCacheOnCuda, CopiesLandIntactAndPinnedExpertsStay) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  for (WeightType type : {WeightType::F16, WeightType::F32}) {
+    SCOPED_TRACE(moe::kernels::weight_type_name(type));
+    Rig rig(moe::kernels::make_cuda_backend(0), 8, 256, 512, type);  // 0.75 / 1.5 MiB per expert
+    ExpertCache cache(*rig.backend, rig.store, rig.slots(4));
+    // The scripted LRU sequence of the CPU test: same counts, same residents.
+    for (const std::vector<int32_t>& b : std::vector<std::vector<int32_t>>{{0, 1}, {3, 2, 3}, {0}, {4}, {2}, {5, 6}})
+      rig.run_batch(cache, b);
+    expect_counts(cache.stats(), 2, 7, 3);
+    for (int e : {2, 4, 5, 6}) EXPECT_TRUE(cache.is_resident(e)) << e;
+    // A batch in flight keeps its experts while another batch cannot be admitted.
+    auto a = cache.prefetch({0, 1, 2});
+    expect_error([&] { cache.prefetch({3, 7}); }, {"cuda:0", "batches in flight: 1"});
+    for (int32_t e : {0, 1, 2}) EXPECT_TRUE(rig.slot_intact(*a, e)) << e;
+    a->release();
+    // Copies that completed before acquire count as hidden.
+    auto c = cache.prefetch({3, 7});
+    while (cache.stats().copies_in_flight > 0) std::this_thread::yield();
+    for (int32_t e : {3, 7}) EXPECT_TRUE(rig.slot_intact(*c, e)) << e;
+    c->release();
+    const CacheStats s = cache.stats();
+    EXPECT_GE(s.copies_hidden, 2u);
+    EXPECT_EQ(s.copies_hidden + s.copies_exposed, s.misses);
+    std::cout << "[ cuda ] " << moe::kernels::weight_type_name(type) << ": " << s.misses << " copies, hidden/exposed "
+              << s.copies_hidden << "/" << s.copies_exposed << ", host wait " << s.exposed_wait_ns << " ns\n";
+    cache.check_invariants();
+  }
 }

@@ -227,3 +227,25 @@ TEST(NcclTransport, SingleRankRoundTripOnTheGpu) {
   backend->deallocate(recv);
 #endif
 }
+
+TEST(ExpertParallelMoeOnCuda, SingleRankOverNcclWithACacheMatchesRunExperts) {
+#if !MOE_HAVE_NCCL
+  GTEST_SKIP() << "built without NCCL";
+#else
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) < 1) GTEST_SKIP() << "no CUDA device: " << why;
+  const MoeLayer layer = moe::test::random_moe_layer(8, 64, 96, 2, 31);
+  const Tensor x = moe::test::random_tensor(40, 64, 32);
+  const moe::Routing routing = layer.route(x);
+  const Tensor expected = layer.run_experts(x, routing);
+  auto backend = moe::kernels::make_cuda_backend(0);
+  const HostExpertStore store = HostExpertStore::from_layer(*backend, layer, WeightType::F32);
+  moe::ExpertCache cache(*backend, store);
+  auto transport = moe::make_nccl_transport(0, 1, moe::nccl_unique_id(), 0);
+  ExpertParallelMoe ep(*transport, *backend, layer.config(), ExpertParallelMoe::block_owners(8, 1));
+  auto lease = cache.prefetch(ep.local_experts());
+  const Tensor y = ep.forward_host(x, routing, [&](int32_t e) { return lease->acquire(e); });
+  lease->release();  // forward_host copied y to the host: the GPU is done with the weights
+  EXPECT_LT(moe::test::max_rel_error(y, expected), 1e-4);  // fp32 on the GPU, other summation order
+#endif
+}
