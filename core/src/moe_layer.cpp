@@ -117,6 +117,19 @@ MoeLayer::~MoeLayer() = default;
 
 const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
 
+const Tensor& MoeLayer::expert_weight(int e, ExpertMatrix which) const {
+  if (e < 0 || e >= impl_->cfg.num_experts)
+    throw Error("expert_weight: expert " + std::to_string(e) + " outside [0, " +
+                std::to_string(impl_->cfg.num_experts) + ")");
+  const Expert& ex = impl_->experts[static_cast<size_t>(e)];
+  switch (which) {
+    case ExpertMatrix::W1: return ex.w1;
+    case ExpertMatrix::W3: return ex.w3;
+    case ExpertMatrix::W2: return ex.w2;
+  }
+  throw Error("expert_weight: unknown matrix " + std::to_string(static_cast<int>(which)));
+}
+
 MoeLayer MoeLayer::load(const MoeConfig& config, const Checkpoint& ck, const std::string& prefix) {
   config.validate();
   MoeLayer layer;

@@ -46,6 +46,10 @@ struct Routing {
   float weight(int64_t row, int j) const { return weights[static_cast<size_t>(row * top_k + j)]; }
 };
 
+// The three matrices of a SwiGLU expert, in the order HostExpertStore packs them:
+// w1 (gate) [intermediate, hidden], w3 (up) [intermediate, hidden], w2 (down) [hidden, intermediate].
+enum class ExpertMatrix : int { W1 = 0, W3 = 1, W2 = 2 };
+
 class MoeLayer {
  public:
   // Loads the block whose tensors start with `prefix` (e.g. "model.layers.1.block_sparse_moe."
@@ -66,6 +70,10 @@ class MoeLayer {
   Tensor run_experts(const Tensor& x, const Routing& routing) const;
   // Reference: the same sum computed row by row with plain loops (no grouping, no BLAS).
   Tensor run_experts_reference(const Tensor& x, const Routing& routing) const;
+
+  // Read access to routed expert `e`'s weights (host f32, [out, in] row-major), e.g. to pack
+  // them for a device (HostExpertStore). Throws moe::Error when e is outside [0, num_experts).
+  const Tensor& expert_weight(int e, ExpertMatrix which) const;
 
   MoeLayer(MoeLayer&&) noexcept;
   MoeLayer& operator=(MoeLayer&&) noexcept;
