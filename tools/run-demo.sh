@@ -1,14 +1,68 @@
 #!/usr/bin/env bash
-# The main job, from a fresh clone: installs packages (idempotent), builds, and runs the demo:
-# encode text queries and an image with the default model, apply the MoE adapter, print the
-# embeddings, the routing and the similarities. Extra arguments go to moe-encode-demo.
+# The main job, from a fresh clone: installs packages (idempotent), builds the plugin, indexes the
+# shipped demo catalog with the index-build pipeline, starts the query service pipeline, sends a
+# handful of text queries and one image query over ZeroMQ, prints each query's top results with
+# the experts used, and writes a self-contained HTML page with thumbnails.
+#
+#   tools/run-demo.sh [--quick] [QUERY...]
+#
+# QUERY arguments replace the default text queries. --quick (used by CI) sends fewer queries.
+# Environment: MOE_BUILD_DIR (default build), MODEL / ADAPTER / CATALOG (default: the shipped
+# model in models/default), QUERY_ENDPOINT / RESULT_ENDPOINT (default tcp://127.0.0.1:5555/5556).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+repo=$(pwd)
+
+quick=0
+queries=()
+for a in "$@"; do
+  case "$a" in
+    --quick) quick=1 ;;
+    *) queries+=("$a") ;;
+  esac
+done
+if [ ${#queries[@]} -eq 0 ]; then
+  queries=("pink mug" "yellow hat" "red shirt" "blue striped bag" "green lamp" "white chair outdoors")
+  [ $quick -eq 1 ] && queries=("pink mug" "yellow hat")
+fi
+
+build=${MOE_BUILD_DIR:-build}
+MODEL=${MODEL:-$repo/models/default/clip}
+ADAPTER=${ADAPTER:-$repo/models/default/adapter}
+CATALOG=${CATALOG:-$repo/models/default/catalog}
+export QUERY_ENDPOINT=${QUERY_ENDPOINT:-tcp://127.0.0.1:5555}
+export RESULT_ENDPOINT=${RESULT_ENDPOINT:-tcp://127.0.0.1:5556}
+out="$repo/$build/demo"
 
 tools/install-deps.sh
-[ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
-if [ ! -f build/build.ninja ]; then
-  meson setup build --buildtype=release
+# The demo runs on the CPU; a CPU-only build keeps the first run to a couple of minutes
+# (configure the build folder with -Dcuda=enabled yourself for the CUDA kernels).
+if [ ! -f "$build/build.ninja" ]; then
+  meson setup "$build" --buildtype=release -Dcuda=disabled -Dtests=disabled >/dev/null
 fi
-meson compile -C build -j "${MOE_BUILD_JOBS:-2}" >/dev/null
-exec build/examples/moe-encode-demo "$@"
+echo "== building the plugin and the demo client ($build)"
+meson compile -C "$build" -j "${MOE_BUILD_JOBS:-2}" gstmoe moe-search-demo >/dev/null
+export GST_PLUGIN_PATH_1_0="$repo/$build/gst-plugins"
+export GST_REGISTRY_1_0="$repo/$build/gst-registry.bin"
+export MODEL ADAPTER
+
+mkdir -p "$out"
+echo "== indexing $CATALOG (pipelines/build-index.sh)"
+pipelines/build-index.sh "$CATALOG" "$out/catalog.faiss" > "$out/build-index.log" 2>&1 ||
+  { cat "$out/build-index.log"; exit 1; }
+echo "   $(grep -c '' "$out/catalog.faiss.items.jsonl" | awk '{print $1 - 1}') images indexed -> $out/catalog.faiss"
+
+echo "== starting the query service (pipelines/serve.sh) on $QUERY_ENDPOINT -> $RESULT_ENDPOINT"
+pipelines/serve.sh "$out/catalog.faiss" > "$out/serve.log" 2>&1 &
+service=$!
+trap 'kill $service 2>/dev/null; wait $service 2>/dev/null || true' EXIT
+
+args=(--requests "$QUERY_ENDPOINT" --results "$RESULT_ENDPOINT" --k 5 --html "$out/search-demo.html")
+for q in "${queries[@]}"; do args+=(--text "$q"); done
+# One image query: a catalog photo, which should find itself and its look-alikes.
+args+=(--image "$CATALOG/$(ls "$CATALOG" | grep -m1 -E '\.png$')")
+if ! "$build/examples/moe-search-demo" "${args[@]}"; then
+  echo "-- service log:"; cat "$out/serve.log"
+  exit 1
+fi
+echo "Open $out/search-demo.html in a browser to see the results with pictures."

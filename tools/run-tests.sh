@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone: installs packages (idempotent), builds twice —
-# with CUDA enabled (when the toolkit is present) and with CUDA disabled — and runs every test
-# in both builds. Prints one summary line "tests: N passed, N failed, N skipped" at the end.
+# with CUDA enabled (when the toolkit is present) and with CUDA disabled — runs every test in
+# both builds, then the demo in its quick mode. Prints one summary line
+# "tests: N passed, N failed, N skipped" at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -34,6 +35,13 @@ for cfg in "${configs[@]}"; do
   if ! meson test -C "$dir" --print-errorlogs --num-processes "$jobs"; then status=1; fi
   junits+=("$dir/meson-logs/testlog.junit.xml")
 done
+
+# The README's first command in its quick mode, on the CPU build: the demo must keep working.
+echo "=== demo (tools/run-demo.sh --quick)"
+if ! MOE_BUILD_DIR="build-test-cpu" tools/run-demo.sh --quick; then
+  echo "run-tests: the demo failed"
+  status=1
+fi
 
 # Count individual GoogleTest cases across both builds from meson's JUnit log.
 python3 - "${junits[@]}" <<'PY'

@@ -1,0 +1,194 @@
+#!/usr/bin/env python3
+"""Adapt the base CLIP to the shifted domain (shifted-train) with one of three methods.
+
+    tools/train/adapt.py --method full   # all weights          -> RUNS/full/clip/
+    tools/train/adapt.py --method lora   # low-rank updates     -> RUNS/lora/clip/ (merged)
+    tools/train/adapt.py --method moe    # MoE adapter, frozen  -> RUNS/moe/adapter/
+
+All three start from RUNS/base/clip/ as the engine loads it (fp16 weights widened to fp32) and
+use the same contrastive loss, caption variants and shifted-train items. Each run writes
+RUNS/METHOD/train.json (trainable parameters, wall and CPU time, loss curve).
+"""
+
+import argparse
+import os
+import time
+
+import common  # first: pins the math libraries to one thread
+from common import np, torch
+
+DEFAULTS = {  # method: steps, batch, lr, warmup, weight decay
+    "full": dict(steps=300, batch=128, lr=2e-4, warmup=30, weight_decay=0.1),
+    "lora": dict(steps=300, batch=128, lr=2e-3, warmup=30, weight_decay=0.0),
+    "moe": dict(steps=3000, batch=256, lr=2e-3, warmup=100, weight_decay=0.01),
+}
+
+
+def train_moe(model, items, pixels, tokens, args, seed):
+    """Frozen CLIP: embed once (K caption variants and `views` image views per item: plain,
+    flipped, randomly augmented as in common.augment), then
+    train the adapter on the cached projected embeddings, shared by both modalities."""
+    t0, c0 = time.time(), time.process_time()
+    rng = np.random.default_rng(seed)
+    codes = common.AttrCodes()
+    item_codes = np.stack([codes.full(it["attributes"]) for it in items])
+    K = args.variants
+    texts, named = [], []
+    for it in items:
+        for _ in range(K):
+            t, nm = common.catalog.random_caption(it["attributes"], rng)
+            texts.append(t)
+            named.append(codes.named(nm))
+    named = np.stack(named).reshape(len(items), K, -1)
+    txt = common.embed_texts(model, tokens, texts, engine=False).reshape(len(items), K, -1)
+    views = [pixels, pixels.flip(-1)] + [common.augment(pixels, rng) for _ in range(args.views - 2)]
+    img = torch.stack([common.embed_pixels(model, v) for v in views], 1)  # [N, views, D]
+    embed_wall, embed_cpu = time.time() - t0, time.process_time() - c0
+    print("moe: cached %d text and %d image embeddings in %.0fs (|text| %.2f, |image| %.2f)" % (
+        txt.shape[0] * K, img.shape[0] * img.shape[1], embed_wall, txt.norm(dim=-1).mean(),
+        img.norm(dim=-1).mean()), flush=True)
+
+    torch.manual_seed(seed)
+    D = txt.shape[-1]
+    adapter = common.MoeAdapter(D, args.experts, args.intermediate, args.top_k)
+    log_scale = torch.nn.Parameter(model.logit_scale.detach().clone())
+    params = list(adapter.named_parameters()) + [("logit_scale", log_scale)]
+    opt = torch.optim.AdamW(common.param_groups(params, args.weight_decay), lr=args.lr,
+                            betas=(0.9, 0.98), eps=1e-6)
+    log, run = [], 0.0
+    t1 = time.time()
+    usage_t = usage_i = None
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = common.lr_at(step, args.steps, args.lr, args.warmup)
+        idx = rng.choice(len(items), args.batch, replace=False)
+        v = rng.integers(K, size=args.batch)
+        f = rng.integers(img.shape[1], size=args.batch)
+        x_t = txt[idx, v]
+        x_i = img[idx, f]
+        y_t, p_t, s_t = adapter(x_t)
+        y_i, p_i, s_i = adapter(x_i)
+        match = common.match_matrix(named[idx, v], item_codes[idx])
+        # y_* are already normalised: the adapter output is what the engine indexes.
+        loss = common.contrastive_loss(y_t, y_i, log_scale, match)
+        aux = 0.5 * (adapter.aux_loss(p_t, s_t) + adapter.aux_loss(p_i, s_i))
+        total = loss + args.aux * aux
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        opt.step()
+        with torch.no_grad():
+            log_scale.clamp_(0, np.log(100))
+        run = loss.item() if step == 0 else 0.95 * run + 0.05 * loss.item()
+        if (step + 1) % 100 == 0 or step == args.steps - 1:
+            usage_t = np.bincount(s_t.reshape(-1).numpy(), minlength=args.experts) / s_t.numel()
+            usage_i = np.bincount(s_i.reshape(-1).numpy(), minlength=args.experts) / s_i.numel()
+            rec = {"step": step + 1, "loss": round(run, 4), "aux": round(aux.item(), 4),
+                   "logit_scale": round(log_scale.exp().item(), 2),
+                   "usage_text": [round(float(u), 3) for u in usage_t],
+                   "usage_image": [round(float(u), 3) for u in usage_i],
+                   "wall_s": round(time.time() - t1, 1)}
+            log.append(rec)
+            if (step + 1) % 500 == 0 or step == args.steps - 1:
+                print("moe step %5d  loss %.4f  aux %.3f  usage text %s image %s" % (
+                    step + 1, run, aux.item(), np.round(usage_t, 2), np.round(usage_i, 2)),
+                    flush=True)
+    adapter.eval()
+    stats = {"wall_s": round(time.time() - t0, 1), "cpu_s": round(time.process_time() - c0, 1),
+             "embed_cache_wall_s": round(embed_wall, 1), "embed_cache_cpu_s": round(embed_cpu, 1),
+             "log": log}
+    return adapter, stats
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--method", required=True, choices=sorted(DEFAULTS))
+    ap.add_argument("--catalog", default="build-train/catalog")
+    ap.add_argument("--runs", default="build-train")
+    ap.add_argument("--seed", type=int, default=1)
+    for k in ("steps", "batch", "warmup"):
+        ap.add_argument("--" + k.replace("_", "-"), type=int, default=None)
+    for k in ("lr", "weight_decay"):
+        ap.add_argument("--" + k.replace("_", "-"), type=float, default=None)
+    ap.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    ap.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (scale alpha/rank)")
+    ap.add_argument("--experts", type=int, default=8, help="MoE experts")
+    ap.add_argument("--top-k", type=int, default=2, help="MoE experts per embedding")
+    ap.add_argument("--intermediate", type=int, default=128, help="MoE expert width")
+    ap.add_argument("--aux", type=float, default=0.01, help="MoE load-balancing loss weight")
+    ap.add_argument("--variants", type=int, default=16, help="MoE cached captions per item")
+    ap.add_argument("--views", type=int, default=4, help="MoE cached image views per item (>= 2)")
+    args = ap.parse_args()
+    for k, v in DEFAULTS[args.method].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    base_dir = os.path.join(args.runs, "base", "clip")
+    model = common.load_clip(base_dir)
+    proc = common.CLIPImageProcessor.from_pretrained(base_dir)
+    items = common.load_split(args.catalog, "shifted-train")
+    pixels = common.load_pixels([it["abspath"] for it in items], proc)
+    tokens = common.Tokens(base_dir)
+    out_dir = os.path.join(args.runs, args.method)
+    total = common.count_params(model.parameters())
+    info = {"method": args.method, "args": vars(args), "versions": common.versions(),
+            "base": base_dir}
+
+    if args.method == "full":
+        for p in model.parameters():
+            p.requires_grad_(True)
+        trainable = total
+        info["note"] = ("every weight is trainable; %d of them are the token embedding, of which "
+                        "only the rows of caption words get gradients" %
+                        model.text_model.embeddings.token_embedding.weight.numel())
+        sampler = common.PairSampler(items, pixels, args.seed)
+        stats = common.train_clip(model, sampler, tokens, args.steps, args.batch, args.lr,
+                                  args.warmup, args.weight_decay, label="full")
+        common.save_clip_dir(model, os.path.join(out_dir, "clip"))
+    elif args.method == "lora":
+        common.add_lora(model, args.rank, args.alpha)
+        lora = [p for n, p in model.named_parameters() if "lora_" in n]
+        trainable = common.count_params(lora)
+        info["note"] = ("rank-%d LoRA on q/k/v/out_proj, fc1, fc2 of all %d encoder layers of both "
+                        "towers (+ the logit scale), merged into the weights for export" %
+                        (args.rank, len(common.encoder_layers(model))))
+        sampler = common.PairSampler(items, pixels, args.seed)
+        stats = common.train_clip(model, sampler, tokens, args.steps, args.batch, args.lr,
+                                  args.warmup, args.weight_decay, label="lora")
+        with torch.no_grad():  # merged model must equal the LoRA model
+            ids, mask = tokens.batch(["a small red striped mug on wood", "lamp"])
+            ref_t = model.get_text_features(input_ids=ids, attention_mask=mask)
+            ref_i = model.get_image_features(pixel_values=pixels[:4])
+        common.merge_lora(model)
+        with torch.no_grad():
+            err = max(float((model.get_text_features(input_ids=ids, attention_mask=mask)
+                             - ref_t).abs().max()),
+                      float((model.get_image_features(pixel_values=pixels[:4]) - ref_i).abs().max()))
+        info["merge_max_abs_err"] = err
+        assert err < 1e-3, err
+        common.save_clip_dir(model, os.path.join(out_dir, "clip"))
+    else:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        adapter, stats = train_moe(model, items, pixels, tokens, args, args.seed)
+        trainable = common.count_params(adapter.parameters())
+        info["note"] = ("%d SwiGLU experts (width %d), top-%d Mixtral routing, one adapter shared by "
+                        "text and image embeddings; CLIP frozen. train time includes caching the "
+                        "frozen embeddings (embed_cache_*)" %
+                        (args.experts, args.intermediate, args.top_k))
+        info["embed_cache_wall_s"] = stats["embed_cache_wall_s"]
+        info["embed_cache_cpu_s"] = stats["embed_cache_cpu_s"]
+        common.save_adapter_dir(adapter, os.path.join(out_dir, "adapter"),
+                                {"base_model": "models/default/clip"})
+
+    info.update({"params_total_clip": total, "params_trainable": trainable,
+                 "train_wall_s": stats["wall_s"], "train_cpu_s": stats["cpu_s"],
+                 "total_wall_s": round(time.time() - t_start, 1), "log": stats["log"]})
+    common.write_json(os.path.join(out_dir, "train.json"), info)
+    print("%s: %d trainable parameters, training %.0fs wall / %.0fs CPU" % (
+        args.method, trainable, stats["wall_s"], stats["cpu_s"]))
+
+
+if __name__ == "__main__":
+    main()
