@@ -63,9 +63,10 @@ Resolved resolve(const std::string& requested) {
   const std::string name = "cuda:" + std::to_string(index);
   std::string why;
   const int n = kernels::cuda_device_count(&why);
-  if (n == 0) throw Error(quoted + " (" + name + "): no usable CUDA device: " + no_cuda_reason(why));
+  const std::string which = d == name ? quoted : quoted + " (" + name + ")";
+  if (n == 0) throw Error(which + ": no usable CUDA device: " + no_cuda_reason(why));
   if (index >= n)
-    throw Error(quoted + ": no such CUDA device (" + std::to_string(n) + " present: cuda:0..cuda:" +
+    throw Error(which + ": no such CUDA device (" + std::to_string(n) + " present: cuda:0..cuda:" +
                 std::to_string(n - 1) + ")");
   return {name, index, quoted + " requested", false};
 }
