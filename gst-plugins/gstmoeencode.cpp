@@ -867,7 +867,7 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       g_param_spec_string("model", "Model",
                           "Hugging Face CLIP model directory (config.json, model.safetensors, vocab.json, merges.txt, "
                           "preprocessor_config.json); loaded when going to READY, shared with other elements naming "
-                          "the same directory; can only be changed in the NULL state",
+                          "the same directory, device and precision; can only be changed in the NULL state",
                           nullptr, static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS)));
   g_object_class_install_property(
       gobject_class, PROP_DEVICE,
