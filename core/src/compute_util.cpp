@@ -26,6 +26,19 @@ ModelBackend ModelBackend::open(const ComputeOptions& options) {
   return m;
 }
 
+namespace {
+
+// Frees backend memory from a destructor: a failure (e.g. a CUDA runtime already shut down at
+// process exit) must not escape.
+void release(kernels::Backend& backend, void* p) noexcept {
+  try {
+    backend.deallocate(p);
+  } catch (...) {
+  }
+}
+
+}  // namespace
+
 Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
   if (!host.is_host() || (host.dtype() != DType::F32 && host.dtype() != DType::F16 && host.dtype() != DType::BF16))
     throw Error("to_backend: " + host.describe() + " is not a host float tensor");
@@ -51,10 +64,22 @@ Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
       src = half.data();
     }
   }
+  std::unique_lock<std::mutex> lock;
+  if (mutex) lock = std::unique_lock<std::mutex>(*mutex);
   void* dst = b.allocate(bytes);
-  std::shared_ptr<void> owner(dst, [keep = backend](void* p) { keep->deallocate(p); });
-  b.copy_from_host(dst, src, bytes);
-  b.synchronize();  // `src` goes out of scope here
+  try {
+    b.copy_from_host(dst, src, bytes);
+    b.synchronize();  // `src` goes out of scope here
+  } catch (...) {
+    release(b, dst);
+    throw;
+  }
+  if (lock.owns_lock()) lock.unlock();
+  std::shared_ptr<void> owner(dst, [keep = backend, guard = mutex](void* p) {
+    std::unique_lock<std::mutex> held;
+    if (guard) held = std::unique_lock<std::mutex>(*guard);
+    release(*keep, p);
+  });
   return Tensor::view(type, host.shape(), dst, std::move(owner), b.is_host_memory() ? Placement{} : placement);
 }
 
@@ -71,7 +96,9 @@ kernels::WeightRef weight_ref(const Tensor& t) {
 }
 
 Workspace::~Workspace() {
-  for (const Block& b : blocks_) backend_->deallocate(b.ptr);
+  std::unique_lock<std::mutex> held;
+  if (guard_) held = std::unique_lock<std::mutex>(*guard_);
+  for (const Block& b : blocks_) release(*backend_, b.ptr);
 }
 
 void* Workspace::bytes(size_t n) {
@@ -79,8 +106,10 @@ void* Workspace::bytes(size_t n) {
     Block& b = blocks_[next_];
     if (b.size < n) {
       // Freeing waits for work queued on the block (CUDA: cudaFree synchronises the device).
-      backend_->deallocate(b.ptr);
+      void* old = b.ptr;
       b.ptr = nullptr;
+      b.size = 0;
+      backend_->deallocate(old);
       b.ptr = backend_->allocate(n);
       b.size = n;
     }
@@ -100,7 +129,7 @@ Call::Call(const ModelBackend& model, std::unique_ptr<Workspace>& cached)
     local_.emplace(*backend_);
     ws_ = &*local_;
   } else {
-    if (!cached) cached = std::make_unique<Workspace>(*backend_);
+    if (!cached) cached = std::make_unique<Workspace>(*backend_, model.mutex);
     ws_ = cached.get();
     ws_->reset();
   }

@@ -31,6 +31,7 @@ struct ModelBackend {
   // `host` (a host f32, f16 or bf16 tensor) as a tensor of `type` in backend memory: `host` itself
   // when the backend's memory is host memory and the type matches (zero-copy: e.g. a view into
   // an mmap-ed checkpoint), else a converted copy, uploaded and owned by the returned tensor.
+  // Uploading and freeing hold the backend's mutex (other models may be computing on it).
   Tensor to_backend(const Tensor& host, DType type) const;
   // A Linear weight in the model's precision; vectors (norms, biases) and f32-only weights in f32.
   Tensor weight(const Tensor& host) const { return to_backend(host, dtype_of(precision)); }
@@ -42,10 +43,12 @@ kernels::WeightRef weight_ref(const Tensor& t);
 inline const float* f32_ptr(const Tensor& t) { return static_cast<const float*>(t.raw_data()); }
 
 // Buffers in backend memory for the calls of one model. Blocks are handed out in order and reused
-// by the next call (after reset()), growing when a call needs more; freed with the workspace.
+// by the next call (after reset()), growing when a call needs more; freed with the workspace
+// (under `guard`, the backend's mutex, when given: the model's last user may be any thread).
 class Workspace {
  public:
-  explicit Workspace(kernels::Backend& backend) : backend_(&backend) {}
+  explicit Workspace(kernels::Backend& backend, std::shared_ptr<std::mutex> guard = nullptr)
+      : backend_(&backend), guard_(std::move(guard)) {}
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
   ~Workspace();
@@ -61,6 +64,7 @@ class Workspace {
     size_t size;
   };
   kernels::Backend* backend_;
+  std::shared_ptr<std::mutex> guard_;
   std::vector<Block> blocks_;
   size_t next_ = 0;
 };
