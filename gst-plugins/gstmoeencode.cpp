@@ -7,6 +7,10 @@
  * rows x projection_dim f32 tensor whose GstMoeBatchMeta says which request every row answers,
  * so a batch may mix texts and images and nothing downstream relies on buffer order.
  *
+ * The model runs on the `device` property's compute backend ("cpu", "cuda:N", or "auto": cuda:0
+ * when a usable CUDA device exists, else the CPU) with its Linear weights in `precision`; elements
+ * naming the same model, device and precision share one loaded model.
+ *
  * A request the engine cannot encode (invalid UTF-8, an image that does not decode...) is not
  * an element error: it moves to the meta's failed list (stage "moe-encode") and travels on to
  * ann-query, which answers it with an error document. Model problems are element errors.
@@ -28,6 +32,7 @@
 #include <vector>
 
 #include "gstmoemeta.h"
+#include "moe/compute.h"
 #include "moe/error.h"
 #include "moe/image_decode.h"
 #include "moe/model_cache.h"
@@ -42,6 +47,7 @@ constexpr guint kDefaultMaxBatch = 8;
 constexpr guint kMaxMaxBatch = 4096;
 constexpr guint64 kDefaultMaxLatency = 10 * GST_MSECOND;
 constexpr guint64 kMaxMaxLatency = 3600 * GST_SECOND;
+constexpr const char* kDefaultDevice = "cpu";
 
 #define MOE_ENCODE_VIDEO_FORMATS \
   "{ RGB, RGBx, xRGB, BGR, BGRx, xBGR, RGBA, BGRA, ARGB, ABGR, I420, YV12, NV12, NV21, YUY2, UYVY, GRAY8 }"
@@ -68,8 +74,10 @@ struct Batch {
 
 // The C++ side of the element; GObject only holds a pointer to it.
 struct EncodeState {
-  // Properties: model_path under the object lock, the others under `lock`.
+  // Properties: model_path, device and precision under the object lock, the others under `lock`.
   std::string model_path;
+  std::string device = kDefaultDevice;
+  GstMoePrecision precision = GST_MOE_PRECISION_FP32;
   guint max_batch = kDefaultMaxBatch;
   guint64 max_latency = kDefaultMaxLatency;
 
@@ -111,7 +119,7 @@ struct _GstMoeEncode {
   EncodeState* st;
 };
 
-enum { PROP_0, PROP_MODEL, PROP_MAX_BATCH, PROP_MAX_LATENCY };
+enum { PROP_0, PROP_MODEL, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_DEVICE, PROP_PRECISION };
 
 static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE(
     "sink", GST_PAD_SINK, GST_PAD_ALWAYS,
@@ -659,17 +667,33 @@ static gboolean load_model(GstMoeEncode* self) {
   EncodeState* st = self->st;
   GST_OBJECT_LOCK(self);
   const std::string path = st->model_path;
+  moe::ComputeOptions options;
+  options.device = st->device;
+  const GstMoePrecision precision = st->precision;
   GST_OBJECT_UNLOCK(self);
+  options.precision = gstmoe::weight_type(precision);
   if (path.empty()) {
     GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("No CLIP model set: set the 'model' property to a model directory"),
                       (nullptr));
     return FALSE;
   }
+  // The device first, so that an unusable one is reported as such (moe::Error names the device
+  // and the reason, e.g. no usable CUDA device and why).
+  std::string reason;
   try {
-    st->model = moe::shared_clip_model(path);
-  } catch (const std::exception& e) {  // moe::Error names the file and the reason
+    moe::resolve_device(options.device, &reason);
+  } catch (const std::exception& e) {
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("Cannot run the CLIP model: %s", e.what()),
+                      ("device=%s model=%s", options.device.c_str(), path.c_str()));
+    return FALSE;
+  }
+  try {
+    st->model = moe::shared_clip_model(path, options);
+  } catch (const std::exception& e) {  // moe::Error names the file (or the device) and the reason
     if (g_file_test(path.c_str(), G_FILE_TEST_EXISTS))
-      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("Cannot load the CLIP model: %s", e.what()), ("model=%s", path.c_str()));
+      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("Cannot load the CLIP model: %s", e.what()),
+                        ("model=%s device=%s precision=%s", path.c_str(), options.device.c_str(),
+                         gstmoe::precision_nick(precision)));
     else
       GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("Cannot load the CLIP model: %s", e.what()),
                         ("model directory '%s' does not exist", path.c_str()));
@@ -679,7 +703,8 @@ static gboolean load_model(GstMoeEncode* self) {
   st->encoder_name = base;
   g_free(base);
   st->width = st->model->config().projection_dim;
-  GST_INFO_OBJECT(self, "loaded CLIP model %s (projection_dim %d)", path.c_str(), st->width.load());
+  GST_INFO_OBJECT(self, "loaded CLIP model %s on %s with %s weights (projection_dim %d; %s)", path.c_str(),
+                  st->model->device().c_str(), gstmoe::precision_nick(precision), st->width.load(), reason.c_str());
   return TRUE;
 }
 
@@ -749,6 +774,23 @@ static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GV
       GST_OBJECT_UNLOCK(self);
       break;
     }
+    case PROP_DEVICE:
+    case PROP_PRECISION: {
+      GST_OBJECT_LOCK(self);
+      if (GST_STATE(self) != GST_STATE_NULL) {
+        GST_OBJECT_UNLOCK(self);
+        g_warning("moe-encode: changing '%s' is only possible in the NULL state", g_param_spec_get_name(pspec));
+        return;
+      }
+      if (prop_id == PROP_DEVICE) {
+        const gchar* s = g_value_get_string(value);
+        st->device = s != nullptr ? s : kDefaultDevice;
+      } else {
+        st->precision = static_cast<GstMoePrecision>(g_value_get_enum(value));
+      }
+      GST_OBJECT_UNLOCK(self);
+      break;
+    }
     case PROP_MAX_BATCH: {
       std::lock_guard<std::mutex> lk(st->lock);
       st->max_batch = g_value_get_uint(value);
@@ -776,6 +818,16 @@ static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* 
     case PROP_MODEL:
       GST_OBJECT_LOCK(self);
       g_value_set_string(value, st->model_path.empty() ? nullptr : st->model_path.c_str());
+      GST_OBJECT_UNLOCK(self);
+      break;
+    case PROP_DEVICE:
+      GST_OBJECT_LOCK(self);
+      g_value_set_string(value, st->device.c_str());
+      GST_OBJECT_UNLOCK(self);
+      break;
+    case PROP_PRECISION:
+      GST_OBJECT_LOCK(self);
+      g_value_set_enum(value, st->precision);
       GST_OBJECT_UNLOCK(self);
       break;
     case PROP_MAX_BATCH: {
@@ -815,8 +867,23 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       g_param_spec_string("model", "Model",
                           "Hugging Face CLIP model directory (config.json, model.safetensors, vocab.json, merges.txt, "
                           "preprocessor_config.json); loaded when going to READY, shared with other elements naming "
-                          "the same directory; can only be changed in the NULL state",
+                          "the same directory, device and precision; can only be changed in the NULL state",
                           nullptr, static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS)));
+  g_object_class_install_property(
+      gobject_class, PROP_DEVICE,
+      g_param_spec_string("device", "Device",
+                          "Where the model computes: 'cpu', 'cuda:N' (CUDA device N; an error when it is not usable), "
+                          "or 'auto' (cuda:0 when a usable CUDA device exists, else cpu; the choice and its reason "
+                          "are logged); can only be changed in the NULL state",
+                          kDefaultDevice, static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS)));
+  g_object_class_install_property(
+      gobject_class, PROP_PRECISION,
+      g_param_spec_enum("precision", "Precision",
+                        "How the model's Linear weights are stored on the device: fp32 (exact), fp16 or bf16 (half "
+                        "the memory; embeddings typically within 1e-3 (fp16) or 1e-2 (bf16) relative of fp32); "
+                        "activations and accumulation stay f32; can only be changed in the NULL state",
+                        GST_TYPE_MOE_PRECISION, GST_MOE_PRECISION_FP32,
+                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS)));
   g_object_class_install_property(
       gobject_class, PROP_MAX_BATCH,
       g_param_spec_uint("max-batch", "Maximum batch",
@@ -844,6 +911,7 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       "gst-moe developers");
 
   GST_DEBUG_CATEGORY_INIT(gst_moe_encode_debug, "moe-encode", 0, "CLIP encoder");
+  gst_type_mark_as_plugin_api(GST_TYPE_MOE_PRECISION, static_cast<GstPluginAPIFlags>(0));
 }
 
 static void gst_moe_encode_init(GstMoeEncode* self) {

@@ -1,5 +1,7 @@
 #include "gstmoemeta.h"
 
+#include "backend.h"
+
 namespace gstmoe {
 
 const char* modality_name(Modality m) { return m == Modality::Text ? "text" : "image"; }
@@ -18,6 +20,23 @@ bool parse_tensor_caps(const GstCaps* caps, int* width) {
   return gst_structure_get_int(s, "width", width) && *width > 0;
 }
 
+moe::kernels::WeightType weight_type(GstMoePrecision precision) {
+  switch (precision) {
+    case GST_MOE_PRECISION_FP16: return moe::kernels::WeightType::F16;
+    case GST_MOE_PRECISION_BF16: return moe::kernels::WeightType::BF16;
+    case GST_MOE_PRECISION_FP32: break;
+  }
+  return moe::kernels::WeightType::F32;
+}
+
+const char* precision_nick(GstMoePrecision precision) {
+  GEnumClass* klass = static_cast<GEnumClass*>(g_type_class_ref(GST_TYPE_MOE_PRECISION));
+  const GEnumValue* v = g_enum_get_value(klass, precision);
+  const char* nick = v != nullptr ? v->value_nick : "unknown";  // static strings: valid after unref
+  g_type_class_unref(klass);
+  return nick;
+}
+
 GstBuffer* bytes_buffer(std::vector<uint8_t>&& bytes) {
   auto* owned = new std::vector<uint8_t>(std::move(bytes));
   return gst_buffer_new_wrapped_full(GST_MEMORY_FLAG_READONLY, owned->data(), owned->size(), 0, owned->size(), owned,
@@ -25,6 +44,21 @@ GstBuffer* bytes_buffer(std::vector<uint8_t>&& bytes) {
 }
 
 }  // namespace gstmoe
+
+GType gst_moe_precision_get_type(void) {
+  static GType type = 0;
+  static const GEnumValue values[] = {
+      {GST_MOE_PRECISION_FP32, "Weights in 32-bit float (exact)", "fp32"},
+      {GST_MOE_PRECISION_FP16, "Weights in IEEE half precision, f32 accumulation", "fp16"},
+      {GST_MOE_PRECISION_BF16, "Weights in bfloat16, f32 accumulation", "bf16"},
+      {0, nullptr, nullptr},
+  };
+  if (g_once_init_enter(&type)) {
+    GType t = g_enum_register_static("GstMoePrecision", values);
+    g_once_init_leave(&type, t);
+  }
+  return type;
+}
 
 GType gst_moe_batch_meta_api_get_type(void) {
   static GType type = 0;

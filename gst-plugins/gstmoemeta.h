@@ -80,7 +80,22 @@ GstMoeBatchMeta* gst_buffer_add_moe_batch_meta(GstBuffer* buffer, const gstmoe::
 #define gst_buffer_get_moe_batch_meta(b) \
   ((GstMoeBatchMeta*)gst_buffer_get_meta((b), GST_MOE_BATCH_META_API_TYPE))
 
+// How an element's model stores its Linear weights (the `precision` property of the elements that
+// load a model on a compute device). Activations and accumulation stay f32.
+typedef enum {
+  GST_MOE_PRECISION_FP32 = 0,
+  GST_MOE_PRECISION_FP16 = 1,
+  GST_MOE_PRECISION_BF16 = 2,
+} GstMoePrecision;
+
+GType gst_moe_precision_get_type(void);
+#define GST_TYPE_MOE_PRECISION (gst_moe_precision_get_type())
+
 G_END_DECLS
+
+namespace moe::kernels {
+enum class WeightType : uint8_t;  // backend.h
+}
 
 namespace gstmoe {
 
@@ -91,6 +106,10 @@ bool parse_tensor_caps(const GstCaps* caps, int* width);
 
 // A read-only buffer that takes `bytes` without copying them (request payloads: image files).
 GstBuffer* bytes_buffer(std::vector<uint8_t>&& bytes);
+
+// The engine's weight type for a GstMoePrecision, and the property's nick for messages.
+moe::kernels::WeightType weight_type(GstMoePrecision precision);
+const char* precision_nick(GstMoePrecision precision);
 
 // Milliseconds between two g_get_monotonic_time() readings.
 inline double elapsed_ms(int64_t from_us, int64_t to_us) { return static_cast<double>(to_us - from_us) / 1000.0; }

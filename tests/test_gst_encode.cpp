@@ -18,6 +18,7 @@
 #include "gstmoeencode.h"
 #include "gstmoemeta.h"
 #include "moe/clip_model.h"
+#include "moe/compute.h"
 #include "moe/model_cache.h"
 #include "moe_build_config.h"
 #include "test_util.h"
@@ -493,6 +494,91 @@ TEST(MoeEncode, NullPlayingNullCyclesWork) {
   gst_object_unref(in);
   gst_object_unref(out);
   gst_object_unref(pipeline);
+}
+
+/* ----- device and precision ----- */
+
+// A moe-encode in a pipeline with the given properties (set from strings), expected to fail going
+// to READY; returns the error it posted (to be freed), or null when there was none.
+GError* failed_load(const std::vector<std::pair<std::string, std::string>>& properties) {
+  GstElement* pipeline = gst_pipeline_new(nullptr);
+  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
+  for (const auto& [name, value] : properties) gst_util_set_object_arg(G_OBJECT(e), name.c_str(), value.c_str());
+  gst_bin_add(GST_BIN(pipeline), e);
+  EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_READY), GST_STATE_CHANGE_FAILURE);
+  GError* err = nullptr;
+  GstBus* bus = gst_element_get_bus(pipeline);
+  if (GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR)) {
+    gst_message_parse_error(msg, &err, nullptr);
+    gst_message_unref(msg);
+  }
+  gst_object_unref(bus);
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(pipeline);
+  return err;
+}
+
+TEST(MoeEncode, DeviceAndPrecisionDefaultToCpuFp32) {
+  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
+  gchar* device = nullptr;
+  gint precision = -1;
+  g_object_get(e, "device", &device, "precision", &precision, nullptr);
+  EXPECT_STREQ(device, "cpu");
+  EXPECT_EQ(precision, GST_MOE_PRECISION_FP32);
+  g_free(device);
+  // The enum, shared by the elements that load a model on a device.
+  GEnumClass* klass = static_cast<GEnumClass*>(g_type_class_ref(GST_TYPE_MOE_PRECISION));
+  EXPECT_STREQ(g_type_name(GST_TYPE_MOE_PRECISION), "GstMoePrecision");
+  EXPECT_EQ(g_enum_get_value_by_nick(klass, "fp32")->value, GST_MOE_PRECISION_FP32);
+  EXPECT_EQ(g_enum_get_value_by_nick(klass, "fp16")->value, GST_MOE_PRECISION_FP16);
+  EXPECT_EQ(g_enum_get_value_by_nick(klass, "bf16")->value, GST_MOE_PRECISION_BF16);
+  g_type_class_unref(klass);
+  gst_object_unref(e);
+}
+
+TEST(MoeEncode, AutoDeviceInHalfPrecisionEncodesWithThatModel) {
+  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
+  g_object_set(e, "model", kModelDir.c_str(), "max-batch", 2u, "max-latency", kNeverFlush, "device", "auto", nullptr);
+  gst_util_set_object_arg(G_OBJECT(e), "precision", "bf16");
+  GstHarness* h = gst_harness_new_with_element(e, "sink", "src");
+  gst_object_unref(e);
+  gst_harness_set_src_caps_str(h, "text/x-raw, format=(string)utf8");
+  ASSERT_EQ(gst_harness_push(h, text_buffer("a red mug")), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("sunset")), GST_FLOW_OK);
+  const Output out = take(gst_harness_pull(h));
+  ASSERT_EQ(out.rows(), 2u);
+  // The element's model is the cache's for (dir, the device "auto" means here, bf16).
+  moe::ComputeOptions options;
+  options.device = "auto";
+  options.precision = moe::kernels::WeightType::BF16;
+  const auto bf16 = moe::shared_clip_model(kModelDir, options);
+  const moe::Tensor want = bf16->encode_texts({"a red mug", "sunset"}).embeds;
+  const moe::Tensor f32 = model()->encode_texts({"a red mug", "sunset"}).embeds;
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_LE(max_abs_diff(out.row(r), want, static_cast<int64_t>(r)), kTolerance) << r;
+    EXPECT_GT(max_abs_diff(out.row(r), f32, static_cast<int64_t>(r)), 0.0) << r << ": bf16 weights change the result";
+  }
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, UnusableDeviceIsAnErrorNamingDeviceAndReason) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) {
+    GError* err = failed_load({{"model", kModelDir}, {"device", "cuda:0"}});
+    ASSERT_NE(err, nullptr);
+    const std::string message = err->message;
+    EXPECT_NE(message.find("cuda:0"), std::string::npos) << message;
+    EXPECT_NE(message.find("no usable CUDA device"), std::string::npos) << message;
+    EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_SETTINGS)) << message;
+    g_error_free(err);
+  }
+  GError* err = failed_load({{"model", kModelDir}, {"device", "tpu:0"}, {"precision", "fp16"}});
+  ASSERT_NE(err, nullptr);
+  const std::string message = err->message;
+  EXPECT_NE(message.find("tpu:0"), std::string::npos) << message;
+  EXPECT_NE(message.find("expected cpu, cuda:N or auto"), std::string::npos) << message;
+  EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_SETTINGS)) << message;
+  g_error_free(err);
 }
 
 /* ----- moe-catalog-src ----- */

@@ -5,12 +5,15 @@
 #include <algorithm>
 #include <cstring>
 
-#include "cpu_ops.h"
+#include "compute_util.h"
 #include "moe/error.h"
 
 namespace moe {
 
-namespace cpu = kernels::cpu;
+using detail::Call;
+using detail::f32_ptr;
+using detail::ModelBackend;
+using detail::weight_ref;
 
 namespace {
 
@@ -19,6 +22,8 @@ bool file_exists(const std::string& p) {
   return stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+// One encoder layer's parameters in backend memory: Linear weights in the model's precision,
+// norms and biases in f32.
 struct EncoderLayer {
   Tensor ln1_w, ln1_b, ln2_w, ln2_b;
   Tensor qkv_w, qkv_b;  // q, k, v projections stacked: [3H, H], [3H]
@@ -31,70 +36,60 @@ struct Encoder {
   ClipEncoderConfig cfg;
   std::vector<EncoderLayer> layers;
 
-  void load(const Checkpoint& ckpt, const std::string& prefix, const ClipEncoderConfig& c) {
+  void load(const Checkpoint& ckpt, const std::string& prefix, const ClipEncoderConfig& c, const ModelBackend& be) {
     cfg = c;
     const int64_t H = c.hidden_size, I = c.intermediate_size;
     for (int l = 0; l < c.num_hidden_layers; ++l) {
       const std::string p = prefix + "encoder.layers." + std::to_string(l) + ".";
       EncoderLayer L;
-      L.ln1_w = ckpt.get_f32(p + "layer_norm1.weight", {H});
-      L.ln1_b = ckpt.get_f32(p + "layer_norm1.bias", {H});
-      L.ln2_w = ckpt.get_f32(p + "layer_norm2.weight", {H});
-      L.ln2_b = ckpt.get_f32(p + "layer_norm2.bias", {H});
-      L.qkv_w = Tensor::zeros(DType::F32, {3 * H, H});
-      L.qkv_b = Tensor::zeros(DType::F32, {3 * H});
+      L.ln1_w = be.f32(ckpt.get_f32(p + "layer_norm1.weight", {H}));
+      L.ln1_b = be.f32(ckpt.get_f32(p + "layer_norm1.bias", {H}));
+      L.ln2_w = be.f32(ckpt.get_f32(p + "layer_norm2.weight", {H}));
+      L.ln2_b = be.f32(ckpt.get_f32(p + "layer_norm2.bias", {H}));
+      Tensor qkv_w = Tensor::zeros(DType::F32, {3 * H, H});
+      Tensor qkv_b = Tensor::zeros(DType::F32, {3 * H});
       const char* names[3] = {"q_proj", "k_proj", "v_proj"};
       for (int j = 0; j < 3; ++j) {
         Tensor w = ckpt.get_f32(p + "self_attn." + names[j] + ".weight", {H, H});
         Tensor b = ckpt.get_f32(p + "self_attn." + names[j] + ".bias", {H});
-        std::memcpy(L.qkv_w.data<float>() + j * H * H, w.data<float>(), H * H * sizeof(float));
-        std::memcpy(L.qkv_b.data<float>() + j * H, b.data<float>(), H * sizeof(float));
+        std::memcpy(qkv_w.data<float>() + j * H * H, w.data<float>(), H * H * sizeof(float));
+        std::memcpy(qkv_b.data<float>() + j * H, b.data<float>(), H * sizeof(float));
       }
-      L.out_w = ckpt.get_f32(p + "self_attn.out_proj.weight", {H, H});
-      L.out_b = ckpt.get_f32(p + "self_attn.out_proj.bias", {H});
-      L.fc1_w = ckpt.get_f32(p + "mlp.fc1.weight", {I, H});
-      L.fc1_b = ckpt.get_f32(p + "mlp.fc1.bias", {I});
-      L.fc2_w = ckpt.get_f32(p + "mlp.fc2.weight", {H, I});
-      L.fc2_b = ckpt.get_f32(p + "mlp.fc2.bias", {H});
+      L.qkv_w = be.weight(qkv_w);
+      L.qkv_b = be.f32(qkv_b);
+      L.out_w = be.weight(ckpt.get_f32(p + "self_attn.out_proj.weight", {H, H}));
+      L.out_b = be.f32(ckpt.get_f32(p + "self_attn.out_proj.bias", {H}));
+      L.fc1_w = be.weight(ckpt.get_f32(p + "mlp.fc1.weight", {I, H}));
+      L.fc1_b = be.f32(ckpt.get_f32(p + "mlp.fc1.bias", {I}));
+      L.fc2_w = be.weight(ckpt.get_f32(p + "mlp.fc2.weight", {H, I}));
+      L.fc2_b = be.f32(ckpt.get_f32(p + "mlp.fc2.bias", {H}));
       layers.push_back(std::move(L));
     }
   }
 
-  // x: [T, H] rows of several sequences packed back to back; seq_lens sums to T.
-  void forward(float* x, const std::vector<int64_t>& seq_lens, bool causal) const {
+  // x: [T, H] rows of several sequences packed back to back in backend memory; seq_lens sums to T.
+  void forward(Call& call, float* x, const std::vector<int64_t>& seq_lens, bool causal) const {
+    kernels::Backend& b = call.backend();
     const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
-    int64_t T = 0, max_len = 0;
-    for (int64_t n : seq_lens) {
-      T += n;
-      max_len = std::max(max_len, n);
-    }
-    Tensor h = Tensor::zeros(DType::F32, {T, H});
-    Tensor qkv = Tensor::zeros(DType::F32, {T, 3 * H});
-    Tensor attn = Tensor::zeros(DType::F32, {T, H});
-    Tensor ff = Tensor::zeros(DType::F32, {T, I});
-    Tensor scores = Tensor::zeros(DType::F32, {max_len, max_len});
-    float* hp = h.data<float>();
-    float* qp = qkv.data<float>();
-    float* ap = attn.data<float>();
-    float* fp = ff.data<float>();
+    int64_t T = 0;
+    for (int64_t n : seq_lens) T += n;
+    float* h = call.ws().f32(T * H);
+    float* qkv = call.ws().f32(T * 3 * H);
+    float* attn = call.ws().f32(T * H);
+    float* ff = call.ws().f32(T * I);
+    const float eps = cfg.layer_norm_eps;
     for (const EncoderLayer& L : layers) {
-      cpu::layer_norm(x, L.ln1_w.data<float>(), L.ln1_b.data<float>(), hp, T, H, cfg.layer_norm_eps);
-      cpu::linear(hp, L.qkv_w.data<float>(), L.qkv_b.data<float>(), qp, T, 3 * H, H);
-      int64_t row = 0;
-      for (int64_t n : seq_lens) {
-        const float* base = qp + row * 3 * H;
-        cpu::attention(base, base + H, base + 2 * H, 3 * H, ap + row * H, n,
-                       cfg.num_attention_heads, cfg.head_dim(), causal, scores.data<float>());
-        row += n;
-      }
-      cpu::linear(ap, L.out_w.data<float>(), L.out_b.data<float>(), hp, T, H, H);
-      cpu::add_inplace(x, hp, T * H);
-      cpu::layer_norm(x, L.ln2_w.data<float>(), L.ln2_b.data<float>(), hp, T, H, cfg.layer_norm_eps);
-      cpu::linear(hp, L.fc1_w.data<float>(), L.fc1_b.data<float>(), fp, T, I, H);
-      if (cfg.hidden_act == Activation::QuickGelu) cpu::quick_gelu(fp, T * I);
-      else cpu::gelu(fp, T * I);
-      cpu::linear(fp, L.fc2_w.data<float>(), L.fc2_b.data<float>(), hp, T, H, I);
-      cpu::add_inplace(x, hp, T * H);
+      b.layer_norm(x, f32_ptr(L.ln1_w), f32_ptr(L.ln1_b), h, T, H, eps);
+      b.linear(h, weight_ref(L.qkv_w), f32_ptr(L.qkv_b), qkv, T, 3 * H, H);
+      b.attention(qkv, attn, seq_lens, cfg.num_attention_heads, cfg.head_dim(), causal);
+      b.linear(attn, weight_ref(L.out_w), f32_ptr(L.out_b), h, T, H, H);
+      b.add(x, h, T * H);
+      b.layer_norm(x, f32_ptr(L.ln2_w), f32_ptr(L.ln2_b), h, T, H, eps);
+      b.linear(h, weight_ref(L.fc1_w), f32_ptr(L.fc1_b), ff, T, I, H);
+      if (cfg.hidden_act == Activation::QuickGelu) b.quick_gelu(ff, T * I);
+      else b.gelu(ff, T * I);
+      b.linear(ff, weight_ref(L.fc2_w), f32_ptr(L.fc2_b), h, T, H, I);
+      b.add(x, h, T * H);
     }
   }
 };
@@ -106,12 +101,16 @@ struct ClipModel::Impl {
   std::string dir;
   std::optional<ClipTokenizer> tokenizer;
   ImagePreprocessConfig preprocess;
+  ModelBackend be;
+  mutable std::unique_ptr<detail::Workspace> workspace;  // non-host backends: under be.mutex
 
-  // Text tower
-  Tensor token_embedding, text_position_embedding, final_ln_w, final_ln_b, text_projection;
+  // Text tower. The embeddings are gathered on the host (host f32), everything else is in
+  // backend memory.
+  Tensor token_embedding, text_position_embedding;
+  Tensor final_ln_w, final_ln_b, text_projection;
   Encoder text_encoder;
   // Vision tower
-  Tensor class_embedding, patch_weight /* [H, C*p*p] */, vision_position_embedding;
+  Tensor patch_weight /* [H, C*p*p] */, vision_embedding /* [seq, H]: positions, class token in row 0 */;
   Tensor pre_ln_w, pre_ln_b, post_ln_w, post_ln_b, visual_projection;
   Encoder vision_encoder;
 
@@ -122,24 +121,28 @@ struct ClipModel::Impl {
     token_embedding = ck.get_f32("text_model.embeddings.token_embedding.weight", {t.vocab_size, t.hidden_size});
     text_position_embedding = ck.get_f32("text_model.embeddings.position_embedding.weight",
                                          {t.max_position_embeddings, t.hidden_size});
-    text_encoder.load(ck, "text_model.", t);
-    final_ln_w = ck.get_f32("text_model.final_layer_norm.weight", {t.hidden_size});
-    final_ln_b = ck.get_f32("text_model.final_layer_norm.bias", {t.hidden_size});
-    text_projection = ck.get_f32("text_projection.weight", {P, t.hidden_size});
+    text_encoder.load(ck, "text_model.", t, be);
+    final_ln_w = be.f32(ck.get_f32("text_model.final_layer_norm.weight", {t.hidden_size}));
+    final_ln_b = be.f32(ck.get_f32("text_model.final_layer_norm.bias", {t.hidden_size}));
+    text_projection = be.weight(ck.get_f32("text_projection.weight", {P, t.hidden_size}));
 
-    const int64_t pp = static_cast<int64_t>(v.num_channels) * v.patch_size * v.patch_size;
-    class_embedding = ck.get_f32("vision_model.embeddings.class_embedding", {v.hidden_size});
-    patch_weight = ck.get_f32("vision_model.embeddings.patch_embedding.weight",
-                              {v.hidden_size, v.num_channels, v.patch_size, v.patch_size})
-                       .reshape({v.hidden_size, pp});
-    vision_position_embedding = ck.get_f32("vision_model.embeddings.position_embedding.weight",
-                                           {v.num_positions(), v.hidden_size});
-    pre_ln_w = ck.get_f32("vision_model.pre_layrnorm.weight", {v.hidden_size});
-    pre_ln_b = ck.get_f32("vision_model.pre_layrnorm.bias", {v.hidden_size});
-    vision_encoder.load(ck, "vision_model.", v);
-    post_ln_w = ck.get_f32("vision_model.post_layernorm.weight", {v.hidden_size});
-    post_ln_b = ck.get_f32("vision_model.post_layernorm.bias", {v.hidden_size});
-    visual_projection = ck.get_f32("visual_projection.weight", {P, v.hidden_size});
+    const int64_t H = v.hidden_size, pp = static_cast<int64_t>(v.num_channels) * v.patch_size * v.patch_size;
+    const Tensor class_embedding = ck.get_f32("vision_model.embeddings.class_embedding", {H});
+    patch_weight = be.weight(ck.get_f32("vision_model.embeddings.patch_embedding.weight",
+                                        {H, v.num_channels, v.patch_size, v.patch_size})
+                                 .reshape({H, pp}));
+    const Tensor pos = ck.get_f32("vision_model.embeddings.position_embedding.weight", {v.num_positions(), H});
+    // What every image's rows start from: the position embeddings, plus the class embedding on
+    // the class token's row (the patch embeddings are added per image).
+    Tensor start = pos.clone();
+    for (int64_t c = 0; c < H; ++c) start.data<float>()[c] = class_embedding.data<float>()[c] + pos.data<float>()[c];
+    vision_embedding = be.f32(start);
+    pre_ln_w = be.f32(ck.get_f32("vision_model.pre_layrnorm.weight", {H}));
+    pre_ln_b = be.f32(ck.get_f32("vision_model.pre_layrnorm.bias", {H}));
+    vision_encoder.load(ck, "vision_model.", v, be);
+    post_ln_w = be.f32(ck.get_f32("vision_model.post_layernorm.weight", {H}));
+    post_ln_b = be.f32(ck.get_f32("vision_model.post_layernorm.bias", {H}));
+    visual_projection = be.weight(ck.get_f32("visual_projection.weight", {P, H}));
   }
 
   // Index of the pooled (end) token, as transformers' CLIPTextTransformer picks it.
@@ -149,6 +152,24 @@ struct ClipModel::Impl {
     auto it = std::find(ids.begin(), ids.end(), cfg.text.eos_token_id);
     return it == ids.end() ? 0 : it - ids.begin();
   }
+
+  // Final layer norm over the given rows of x (backend memory) and the projection; both back
+  // on the host.
+  ClipEncodeResult pool_and_project(Call& call, const float* x, const std::vector<int64_t>& rows, int64_t H,
+                                    const Tensor& ln_w, const Tensor& ln_b, float eps, const Tensor& proj) const {
+    kernels::Backend& b = call.backend();
+    const int64_t B = static_cast<int64_t>(rows.size()), P = cfg.projection_dim;
+    float* pooled = call.ws().f32(B * H);
+    for (int64_t i = 0; i < B; ++i)
+      b.copy_on_device(pooled + i * H, x + rows[static_cast<size_t>(i)] * H, static_cast<size_t>(H) * sizeof(float));
+    b.layer_norm(pooled, f32_ptr(ln_w), f32_ptr(ln_b), pooled, B, H, eps);
+    float* embeds = call.ws().f32(B * P);
+    b.linear(pooled, weight_ref(proj), nullptr, embeds, B, P, H);
+    ClipEncodeResult r;
+    r.pooled = call.to_host(pooled, {B, H});
+    r.embeds = call.to_host(embeds, {B, P});
+    return r;
+  }
 };
 
 ClipModel::ClipModel() : impl_(std::make_unique<Impl>()) {}
@@ -156,17 +177,18 @@ ClipModel::ClipModel(ClipModel&&) noexcept = default;
 ClipModel& ClipModel::operator=(ClipModel&&) noexcept = default;
 ClipModel::~ClipModel() = default;
 
-ClipModel ClipModel::load(const ClipConfig& config, const Checkpoint& weights) {
+ClipModel ClipModel::load(const ClipConfig& config, const Checkpoint& weights, const ComputeOptions& options) {
   ClipModel m;
   m.impl_->cfg = config;
+  m.impl_->be = ModelBackend::open(options);
   m.impl_->load_weights(weights);
   return m;
 }
 
-ClipModel ClipModel::load(const std::string& model_dir) {
+ClipModel ClipModel::load(const std::string& model_dir, const ComputeOptions& options) {
   const std::string cfg_path = model_dir + "/config.json";
   if (!file_exists(cfg_path)) throw Error(model_dir + ": not a CLIP model directory (no config.json)");
-  ClipModel m = load(ClipConfig::from_file(cfg_path), Checkpoint::open(model_dir));
+  ClipModel m = load(ClipConfig::from_file(cfg_path), Checkpoint::open(model_dir), options);
   m.impl_->dir = model_dir;
   if (file_exists(model_dir + "/vocab.json") || file_exists(model_dir + "/merges.txt"))
     m.impl_->tokenizer.emplace(ClipTokenizer::from_directory(model_dir));
@@ -184,6 +206,8 @@ const ClipTokenizer& ClipModel::tokenizer() const {
   return *impl_->tokenizer;
 }
 const ImagePreprocessConfig& ClipModel::image_preprocess() const { return impl_->preprocess; }
+std::string ClipModel::device() const { return impl_->be.backend->name(); }
+kernels::WeightType ClipModel::precision() const { return impl_->be.precision; }
 
 ClipEncodeResult ClipModel::encode_token_ids(const std::vector<std::vector<int32_t>>& ids) const {
   const Impl& m = *impl_;
@@ -204,33 +228,29 @@ ClipEncodeResult ClipModel::encode_token_ids(const std::vector<std::vector<int32
     lens[b] = m.pool_position(ids[b]) + 1;
     T += lens[b];
   }
-  Tensor x = Tensor::zeros(DType::F32, {T, H});
-  float* xp = x.data<float>();
+  if (B == 0) return {Tensor::zeros(DType::F32, {0, H}), Tensor::zeros(DType::F32, {0, m.cfg.projection_dim})};
+
+  // Token + position embeddings, gathered on the host (before taking the backend: declared
+  // before `call`, the buffer outlives the call's queued copies).
+  std::vector<float> gathered(static_cast<size_t>(T * H));
+  float* staged = gathered.data();
   const float* tok = m.token_embedding.data<float>();
   const float* pos = m.text_position_embedding.data<float>();
   int64_t row = 0;
+  std::vector<int64_t> pooled_rows(ids.size());
   for (size_t b = 0; b < ids.size(); ++b) {
     for (int64_t i = 0; i < lens[b]; ++i, ++row) {
-      float* dst = xp + row * H;
+      float* dst = staged + row * H;
       const float* e = tok + static_cast<int64_t>(ids[b][i]) * H;
       const float* p = pos + i * H;
       for (int64_t c = 0; c < H; ++c) dst[c] = e[c] + p[c];
     }
+    pooled_rows[b] = row - 1;  // the end token: the sequence's last row
   }
-  m.text_encoder.forward(xp, lens, /*causal=*/true);
-
-  ClipEncodeResult r;
-  r.pooled = Tensor::zeros(DType::F32, {B, H});
-  row = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    row += lens[b];
-    cpu::layer_norm(xp + (row - 1) * H, m.final_ln_w.data<float>(), m.final_ln_b.data<float>(),
-                    r.pooled.data<float>() + b * H, 1, H, t.layer_norm_eps);
-  }
-  r.embeds = Tensor::zeros(DType::F32, {B, m.cfg.projection_dim});
-  cpu::linear(r.pooled.data<float>(), m.text_projection.data<float>(), nullptr, r.embeds.data<float>(),
-              B, m.cfg.projection_dim, H);
-  return r;
+  Call call(m.be, m.workspace);
+  float* x = call.device(staged, T * H);
+  m.text_encoder.forward(call, x, lens, /*causal=*/true);
+  return m.pool_and_project(call, x, pooled_rows, H, m.final_ln_w, m.final_ln_b, t.layer_norm_eps, m.text_projection);
 }
 
 ClipEncodeResult ClipModel::encode_texts(const std::vector<std::string>& texts) const {
@@ -254,10 +274,13 @@ ClipEncodeResult ClipModel::encode_pixels(const Tensor& pixel_values) const {
   const int64_t B = px.dim(0), H = v.hidden_size, C = v.num_channels, S = v.image_size,
                 p = v.patch_size, g = v.grid(), np = g * g, seq = np + 1, pp = C * p * p;
 
-  // im2col: one row of (channel, ky, kx) per patch, so the convolution is a single GEMM.
-  Tensor patches = Tensor::zeros(DType::F32, {B * np, pp});
+  if (B == 0) return {Tensor::zeros(DType::F32, {0, H}), Tensor::zeros(DType::F32, {0, m.cfg.projection_dim})};
+
+  // im2col on the host, before taking the backend: one row of (channel, ky, kx) per patch, so the
+  // convolution is a single GEMM.
+  std::vector<float> im2col(static_cast<size_t>(B * np * pp));
+  float* pd = im2col.data();
   const float* src = px.data<float>();
-  float* pd = patches.data<float>();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t gy = 0; gy < g; ++gy)
       for (int64_t gx = 0; gx < g; ++gx) {
@@ -268,33 +291,24 @@ ClipEncodeResult ClipModel::encode_pixels(const Tensor& pixel_values) const {
             std::memcpy(dst + (c * p + ky) * p, line, p * sizeof(float));
           }
       }
-  Tensor patch_emb = Tensor::zeros(DType::F32, {B * np, H});
-  cpu::linear(pd, m.patch_weight.data<float>(), nullptr, patch_emb.data<float>(), B * np, H, pp);
+  Call call(m.be, m.workspace);
+  kernels::Backend& be = call.backend();
+  const float* patches = call.device(pd, B * np * pp);
+  float* patch_emb = call.ws().f32(B * np * H);
+  be.linear(patches, weight_ref(m.patch_weight), nullptr, patch_emb, B * np, H, pp);
 
-  Tensor x = Tensor::zeros(DType::F32, {B * seq, H});
-  float* xp = x.data<float>();
-  const float* pos = m.vision_position_embedding.data<float>();
+  // Each image: position embeddings (class embedding included in row 0) + its patch embeddings.
+  float* x = call.ws().f32(B * seq * H);
   for (int64_t b = 0; b < B; ++b) {
-    float* base = xp + b * seq * H;
-    for (int64_t c = 0; c < H; ++c) base[c] = m.class_embedding.data<float>()[c] + pos[c];
-    for (int64_t i = 0; i < np; ++i) {
-      const float* e = patch_emb.data<float>() + (b * np + i) * H;
-      float* dst = base + (i + 1) * H;
-      for (int64_t c = 0; c < H; ++c) dst[c] = e[c] + pos[(i + 1) * H + c];
-    }
+    be.copy_on_device(x + b * seq * H, f32_ptr(m.vision_embedding), static_cast<size_t>(seq * H) * sizeof(float));
+    be.add(x + (b * seq + 1) * H, patch_emb + b * np * H, np * H);
   }
-  cpu::layer_norm(xp, m.pre_ln_w.data<float>(), m.pre_ln_b.data<float>(), xp, B * seq, H, v.layer_norm_eps);
-  m.vision_encoder.forward(xp, std::vector<int64_t>(static_cast<size_t>(B), seq), /*causal=*/false);
+  be.layer_norm(x, f32_ptr(m.pre_ln_w), f32_ptr(m.pre_ln_b), x, B * seq, H, v.layer_norm_eps);
+  m.vision_encoder.forward(call, x, std::vector<int64_t>(static_cast<size_t>(B), seq), /*causal=*/false);
 
-  ClipEncodeResult r;
-  r.pooled = Tensor::zeros(DType::F32, {B, H});
-  for (int64_t b = 0; b < B; ++b)
-    cpu::layer_norm(xp + b * seq * H, m.post_ln_w.data<float>(), m.post_ln_b.data<float>(),
-                    r.pooled.data<float>() + b * H, 1, H, v.layer_norm_eps);
-  r.embeds = Tensor::zeros(DType::F32, {B, m.cfg.projection_dim});
-  cpu::linear(r.pooled.data<float>(), m.visual_projection.data<float>(), nullptr, r.embeds.data<float>(),
-              B, m.cfg.projection_dim, H);
-  return r;
+  std::vector<int64_t> class_rows(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) class_rows[static_cast<size_t>(b)] = b * seq;
+  return m.pool_and_project(call, x, class_rows, H, m.post_ln_w, m.post_ln_b, v.layer_norm_eps, m.visual_projection);
 }
 
 ClipEncodeResult ClipModel::encode_images(const std::vector<ImageView>& images) const {

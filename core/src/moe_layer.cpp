@@ -5,13 +5,16 @@
 #include <cmath>
 #include <cstring>
 
-#include "cpu_ops.h"
+#include "compute_util.h"
 #include "json_util.h"
 #include "moe/error.h"
 
 namespace moe {
 
-namespace cpu = kernels::cpu;
+using detail::Call;
+using detail::f32_ptr;
+using detail::ModelBackend;
+using detail::weight_ref;
 
 namespace {
 
@@ -24,15 +27,6 @@ int positive(JsonObject* obj, const char* key, const std::string& what) {
 struct Expert {
   Tensor w1, w3, w2;  // gate [I,D], up [I,D], down [D,I]
 };
-
-// SwiGLU FFN over `rows` contiguous rows: out = w2(silu(w1 x) * w3 x). Scratch is [rows, I] x2.
-void swiglu(const Expert& e, const float* x, int64_t rows, int64_t D, int64_t I, float* gate,
-            float* up, float* out) {
-  cpu::linear(x, e.w1.data<float>(), nullptr, gate, rows, I, D);
-  cpu::linear(x, e.w3.data<float>(), nullptr, up, rows, I, D);
-  cpu::silu_mul(gate, up, gate, rows * I);
-  cpu::linear(gate, e.w2.data<float>(), nullptr, out, rows, D, I);
-}
 
 }  // namespace
 
@@ -103,11 +97,87 @@ void MoeConfig::validate() const {
 
 struct MoeLayer::Impl {
   MoeConfig cfg;
+  ModelBackend be;
+  mutable std::unique_ptr<detail::Workspace> workspace;  // non-host backends: under be.mutex
+
+  // Host f32 weights, as in the checkpoint (views into the mmap-ed file for f32 checkpoints):
+  // expert_weight() and the reference.
   Tensor gate;  // [E, D]
   std::vector<Expert> experts;
   bool has_shared = false;
   Expert shared;
   Tensor shared_gate;  // [1, D]
+
+  // In backend memory (the host tensors themselves on the CPU backend in f32): the router and
+  // the shared-expert gate in f32, the experts in the layer's precision.
+  Tensor dev_gate, dev_shared_gate;
+  Expert dev_shared;
+  std::vector<Expert> dev_experts;        // keeps the memory behind expert_refs
+  std::vector<kernels::ExpertWeights> expert_refs;
+
+  void upload() {
+    dev_gate = be.f32(gate);
+    for (const Expert& e : experts) {
+      Expert d{be.weight(e.w1), be.weight(e.w3), be.weight(e.w2)};
+      expert_refs.push_back({weight_ref(d.w1), weight_ref(d.w3), weight_ref(d.w2)});
+      dev_experts.push_back(std::move(d));
+    }
+    if (has_shared) {
+      dev_shared = {be.weight(shared.w1), be.weight(shared.w3), be.weight(shared.w2)};
+      dev_shared_gate = be.f32(shared_gate);
+    }
+  }
+
+  // Router on the backend: x [N, D] -> ids, weights [N, top_k] (backend memory).
+  void route_on(Call& call, const float* x, int64_t N, int top_k, int32_t* ids, float* weights) const {
+    kernels::Backend& b = call.backend();
+    float* logits = call.ws().f32(N * cfg.num_experts);
+    b.linear(x, weight_ref(dev_gate), nullptr, logits, N, cfg.num_experts, cfg.hidden_size);
+    b.topk_softmax(logits, N, cfg.num_experts, top_k, cfg.norm_topk_prob, ids, weights);
+  }
+
+  // y [N, D] = Σ_j weights[n, j] · expert_{ids[n, j]}(x[n]) (+ sigmoid(shared_gate · x[n]) ·
+  // shared_expert(x[n])), everything in backend memory. ids are valid (checked by the caller).
+  void experts_on(Call& call, const float* x, int64_t N, int K, const int32_t* ids, const float* weights,
+                  float* y) const {
+    kernels::Backend& b = call.backend();
+    detail::Workspace& ws = call.ws();
+    const int64_t D = cfg.hidden_size, I = cfg.intermediate_size, E = cfg.num_experts, slots = N * K;
+    float* x_sorted = ws.f32(slots * D);
+    int32_t* slot_of = ws.i32(slots);
+    const std::vector<int64_t> offsets = b.moe_permute(ids, N, K, E, x, D, x_sorted, slot_of);
+    float* out_sorted = ws.f32(slots * D);
+    b.grouped_swiglu(x_sorted, offsets, expert_refs, D, I, out_sorted);
+    b.moe_unpermute(out_sorted, slot_of, weights, N, K, D, y);
+    if (!has_shared) return;
+
+    // Shared expert, gated per row by sigmoid(shared_gate · x). The gate's N logits come back to
+    // the host for the sigmoid; the scaling runs as a top-1 moe_unpermute with identity slots.
+    const int64_t S = cfg.shared_expert_intermediate_size;
+    float* g = ws.f32(N);
+    b.linear(x, weight_ref(dev_shared_gate), nullptr, g, N, 1, D);
+    float* scale = call.host_f32(N);
+    call.to_host(scale, g, static_cast<size_t>(N) * sizeof(float));
+    for (int64_t n = 0; n < N; ++n) scale[n] = 1.0f / (1.0f + std::exp(-scale[n]));
+    int32_t* identity = call.host_i32(N);
+    for (int64_t n = 0; n < N; ++n) identity[n] = static_cast<int32_t>(n);
+    float* sg = ws.f32(N * S);
+    float* su = ws.f32(N * S);
+    float* so = ws.f32(N * D);
+    b.linear(x, weight_ref(dev_shared.w1), nullptr, sg, N, S, D);
+    b.linear(x, weight_ref(dev_shared.w3), nullptr, su, N, S, D);
+    b.silu_mul(sg, su, sg, N * S);
+    b.linear(sg, weight_ref(dev_shared.w2), nullptr, so, N, D, S);
+    float* gated = ws.f32(N * D);
+    b.moe_unpermute(so, call.device(identity, N), call.device(scale, N), N, 1, D, gated);
+    b.add(y, gated, N * D);
+  }
+
+  // The routing's ids and weights in backend memory.
+  std::pair<const int32_t*, const float*> routing_on(Call& call, const Routing& r) const {
+    const int64_t n = r.rows * r.top_k;
+    return {call.input(r.expert_ids.data(), n), call.input(r.weights.data(), n)};
+  }
 };
 
 MoeLayer::MoeLayer() : impl_(std::make_unique<Impl>()) {}
@@ -116,6 +186,8 @@ MoeLayer& MoeLayer::operator=(MoeLayer&&) noexcept = default;
 MoeLayer::~MoeLayer() = default;
 
 const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
+std::string MoeLayer::device() const { return impl_->be.backend->name(); }
+kernels::WeightType MoeLayer::precision() const { return impl_->be.precision; }
 
 const Tensor& MoeLayer::expert_weight(int e, ExpertMatrix which) const {
   if (e < 0 || e >= impl_->cfg.num_experts)
@@ -130,11 +202,13 @@ const Tensor& MoeLayer::expert_weight(int e, ExpertMatrix which) const {
   throw Error("expert_weight: unknown matrix " + std::to_string(static_cast<int>(which)));
 }
 
-MoeLayer MoeLayer::load(const MoeConfig& config, const Checkpoint& ck, const std::string& prefix) {
+MoeLayer MoeLayer::load(const MoeConfig& config, const Checkpoint& ck, const std::string& prefix,
+                        const ComputeOptions& options) {
   config.validate();
   MoeLayer layer;
   Impl& m = *layer.impl_;
   m.cfg = config;
+  m.be = ModelBackend::open(options);
   const int64_t D = config.hidden_size, I = config.intermediate_size, E = config.num_experts;
   m.gate = ck.get_f32(prefix + "gate.weight", {E, D});
   const bool mixtral_names = ck.contains(prefix + "experts.0.w1.weight");
@@ -164,12 +238,14 @@ MoeLayer MoeLayer::load(const MoeConfig& config, const Checkpoint& ck, const std
     m.shared.w2 = ck.get_f32(prefix + "shared_expert.down_proj.weight", {D, S});
     m.shared_gate = ck.get_f32(prefix + "shared_expert_gate.weight", {1, D});
   }
+  m.upload();
   return layer;
 }
 
-MoeLayer MoeLayer::load_hf_layer(const std::string& checkpoint_dir, const std::string& prefix) {
+MoeLayer MoeLayer::load_hf_layer(const std::string& checkpoint_dir, const std::string& prefix,
+                                 const ComputeOptions& options) {
   const MoeConfig cfg = MoeConfig::from_hf_config(checkpoint_dir + "/config.json");
-  return load(cfg, Checkpoint::open(checkpoint_dir), prefix);
+  return load(cfg, Checkpoint::open(checkpoint_dir), prefix, options);
 }
 
 void MoeLayer::check_input(const Tensor& x, const char* what) const {
@@ -192,90 +268,50 @@ void MoeLayer::check_routing(const Tensor& x, const Routing& r) const {
 
 Tensor MoeLayer::router_logits(const Tensor& x) const {
   check_input(x, "router");
-  const MoeConfig& c = impl_->cfg;
-  Tensor logits = Tensor::zeros(DType::F32, {x.dim(0), c.num_experts});
-  cpu::linear(x.data<float>(), impl_->gate.data<float>(), nullptr, logits.data<float>(), x.dim(0),
-              c.num_experts, c.hidden_size);
-  return logits;
+  const Impl& m = *impl_;
+  const int64_t N = x.dim(0), E = m.cfg.num_experts;
+  if (N == 0) return Tensor::zeros(DType::F32, {0, E});
+  Call call(m.be, m.workspace);
+  float* logits = call.ws().f32(N * E);
+  call.backend().linear(call.input(x.data<float>(), x.numel()), weight_ref(m.dev_gate), nullptr, logits, N, E,
+                        m.cfg.hidden_size);
+  return call.to_host(logits, {N, E});
 }
 
 Routing MoeLayer::route(const Tensor& x) const { return route(x, impl_->cfg.top_k); }
 
 Routing MoeLayer::route(const Tensor& x, int top_k) const {
-  const MoeConfig& c = impl_->cfg;
-  if (top_k < 1 || top_k > c.num_experts)
+  const Impl& m = *impl_;
+  if (top_k < 1 || top_k > m.cfg.num_experts)
     throw Error("route: top_k " + std::to_string(top_k) + " outside [1, num_experts=" +
-                std::to_string(c.num_experts) + "]");
-  Tensor logits = router_logits(x);
+                std::to_string(m.cfg.num_experts) + "]");
+  check_input(x, "router");
   Routing r;
   r.rows = x.dim(0);
   r.top_k = top_k;
   r.expert_ids.resize(static_cast<size_t>(r.rows * top_k));
   r.weights.resize(r.expert_ids.size());
-  cpu::topk_softmax(logits.data<float>(), r.rows, c.num_experts, top_k, c.norm_topk_prob,
-                    r.expert_ids.data(), r.weights.data());
+  if (r.rows == 0) return r;
+  Call call(m.be, m.workspace);
+  int32_t* ids = call.ws().i32(r.rows * top_k);
+  float* weights = call.ws().f32(r.rows * top_k);
+  m.route_on(call, call.input(x.data<float>(), x.numel()), r.rows, top_k, ids, weights);
+  call.to_host(r.expert_ids.data(), ids, r.expert_ids.size() * sizeof(int32_t));
+  call.to_host(r.weights.data(), weights, r.weights.size() * sizeof(float));
   return r;
 }
 
 Tensor MoeLayer::run_experts(const Tensor& x, const Routing& r) const {
   check_input(x, "run_experts");
   check_routing(x, r);
-  const MoeConfig& c = impl_->cfg;
-  const int64_t D = c.hidden_size, I = c.intermediate_size, E = c.num_experts, K = r.top_k;
-  const int64_t N = r.rows, slots = N * K;
-  const float* xp = x.data<float>();
-  Tensor y = Tensor::zeros(DType::F32, {N, D});
-  float* yp = y.data<float>();
-
-  // Count and prefix-sum per expert, then permute (row, weight) slots into expert order.
-  std::vector<int64_t> offsets(static_cast<size_t>(E + 1), 0);
-  for (int32_t id : r.expert_ids) ++offsets[static_cast<size_t>(id) + 1];
-  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
-  std::vector<int64_t> fill(offsets.begin(), offsets.end() - 1);
-  std::vector<int64_t> slot_row(static_cast<size_t>(slots));
-  std::vector<float> slot_weight(static_cast<size_t>(slots));
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t s = fill[r.expert(n, static_cast<int>(j))]++;
-      slot_row[s] = n;
-      slot_weight[s] = r.weight(n, static_cast<int>(j));
-    }
-  Tensor gathered = Tensor::zeros(DType::F32, {slots, D});
-  float* gp = gathered.data<float>();
-  for (int64_t s = 0; s < slots; ++s) std::memcpy(gp + s * D, xp + slot_row[s] * D, D * sizeof(float));
-
-  int64_t max_count = 0;
-  for (int64_t e = 0; e < E; ++e) max_count = std::max(max_count, offsets[e + 1] - offsets[e]);
-  Tensor gate = Tensor::zeros(DType::F32, {max_count, I});
-  Tensor up = Tensor::zeros(DType::F32, {max_count, I});
-  Tensor out = Tensor::zeros(DType::F32, {max_count, D});
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t begin = offsets[e], count = offsets[e + 1] - begin;
-    if (count == 0) continue;
-    swiglu(impl_->experts[e], gp + begin * D, count, D, I, gate.data<float>(), up.data<float>(),
-           out.data<float>());
-    const float* op = out.data<float>();
-    for (int64_t i = 0; i < count; ++i) {
-      const float w = slot_weight[begin + i];
-      float* dst = yp + slot_row[begin + i] * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] += w * op[i * D + d];
-    }
-  }
-
-  if (impl_->has_shared) {
-    const int64_t S = c.shared_expert_intermediate_size;
-    Tensor sg = Tensor::zeros(DType::F32, {N, S});
-    Tensor su = Tensor::zeros(DType::F32, {N, S});
-    Tensor so = Tensor::zeros(DType::F32, {N, D});
-    swiglu(impl_->shared, xp, N, D, S, sg.data<float>(), su.data<float>(), so.data<float>());
-    Tensor g = Tensor::zeros(DType::F32, {N, 1});
-    cpu::linear(xp, impl_->shared_gate.data<float>(), nullptr, g.data<float>(), N, 1, D);
-    for (int64_t n = 0; n < N; ++n) {
-      const float s = 1.0f / (1.0f + std::exp(-g.data<float>()[n]));
-      for (int64_t d = 0; d < D; ++d) yp[n * D + d] += s * so.data<float>()[n * D + d];
-    }
-  }
-  return y;
+  const Impl& m = *impl_;
+  const int64_t N = r.rows, D = m.cfg.hidden_size;
+  if (N == 0) return Tensor::zeros(DType::F32, {0, D});
+  Call call(m.be, m.workspace);
+  const auto [ids, weights] = m.routing_on(call, r);
+  float* y = call.ws().f32(N * D);
+  m.experts_on(call, call.input(x.data<float>(), x.numel()), N, r.top_k, ids, weights, y);
+  return call.to_host(y, {N, D});
 }
 
 Tensor MoeLayer::run_experts_reference(const Tensor& x, const Routing& r) const {
@@ -322,22 +358,55 @@ Tensor MoeLayer::run_experts_reference(const Tensor& x, const Routing& r) const 
 
 MoeAdapter::MoeAdapter(MoeLayer layer) : layer_(std::move(layer)) {}
 
-MoeAdapter MoeAdapter::load(const std::string& dir) {
+MoeAdapter MoeAdapter::load(const std::string& dir, const ComputeOptions& options) {
   const MoeConfig cfg = MoeConfig::from_adapter_config(dir + "/adapter_config.json");
-  return MoeAdapter(MoeLayer::load(cfg, Checkpoint::open(dir + "/adapter.safetensors"), ""));
+  return MoeAdapter(MoeLayer::load(cfg, Checkpoint::open(dir + "/adapter.safetensors"), "", options));
 }
 
 Tensor MoeAdapter::apply_experts(const Tensor& x, const Routing& routing) const {
-  Tensor y = layer_.run_experts(x, routing);
-  cpu::add_inplace(y.data<float>(), x.data<float>(), y.numel());
-  cpu::l2_normalize_rows(y.data<float>(), y.dim(0), y.dim(1));
-  return y;
+  layer_.check_input(x, "run_experts");
+  layer_.check_routing(x, routing);
+  const MoeLayer::Impl& m = *layer_.impl_;
+  const int64_t N = routing.rows, D = m.cfg.hidden_size;
+  if (N == 0) return Tensor::zeros(DType::F32, {0, D});
+  Call call(m.be, m.workspace);
+  kernels::Backend& b = call.backend();
+  const float* dx = call.input(x.data<float>(), x.numel());
+  const auto [ids, weights] = m.routing_on(call, routing);
+  float* y = call.ws().f32(N * D);
+  m.experts_on(call, dx, N, routing.top_k, ids, weights, y);
+  b.add(y, dx, N * D);
+  b.l2_normalize_rows(y, N, D, 1e-12f);
+  return call.to_host(y, {N, D});
 }
 
 AdapterOutput MoeAdapter::apply(const Tensor& x) const {
+  layer_.check_input(x, "router");
+  const MoeLayer::Impl& m = *layer_.impl_;
+  const int64_t N = x.dim(0), D = m.cfg.hidden_size;
+  const int K = m.cfg.top_k;
   AdapterOutput out;
-  out.routing = layer_.route(x);
-  out.embeddings = apply_experts(x, out.routing);
+  out.routing.rows = N;
+  out.routing.top_k = K;
+  out.routing.expert_ids.resize(static_cast<size_t>(N * K));
+  out.routing.weights.resize(out.routing.expert_ids.size());
+  if (N == 0) {
+    out.embeddings = Tensor::zeros(DType::F32, {0, D});
+    return out;
+  }
+  Call call(m.be, m.workspace);
+  kernels::Backend& b = call.backend();
+  const float* dx = call.input(x.data<float>(), x.numel());
+  int32_t* ids = call.ws().i32(N * K);
+  float* weights = call.ws().f32(N * K);
+  m.route_on(call, dx, N, K, ids, weights);
+  call.to_host(out.routing.expert_ids.data(), ids, out.routing.expert_ids.size() * sizeof(int32_t));
+  call.to_host(out.routing.weights.data(), weights, out.routing.weights.size() * sizeof(float));
+  float* y = call.ws().f32(N * D);
+  m.experts_on(call, dx, N, K, ids, weights, y);
+  b.add(y, dx, N * D);
+  b.l2_normalize_rows(y, N, D, 1e-12f);
+  out.embeddings = call.to_host(y, {N, D});
   return out;
 }
 

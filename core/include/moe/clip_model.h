@@ -1,5 +1,7 @@
 // gst-moe: CLIP text and vision encoders, computing exactly what Hugging Face `CLIPModel`'s
-// get_text_features / get_image_features compute (fp32 on the CPU backend).
+// get_text_features / get_image_features compute (within 1e-4 in f32; see ComputeOptions for the
+// device and the weights' precision). Every operation runs through the model's kernels::Backend;
+// inputs and outputs are host tensors.
 #pragma once
 
 #include <cstdint>
@@ -9,6 +11,7 @@
 #include <vector>
 
 #include "moe/clip_config.h"
+#include "moe/compute.h"
 #include "moe/image.h"
 #include "moe/safetensors.h"
 #include "moe/tensor.h"
@@ -24,16 +27,21 @@ struct ClipEncodeResult {
 class ClipModel {
  public:
   // Loads a Hugging Face CLIP directory: config.json, model.safetensors (or sharded), and when
-  // present vocab.json + merges.txt (tokenizer) and preprocessor_config.json.
-  static ClipModel load(const std::string& model_dir);
+  // present vocab.json + merges.txt (tokenizer) and preprocessor_config.json. The weights are
+  // uploaded once, in options.precision, to the backend of options.device (default: cpu, f32,
+  // where f32 checkpoint tensors are used in place from the mmap-ed file).
+  static ClipModel load(const std::string& model_dir, const ComputeOptions& options = {});
   // Loads from a config and a checkpoint, without tokenizer (callers encode token ids).
-  static ClipModel load(const ClipConfig& config, const Checkpoint& weights);
+  static ClipModel load(const ClipConfig& config, const Checkpoint& weights, const ComputeOptions& options = {});
 
   const ClipConfig& config() const;
   const std::string& model_dir() const;
   bool has_tokenizer() const;
   const ClipTokenizer& tokenizer() const;  // throws if the directory had none
   const ImagePreprocessConfig& image_preprocess() const;
+  // The backend it runs on ("cpu", "cuda:N") and the precision of its Linear weights.
+  std::string device() const;
+  kernels::WeightType precision() const;
 
   // Text tower over already tokenised inputs. Each sequence is pooled at its end token (the
   // first eos_token_id, or the largest id for legacy configs with eos_token_id == 2, as
@@ -46,6 +54,9 @@ class ClipModel {
   ClipEncodeResult encode_pixels(const Tensor& pixel_values) const;
   // Preprocess (as CLIPImageProcessor) and encode RGB8 images of any size.
   ClipEncodeResult encode_images(const std::vector<ImageView>& images) const;
+
+  // Threads: every const member may be called from several threads at once; on a non-host
+  // backend the calls take turns (backend_mutex), on the CPU backend they run concurrently.
 
   ClipModel(ClipModel&&) noexcept;
   ClipModel& operator=(ClipModel&&) noexcept;

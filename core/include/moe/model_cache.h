@@ -10,12 +10,19 @@
 #include <string>
 
 #include "moe/clip_model.h"
+#include "moe/compute.h"
 #include "moe/moe_layer.h"
 
 namespace moe {
 
-// The model loaded from `dir`, shared with every other caller that names the same directory
-// (compared after resolving symlinks and relative paths). Throws moe::Error like load().
+// The model loaded from `dir` with `options`, shared with every other caller that names the same
+// directory (compared after resolving symlinks and relative paths), the same device (after
+// resolving "auto" and "cuda": "auto" shares with "cpu" when it means cpu) and the same precision.
+// Throws moe::Error like load().
+std::shared_ptr<const ClipModel> shared_clip_model(const std::string& dir, const ComputeOptions& options);
+std::shared_ptr<const MoeAdapter> shared_moe_adapter(const std::string& dir, const ComputeOptions& options);
+
+// The same on the CPU in f32.
 std::shared_ptr<const ClipModel> shared_clip_model(const std::string& dir);
 std::shared_ptr<const MoeAdapter> shared_moe_adapter(const std::string& dir);
 

@@ -3,8 +3,10 @@
 // Routing follows Mixtral (softmax over all experts in fp32, top-k, renormalise) or Qwen2-MoE
 // (no renormalisation unless norm_topk_prob; optional shared expert gated by
 // sigmoid(shared_expert_gate(x))). Experts are SwiGLU: w2(silu(w1 x) * w3 x).
-// Execution groups rows per expert (count, permute, one GEMM per active expert, weighted
-// scatter-add); a naive per-row reference exists for tests.
+// Execution runs through the layer's kernels::Backend (ComputeOptions): router linear +
+// topk_softmax, then moe_permute + grouped_swiglu + moe_unpermute (rows grouped per expert, one
+// GEMM chain per active expert, weighted sum back per row); a naive per-row reference on the
+// host f32 weights exists for tests. Inputs and outputs are host tensors.
 #pragma once
 
 #include <cstdint>
@@ -12,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "moe/compute.h"
 #include "moe/safetensors.h"
 #include "moe/tensor.h"
 
@@ -55,11 +58,18 @@ class MoeLayer {
   // Loads the block whose tensors start with `prefix` (e.g. "model.layers.1.block_sparse_moe."
   // in a Mixtral checkpoint, "model.layers.1.mlp." in Qwen2-MoE, "" in an adapter file).
   // Mixtral (w1/w2/w3) and Qwen2-MoE (gate_proj/up_proj/down_proj) expert names are accepted.
-  static MoeLayer load(const MoeConfig& config, const Checkpoint& weights, const std::string& prefix);
+  // Expert weights are uploaded once, in options.precision, to the backend of options.device;
+  // the router (and the shared-expert gate) stay f32. Default: cpu, f32, weights used in place.
+  static MoeLayer load(const MoeConfig& config, const Checkpoint& weights, const std::string& prefix,
+                       const ComputeOptions& options = {});
   // One MoE layer out of a Hugging Face Mixtral/Qwen2-MoE checkpoint directory.
-  static MoeLayer load_hf_layer(const std::string& checkpoint_dir, const std::string& prefix);
+  static MoeLayer load_hf_layer(const std::string& checkpoint_dir, const std::string& prefix,
+                                const ComputeOptions& options = {});
 
   const MoeConfig& config() const;
+  // The backend it runs on ("cpu", "cuda:N") and the precision of its expert weights.
+  std::string device() const;
+  kernels::WeightType precision() const;
 
   // Router logits [rows, num_experts] for x [rows, hidden] (f32).
   Tensor router_logits(const Tensor& x) const;
@@ -68,12 +78,17 @@ class MoeLayer {
   Routing route(const Tensor& x, int top_k) const;
   // Σ_k w_k · expert_k(x) (+ gated shared expert): the block's output, [rows, hidden].
   Tensor run_experts(const Tensor& x, const Routing& routing) const;
-  // Reference: the same sum computed row by row with plain loops (no grouping, no BLAS).
+  // Reference: the same sum computed row by row with plain loops in double over the host f32
+  // weights (no backend, no grouping, no BLAS), whatever the layer's device and precision.
   Tensor run_experts_reference(const Tensor& x, const Routing& routing) const;
 
-  // Read access to routed expert `e`'s weights (host f32, [out, in] row-major), e.g. to pack
-  // them for a device (HostExpertStore). Throws moe::Error when e is outside [0, num_experts).
+  // Read access to routed expert `e`'s weights (host f32, [out, in] row-major, as in the
+  // checkpoint whatever the layer's precision), e.g. to pack them for a device
+  // (HostExpertStore). Throws moe::Error when e is outside [0, num_experts).
   const Tensor& expert_weight(int e, ExpertMatrix which) const;
+
+  // Threads: every const member may be called from several threads at once; on a non-host
+  // backend the calls take turns (backend_mutex), on the CPU backend they run concurrently.
 
   MoeLayer(MoeLayer&&) noexcept;
   MoeLayer& operator=(MoeLayer&&) noexcept;
@@ -83,6 +98,7 @@ class MoeLayer {
   MoeLayer();
   void check_input(const Tensor& x, const char* what) const;
   void check_routing(const Tensor& x, const Routing& routing) const;
+  friend class MoeAdapter;  // runs routing and experts in one call on the backend
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -96,14 +112,15 @@ struct AdapterOutput {
 class MoeAdapter {
  public:
   // A directory with adapter_config.json and adapter.safetensors.
-  static MoeAdapter load(const std::string& dir);
+  static MoeAdapter load(const std::string& dir, const ComputeOptions& options = {});
   explicit MoeAdapter(MoeLayer layer);
 
   const MoeLayer& layer() const { return layer_; }
   Routing route(const Tensor& x) const { return layer_.route(x); }
   Routing route(const Tensor& x, int top_k) const { return layer_.route(x, top_k); }
-  // normalize(x + run_experts(x, routing)).
+  // normalize(x + run_experts(x, routing)), all on the layer's backend.
   Tensor apply_experts(const Tensor& x, const Routing& routing) const;
+  // route + apply_experts in one call on the backend (x uploaded once).
   AdapterOutput apply(const Tensor& x) const;
 
  private:

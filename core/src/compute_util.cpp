@@ -1,0 +1,183 @@
+#include "compute_util.h"
+
+#include <cstring>
+
+#include "moe/error.h"
+
+namespace moe::detail {
+
+DType dtype_of(kernels::WeightType type) {
+  switch (type) {
+    case kernels::WeightType::F32: return DType::F32;
+    case kernels::WeightType::F16: return DType::F16;
+    case kernels::WeightType::BF16: return DType::BF16;
+  }
+  throw Error("unknown weight type " + std::to_string(static_cast<int>(type)));
+}
+
+ModelBackend ModelBackend::open(const ComputeOptions& options) {
+  ModelBackend m;
+  m.backend = open_backend(options.device);
+  m.mutex = backend_mutex(*m.backend);
+  m.precision = options.precision;
+  const std::string name = m.backend->name();
+  if (!m.backend->is_host_memory() && name.rfind("cuda:", 0) == 0)
+    m.placement = Placement{DeviceKind::Cuda, std::stoi(name.substr(5))};
+  return m;
+}
+
+namespace {
+
+// Frees backend memory from a destructor: a failure (e.g. a CUDA runtime already shut down at
+// process exit) must not escape.
+void release(kernels::Backend& backend, void* p) noexcept {
+  try {
+    backend.deallocate(p);
+  } catch (...) {
+  }
+}
+
+}  // namespace
+
+Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
+  if (!host.is_host() || (host.dtype() != DType::F32 && host.dtype() != DType::F16 && host.dtype() != DType::BF16))
+    throw Error("to_backend: " + host.describe() + " is not a host float tensor");
+  if (type != DType::F32 && type != DType::F16 && type != DType::BF16)
+    throw Error(std::string("to_backend: unsupported type ") + dtype_name(type));
+  kernels::Backend& b = *backend;
+  if (b.is_host_memory() && host.dtype() == type) return host;
+
+  const int64_t n = host.numel();
+  const size_t bytes = dtype_storage_bytes(type, n);
+  // The values in `type`, on the host: `host` itself when no conversion is needed.
+  std::vector<uint16_t> half;
+  const void* src = host.raw_data();
+  Tensor f32;
+  if (host.dtype() != type) {
+    f32 = host.to_f32();
+    const float* v = f32.data<float>();
+    if (type == DType::F32) {
+      src = v;
+    } else {
+      half.resize(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) half[i] = type == DType::F16 ? float_to_half(v[i]) : float_to_bf16(v[i]);
+      src = half.data();
+    }
+  }
+  std::unique_lock<std::mutex> lock;
+  if (mutex) lock = std::unique_lock<std::mutex>(*mutex);
+  void* dst = b.allocate(bytes);
+  try {
+    b.copy_from_host(dst, src, bytes);
+    b.synchronize();  // `src` goes out of scope here
+  } catch (...) {
+    release(b, dst);
+    throw;
+  }
+  if (lock.owns_lock()) lock.unlock();
+  std::shared_ptr<void> owner(dst, [keep = backend, guard = mutex](void* p) {
+    std::unique_lock<std::mutex> held;
+    if (guard) held = std::unique_lock<std::mutex>(*guard);
+    release(*keep, p);
+  });
+  return Tensor::view(type, host.shape(), dst, std::move(owner), b.is_host_memory() ? Placement{} : placement);
+}
+
+kernels::WeightRef weight_ref(const Tensor& t) {
+  kernels::WeightRef w;
+  w.data = t.raw_data();
+  switch (t.dtype()) {
+    case DType::F32: w.type = kernels::WeightType::F32; break;
+    case DType::F16: w.type = kernels::WeightType::F16; break;
+    case DType::BF16: w.type = kernels::WeightType::BF16; break;
+    default: throw Error("weight_ref: " + t.describe() + " is not a float weight");
+  }
+  return w;
+}
+
+Workspace::~Workspace() {
+  std::unique_lock<std::mutex> held;
+  if (guard_) held = std::unique_lock<std::mutex>(*guard_);
+  for (const Block& b : blocks_) release(*backend_, b.ptr);
+}
+
+void* Workspace::bytes(size_t n) {
+  if (next_ < blocks_.size()) {
+    Block& b = blocks_[next_];
+    if (b.size < n) {
+      // Freeing waits for work queued on the block (CUDA: cudaFree synchronises the device).
+      void* old = b.ptr;
+      b.ptr = nullptr;
+      b.size = 0;
+      backend_->deallocate(old);
+      b.ptr = backend_->allocate(n);
+      b.size = n;
+    }
+    ++next_;
+    return b.ptr;
+  }
+  void* p = backend_->allocate(n);
+  blocks_.push_back({p, n});
+  ++next_;
+  return p;
+}
+
+Call::Call(const ModelBackend& model, std::unique_ptr<Workspace>& cached)
+    : backend_(model.backend.get()), host_(model.backend->is_host_memory()) {
+  if (model.mutex) lock_ = std::unique_lock<std::mutex>(*model.mutex);
+  if (host_ || !model.mutex) {
+    local_.emplace(*backend_);
+    ws_ = &*local_;
+  } else {
+    if (!cached) cached = std::make_unique<Workspace>(*backend_, model.mutex);
+    ws_ = cached.get();
+    ws_->reset();
+  }
+}
+
+Call::~Call() {
+  if (host_) return;
+  try {
+    backend_->synchronize();  // an exception may have left copies from the staging buffers queued
+  } catch (...) {
+  }
+}
+
+float* Call::host_f32(int64_t n) { return host_f32_.emplace_back(static_cast<size_t>(n)).data(); }
+int32_t* Call::host_i32(int64_t n) { return host_i32_.emplace_back(static_cast<size_t>(n)).data(); }
+
+float* Call::device(float* staged, int64_t n) {
+  if (host_) return staged;
+  float* d = ws_->f32(n);
+  backend_->copy_from_host(d, staged, static_cast<size_t>(n) * sizeof(float));
+  return d;
+}
+
+int32_t* Call::device(int32_t* staged, int64_t n) {
+  if (host_) return staged;
+  int32_t* d = ws_->i32(n);
+  backend_->copy_from_host(d, staged, static_cast<size_t>(n) * sizeof(int32_t));
+  return d;
+}
+
+const float* Call::input(const float* host, int64_t n) {
+  if (host_) return host;
+  float* d = ws_->f32(n);
+  backend_->copy_from_host(d, host, static_cast<size_t>(n) * sizeof(float));
+  return d;
+}
+
+const int32_t* Call::input(const int32_t* host, int64_t n) {
+  if (host_) return host;
+  int32_t* d = ws_->i32(n);
+  backend_->copy_from_host(d, host, static_cast<size_t>(n) * sizeof(int32_t));
+  return d;
+}
+
+Tensor Call::to_host(const float* data, Shape shape) {
+  Tensor t = Tensor::zeros(DType::F32, std::move(shape));
+  backend_->copy_to_host(t.raw_data(), data, t.nbytes());
+  return t;
+}
+
+}  // namespace moe::detail
