@@ -75,3 +75,18 @@ GstMoeBatchMeta* gst_buffer_add_moe_batch_meta(GstBuffer* buffer, const gstmoe::
   m->records = new gstmoe::BatchRecords(records);
   return m;
 }
+
+GType gst_moe_precision_get_type(void) {
+  static GType type = 0;
+  static const GEnumValue values[] = {
+      {GST_MOE_PRECISION_FP32, "32-bit float weights", "fp32"},
+      {GST_MOE_PRECISION_FP16, "16-bit float weights (IEEE half)", "fp16"},
+      {GST_MOE_PRECISION_BF16, "16-bit bfloat16 weights", "bf16"},
+      {0, nullptr, nullptr},
+  };
+  if (g_once_init_enter(&type)) {
+    GType t = g_enum_register_static("GstMoePrecision", values);
+    g_once_init_leave(&type, t);
+  }
+  return type;
+}

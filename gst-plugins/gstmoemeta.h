@@ -17,6 +17,7 @@
 #include <gst/gst.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +58,10 @@ struct BatchRecords {
   std::vector<FailedRequest> failed;   // answered with an error record by ann-query
   std::string encoder;                 // model identifiers, for the result documents
   std::string adapter;
+  // moe-route's moe::ExpertExecutor::prefetch() of this batch, for the moe-expert downstream
+  // (null when its experts run on the CPU path): holds the batch's pinned experts on the devices.
+  // Copies of the meta share it; moe-expert drops it when it has run the batch, which unpins them.
+  std::shared_ptr<void> expert_prefetch;
 };
 
 }  // namespace gstmoe
@@ -79,6 +84,16 @@ const GstMetaInfo* gst_moe_batch_meta_get_info(void);
 GstMoeBatchMeta* gst_buffer_add_moe_batch_meta(GstBuffer* buffer, const gstmoe::BatchRecords& records);
 #define gst_buffer_get_moe_batch_meta(b) \
   ((GstMoeBatchMeta*)gst_buffer_get_meta((b), GST_MOE_BATCH_META_API_TYPE))
+
+// Precision of model weights on a device (moe-expert's 'precision'; computation accumulates in f32).
+typedef enum {
+  GST_MOE_PRECISION_FP32,
+  GST_MOE_PRECISION_FP16,
+  GST_MOE_PRECISION_BF16,
+} GstMoePrecision;
+
+GType gst_moe_precision_get_type(void);
+#define GST_TYPE_MOE_PRECISION (gst_moe_precision_get_type())
 
 G_END_DECLS
 
