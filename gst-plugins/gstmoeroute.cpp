@@ -262,7 +262,8 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
       element_class, "MoE router", "Filter/Tensor",
       "Routes every row of an embedding batch to the top-k experts of a Mixture-of-Experts adapter and writes "
       "the experts and their weights into the request meta; the embeddings pass through unchanged for moe-expert. "
-      "Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! moe-encode model=models/default/clip "
+      "When the moe-expert downstream runs its experts on GPU devices (or in reduced precision), moe-route starts "
+      "loading each batch's experts there as soon as it has routed the batch. Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! moe-encode model=models/default/clip "
       "! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter "
       "! ann-query index=catalog.faiss ! zmq-publish endpoint=tcp://127.0.0.1:5556",
       "gst-moe developers");
