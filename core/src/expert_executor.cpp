@@ -277,6 +277,7 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
   Tensor y = Tensor::zeros(DType::F32, {N, D});
   const std::vector<std::vector<int64_t>> slots = assign_slots(st, routing);
   std::vector<DeviceWork> work;
+  work.reserve(st.devices.size());  // filled in place: on failure every queued transfer is in `work`
   try {
     // 1. Upload each device's rows and group them per local expert (moe_permute returns the
     //    offsets on the host, so it waits for that device's queue).
@@ -293,7 +294,8 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
                       dev.name + " (it was made for another routing)");
       }
       kernels::Backend& b = *dev.backend;
-      DeviceWork w;
+      work.emplace_back();
+      DeviceWork& w = work.back();
       w.device = d;
       const bool all_slots = static_cast<int64_t>(slots[d].size()) == N * K;
       w.k = all_slots ? K : 1;
@@ -324,7 +326,6 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       b.copy_from_host(w.buf[2].as<float>(), w.weights.data(), w.weights.size() * fbytes);
       w.offsets = b.moe_permute(w.buf[1].as<int32_t>(), w.rows, w.k, static_cast<int64_t>(dev.experts.size()),
                                 w.buf[0].as<float>(), D, w.buf[3].as<float>(), w.buf[4].as<int32_t>());
-      work.push_back(std::move(w));
     }
     // 2. Queue the experts on every device; each waits only for the copies of its own experts.
     for (DeviceWork& w : work) {
