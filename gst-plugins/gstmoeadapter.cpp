@@ -1,10 +1,23 @@
 #include "gstmoeadapter.h"
 
+#include "moe/expert_executor.h"
 #include "moe/model_cache.h"
 
 namespace gstmoe::adapter {
 
 static const char* const kRouteQuery = "moe-route-adapter";
+static const char* const kExecutorQuery = "moe-expert-executor";
+
+// A boxed reference to an executor, so a query structure can carry (and copy) it safely.
+using ExecutorRef = std::shared_ptr<moe::ExpertExecutor>;
+
+static GType executor_ref_get_type() {
+  static const GType type = g_boxed_type_register_static(
+      "GstMoeExpertExecutorRef",
+      [](gpointer p) -> gpointer { return new ExecutorRef(*static_cast<ExecutorRef*>(p)); },
+      [](gpointer p) { delete static_cast<ExecutorRef*>(p); });
+  return type;
+}
 
 GParamSpec* model_param_spec() {
   return g_param_spec_string("model", "Adapter directory",
@@ -137,6 +150,29 @@ bool query_route(GstPad* sinkpad, RouteInfo* info) {
   }
   gst_query_unref(query);
   return answered;
+}
+
+bool is_executor_query(GstQuery* query) {
+  if (GST_QUERY_TYPE(query) != GST_QUERY_CUSTOM) return false;
+  const GstStructure* s = gst_query_get_structure(query);
+  return s && gst_structure_has_name(s, kExecutorQuery);
+}
+
+void answer_executor_query(GstQuery* query, const std::shared_ptr<moe::ExpertExecutor>& executor) {
+  ExecutorRef ref(executor);
+  gst_structure_set(gst_query_writable_structure(query), "executor", executor_ref_get_type(), &ref, nullptr);
+}
+
+std::shared_ptr<moe::ExpertExecutor> query_executor(GstPad* srcpad) {
+  GstQuery* query = gst_query_new_custom(GST_QUERY_CUSTOM, gst_structure_new_empty(kExecutorQuery));
+  std::shared_ptr<moe::ExpertExecutor> executor;
+  if (gst_pad_peer_query(srcpad, query)) {
+    const GValue* v = gst_structure_get_value(gst_query_get_structure(query), "executor");
+    if (v && G_VALUE_HOLDS(v, executor_ref_get_type()))
+      executor = *static_cast<const ExecutorRef*>(g_value_get_boxed(v));
+  }
+  gst_query_unref(query);
+  return executor;
 }
 
 }  // namespace gstmoe::adapter

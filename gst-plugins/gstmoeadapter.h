@@ -2,7 +2,8 @@
  *
  * The router and the experts are two elements over one MoE adapter: both load it the same way,
  * check tensor widths and row counts against it, count rows per expert in their stats, and talk
- * over a custom query by which moe-expert learns which adapter routed its input. Each helper
+ * over two custom queries: moe-expert learns which adapter routed its input (upstream), and
+ * moe-route finds moe-expert's expert executor to preload each batch's experts (downstream). Each helper
  * that can fail posts the element error itself, so both elements report the same problem in
  * the same words.
  */
@@ -18,6 +19,10 @@
 
 #include "gstmoemeta.h"
 #include "moe/moe_layer.h"
+
+namespace moe {
+class ExpertExecutor;
+}
 
 namespace gstmoe::adapter {
 
@@ -72,5 +77,16 @@ bool is_route_query(GstQuery* query);
 void answer_route_query(GstQuery* query, const std::string& dir, const moe::MoeConfig& config);
 // True and `info` filled when a moe-route upstream of `sinkpad` answered.
 bool query_route(GstPad* sinkpad, RouteInfo* info);
+
+// The custom downstream query (GST_QUERY_CUSTOM, structure "moe-expert-executor") by which
+// moe-route finds the moe::ExpertExecutor of the nearest moe-expert downstream, to prefetch each
+// batch's experts as soon as it has routed it. It passes queues (it is not serialized) and needs
+// no process-wide registry: the answer follows the pipeline's links, and the executor travels
+// as a reference, so it stays valid while moe-route uses it even if moe-expert stops meanwhile.
+// moe-expert answers when its experts run on an executor, and stops the query otherwise.
+bool is_executor_query(GstQuery* query);
+void answer_executor_query(GstQuery* query, const std::shared_ptr<moe::ExpertExecutor>& executor);
+// The executor of the moe-expert downstream of `srcpad`, or null when none answered.
+std::shared_ptr<moe::ExpertExecutor> query_executor(GstPad* srcpad);
 
 }  // namespace gstmoe::adapter

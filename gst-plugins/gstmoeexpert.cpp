@@ -10,18 +10,31 @@
  *
  * The embeddings are replaced in place (same shape); the tensor data is rewritten, the meta
  * gains the "expert" timing.
+ *
+ * Where the experts run ('device', 'precision'): device=cpu with fp32 weights is the engine's CPU
+ * path (MoeAdapter::apply_experts). Every other setting - CUDA devices, or reduced precision on
+ * the CPU - runs on a moe::ExpertExecutor built when the element starts: per device a cache of
+ * experts in 'cache-budget' of its free memory, filled asynchronously. The moe-route upstream
+ * finds the executor through a custom query and prefetches each batch's experts on its own
+ * streaming thread as soon as it has routed the batch; the handle arrives in the meta, this
+ * element's streaming thread computes with it and drops it, which unpins the batch's experts.
+ * A batch without a handle (no moe-route, or its prefetch failed) is prefetched here.
  */
 #include "gstmoeexpert.h"
 
+#include <atomic>
 #include <cstring>
 #include <utility>
 
 #include "gstmoeadapter.h"
+#include "moe/expert_executor.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_moe_expert_debug);
 #define GST_CAT_DEFAULT gst_moe_expert_debug
 
 #define DEFAULT_DEVICE "cpu"
+#define DEFAULT_PRECISION GST_MOE_PRECISION_FP32
+#define DEFAULT_CACHE_BUDGET 0.85
 
 namespace {
 
@@ -30,6 +43,12 @@ struct ExpertState {
   // Properties, under the object lock; read when the element starts.
   std::string model;
   std::string device = DEFAULT_DEVICE;
+  GstMoePrecision precision = DEFAULT_PRECISION;
+  double cache_budget = DEFAULT_CACHE_BUDGET;
+
+  // The executor (null on the CPU path): set by start(), cleared by stop(), under the object
+  // lock because the executor query and the 'stats' property read it from other threads.
+  std::shared_ptr<moe::ExpertExecutor> executor;
 
   // The running configuration: set by start(), cleared by stop(); between the two only the
   // streaming thread uses it.
@@ -40,7 +59,32 @@ struct ExpertState {
   std::string route_dir;  // the adapter of the moe-route upstream, when one answered
 
   gstmoe::adapter::Stats stats;  // expert-rows: per expert, how many rows it ran on
+  std::atomic<guint64> batches_prefetched{0};  // arrived with moe-route's prefetch of this executor
 };
+
+// One structure per device of the executor: what it serves and its cache counters.
+GValue device_stats(const moe::ExpertExecutor& executor) {
+  GValue array = G_VALUE_INIT;
+  gst_value_array_init(&array, 0);
+  for (const moe::ExpertDeviceStats& d : executor.stats()) {
+    const moe::CacheStats& c = d.cache;
+    GstStructure* s = gst_structure_new(
+        "moe-expert-device", "device", G_TYPE_STRING, d.device.c_str(), "experts", G_TYPE_UINT,
+        static_cast<guint>(d.experts.size()), "slots", G_TYPE_INT, d.slots, "budget-bytes", G_TYPE_UINT64,
+        static_cast<guint64>(d.budget_bytes), "hits", G_TYPE_UINT64, static_cast<guint64>(c.hits), "misses",
+        G_TYPE_UINT64, static_cast<guint64>(c.misses), "bytes-copied", G_TYPE_UINT64,
+        static_cast<guint64>(c.bytes_copied), "evictions", G_TYPE_UINT64, static_cast<guint64>(c.evictions),
+        "copies-hidden", G_TYPE_UINT64, static_cast<guint64>(c.copies_hidden), "copies-exposed", G_TYPE_UINT64,
+        static_cast<guint64>(c.copies_exposed), "exposed-wait-ms", G_TYPE_DOUBLE,
+        static_cast<double>(c.exposed_wait_ns) / 1e6, "resident", G_TYPE_UINT64, static_cast<guint64>(c.resident),
+        "pinned", G_TYPE_UINT64, static_cast<guint64>(c.pinned), nullptr);
+    GValue item = G_VALUE_INIT;
+    g_value_init(&item, GST_TYPE_STRUCTURE);
+    g_value_take_boxed(&item, s);
+    gst_value_array_append_and_take_value(&array, &item);
+  }
+  return array;
+}
 
 }  // namespace
 
@@ -49,7 +93,7 @@ struct _GstMoeExpert {
   ExpertState* st;
 };
 
-enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_STATS };
+enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_CACHE_BUDGET, PROP_STATS };
 
 static GstStaticPadTemplate sink_template =
     GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
@@ -75,6 +119,12 @@ static void gst_moe_expert_set_property(GObject* object, guint prop_id, const GV
       self->st->device = device ? device : DEFAULT_DEVICE;
       break;
     }
+    case PROP_PRECISION:
+      self->st->precision = static_cast<GstMoePrecision>(g_value_get_enum(value));
+      break;
+    case PROP_CACHE_BUDGET:
+      self->st->cache_budget = g_value_get_double(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -95,9 +145,32 @@ static void gst_moe_expert_get_property(GObject* object, guint prop_id, GValue* 
       g_value_set_string(value, self->st->device.c_str());
       GST_OBJECT_UNLOCK(self);
       break;
-    case PROP_STATS:
-      g_value_take_boxed(value, self->st->stats.to_structure("moe-expert-stats", "expert-rows"));
+    case PROP_PRECISION:
+      GST_OBJECT_LOCK(self);
+      g_value_set_enum(value, self->st->precision);
+      GST_OBJECT_UNLOCK(self);
       break;
+    case PROP_CACHE_BUDGET:
+      GST_OBJECT_LOCK(self);
+      g_value_set_double(value, self->st->cache_budget);
+      GST_OBJECT_UNLOCK(self);
+      break;
+    case PROP_STATS: {
+      GstStructure* s = self->st->stats.to_structure("moe-expert-stats", "expert-rows");
+      gst_structure_set(s, "batches-prefetched", G_TYPE_UINT64, self->st->batches_prefetched.load(), nullptr);
+      GST_OBJECT_LOCK(self);
+      std::shared_ptr<moe::ExpertExecutor> executor = self->st->executor;
+      GST_OBJECT_UNLOCK(self);
+      GValue devices = G_VALUE_INIT;
+      if (executor) {
+        devices = device_stats(*executor);
+      } else {
+        gst_value_array_init(&devices, 0);
+      }
+      gst_structure_take_value(s, "devices", &devices);
+      g_value_take_boxed(value, s);
+      break;
+    }
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -110,19 +183,34 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   GST_OBJECT_LOCK(self);
   const std::string dir = st->model;
   const std::string device = st->device;
+  const GstMoePrecision precision = st->precision;
+  const double cache_budget = st->cache_budget;
   GST_OBJECT_UNLOCK(self);
 
-  if (device != "cpu") {
-    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
-                      ("device '%s' is not available: this build runs experts on the CPU only and the CUDA expert "
-                       "backend is not available yet (use device=cpu)",
-                       device.c_str()),
-                      (nullptr));
-    return FALSE;
-  }
   std::shared_ptr<const moe::MoeAdapter> adapter = gstmoe::adapter::load(GST_ELEMENT(self), dir);
   if (!adapter) return FALSE;
   const moe::MoeConfig& cfg = adapter->layer().config();
+
+  std::shared_ptr<moe::ExpertExecutor> executor;
+  if (device != "cpu" || precision != GST_MOE_PRECISION_FP32) {  // else: the engine's CPU path
+    moe::ExpertExecutorOptions options;
+    options.precision = gstmoe::weight_type(precision);
+    options.budget_fraction = cache_budget;
+    try {
+      executor = std::make_shared<moe::ExpertExecutor>(adapter->layer(), device, options);
+    } catch (const std::exception& e) {  // moe::Error names the device and the reason
+      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
+                        ("cannot run the experts of the MoE adapter '%s': %s", dir.c_str(), e.what()),
+                        (nullptr));
+      return FALSE;
+    }
+    for (const moe::ExpertDeviceStats& d : executor->stats())
+      GST_INFO_OBJECT(self, "%s: %zu experts, cache of %d slots (%zu bytes)", d.device.c_str(), d.experts.size(),
+                      d.slots, d.budget_bytes);
+  }
+  GST_OBJECT_LOCK(self);
+  st->executor = std::move(executor);
+  GST_OBJECT_UNLOCK(self);
 
   st->adapter = std::move(adapter);
   st->adapter_dir = dir;
@@ -130,14 +218,34 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   st->width = 0;
   st->route_dir.clear();
   st->stats.reset(cfg.num_experts);
+  st->batches_prefetched = 0;
   GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, on %s", dir.c_str(), cfg.hidden_size,
                   cfg.num_experts, device.c_str());
   return TRUE;
 }
 
 static gboolean gst_moe_expert_stop(GstBaseTransform* trans) {
-  GST_MOE_EXPERT(trans)->st->adapter.reset();  // the cache frees the adapter when its last user lets go
+  GstMoeExpert* self = GST_MOE_EXPERT(trans);
+  self->st->adapter.reset();  // the cache frees the adapter when its last user lets go
+  GST_OBJECT_LOCK(self);
+  // Buffers still in flight keep what their prefetch handles need; the rest goes now.
+  self->st->executor.reset();
+  GST_OBJECT_UNLOCK(self);
   return TRUE;
+}
+
+static gboolean gst_moe_expert_query(GstBaseTransform* trans, GstPadDirection direction, GstQuery* query) {
+  GstMoeExpert* self = GST_MOE_EXPERT(trans);
+  if (direction == GST_PAD_SINK && gstmoe::adapter::is_executor_query(query)) {
+    GST_OBJECT_LOCK(self);
+    std::shared_ptr<moe::ExpertExecutor> executor = self->st->executor;
+    GST_OBJECT_UNLOCK(self);
+    // The batches' meta is read here: a moe-expert further downstream must not be asked.
+    if (!executor) return FALSE;
+    gstmoe::adapter::answer_executor_query(query, executor);
+    return TRUE;
+  }
+  return GST_BASE_TRANSFORM_CLASS(parent_class)->query(trans, direction, query);
 }
 
 static gboolean gst_moe_expert_set_caps(GstBaseTransform* trans, GstCaps* incaps, GstCaps*) {
@@ -238,10 +346,16 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   }
   if (!gstmoe::adapter::check_meta_rows(GST_ELEMENT(self), meta, rows)) return GST_FLOW_ERROR;
   gstmoe::BatchRecords& records = *meta->records;
+  // The batch ends here whatever happens: its pins go when the last holder of the handle does.
+  const std::shared_ptr<void> prefetch = std::move(records.expert_prefetch);
   moe::Routing routing;
   if (rows > 0 && !gst_moe_expert_routing(self, records, &routing)) return GST_FLOW_ERROR;
   records.adapter = st->adapter_name;  // the experts that made the embeddings name the adapter
   if (rows == 0) return GST_FLOW_OK;   // only failed requests: they travel on untouched
+  GST_OBJECT_LOCK(self);
+  const std::shared_ptr<moe::ExpertExecutor> executor = st->executor;
+  GST_OBJECT_UNLOCK(self);
+  const bool prefetched = executor && executor->owns(prefetch);  // else run() prefetches itself
 
   GstMapInfo map;
   if (!gst_buffer_map(buf, &map, GST_MAP_READWRITE)) {
@@ -252,7 +366,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   moe::Tensor y;
   const int64_t t0 = g_get_monotonic_time();
   try {
-    y = st->adapter->apply_experts(x, routing);
+    y = executor ? executor->run(x, routing, prefetched ? prefetch : nullptr) : st->adapter->apply_experts(x, routing);
   } catch (const std::exception& e) {
     gst_buffer_unmap(buf, &map);
     GST_ELEMENT_ERROR(self, LIBRARY, FAILED, ("running the experts on %zu rows failed: %s", rows, e.what()),
@@ -265,7 +379,8 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
 
   for (gstmoe::RequestRecord& r : records.rows) r.timings_ms.emplace_back("expert", ms);
   st->stats.add_batch(rows, routing.expert_ids);
-  GST_LOG_OBJECT(self, "ran the experts of %zu rows in %.3f ms", rows, ms);
+  if (prefetched) ++st->batches_prefetched;
+  GST_LOG_OBJECT(self, "ran the experts of %zu rows in %.3f ms%s", rows, ms, prefetched ? " (preloaded)" : "");
   return GST_FLOW_OK;
 }
 
@@ -287,31 +402,57 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
   g_object_class_install_property(
       gobject_class, PROP_DEVICE,
       g_param_spec_string("device", "Device",
-                          "Where the experts run. Only \"cpu\" is accepted: this build runs experts on the CPU only "
-                          "and the CUDA expert backend is not available yet",
+                          "Where the experts run: \"cpu\", \"cuda:N\", a list \"cuda:0,cuda:1\" (experts placed over "
+                          "the devices by free memory, rows sent to the device holding their expert) or \"all\" "
+                          "(every CUDA device). A device that cannot be used fails the start, saying why",
                           DEFAULT_DEVICE,
+                          static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+  g_object_class_install_property(
+      gobject_class, PROP_PRECISION,
+      g_param_spec_enum("precision", "Precision",
+                        "Precision of the expert weights on the device (accumulation is always fp32). On device=cpu, "
+                        "fp16/bf16 run through the same expert executor as a GPU (weights rounded, copied into a "
+                        "cache of host memory); fp32 is the plain CPU path",
+                        GST_TYPE_MOE_PRECISION, DEFAULT_PRECISION,
+                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+  g_object_class_install_property(
+      gobject_class, PROP_CACHE_BUDGET,
+      g_param_spec_double("cache-budget", "Expert cache budget",
+                          "Fraction of each device's free memory (at start) that holds experts; when the experts do "
+                          "not fit, the least recently used are evicted and loaded again when routed to. Not used "
+                          "by the plain CPU path (device=cpu precision=fp32)",
+                          0.05, 1.0, DEFAULT_CACHE_BUDGET,
                           static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       g_param_spec_boxed("stats", "Statistics",
-                         "Since the element started: rows and batches processed, and expert-rows (per expert, how "
-                         "many rows it ran on)",
+                         "Since the element started: rows and batches processed, expert-rows (per expert, how many "
+                         "rows it ran on), batches-prefetched (batches whose experts moe-route preloaded), and "
+                         "devices: per device of the expert executor (none on the plain CPU path) the experts it "
+                         "serves, its cache slots and budget-bytes, and the cache counters hits, misses, "
+                         "bytes-copied, evictions, copies-hidden (copies finished before the experts were needed), "
+                         "copies-exposed (compute had to wait), exposed-wait-ms (host time spent waiting for "
+                         "copies), resident and pinned",
                          GST_TYPE_STRUCTURE, static_cast<GParamFlags>(G_PARAM_READABLE | G_PARAM_STATIC_STRINGS)));
 
   gst_element_class_set_static_metadata(
       element_class, "MoE experts", "Filter/Tensor",
       "Runs the experts of a Mixture-of-Experts adapter that moe-route chose for every row of an embedding batch "
       "and replaces each embedding with normalize(x + sum of the weighted expert outputs). Needs moe-route "
-      "upstream. Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! moe-encode "
-      "model=models/default/clip ! moe-route model=models/default/adapter ! moe-expert "
-      "model=models/default/adapter ! ann-query index=catalog.faiss ! zmq-publish endpoint=tcp://127.0.0.1:5556",
+      "upstream; on GPU devices moe-route preloads each batch's experts as soon as it has routed it. Example: "
+      "gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! moe-encode "
+      "model=models/default/clip ! moe-route model=models/default/adapter ! queue ! moe-expert "
+      "model=models/default/adapter device=cuda:0 precision=fp16 ! ann-query index=catalog.faiss "
+      "! zmq-publish endpoint=tcp://127.0.0.1:5556",
       "gst-moe developers");
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);
+  gst_type_mark_as_plugin_api(GST_TYPE_MOE_PRECISION, static_cast<GstPluginAPIFlags>(0));
 
   trans_class->start = GST_DEBUG_FUNCPTR(gst_moe_expert_start);
   trans_class->stop = GST_DEBUG_FUNCPTR(gst_moe_expert_stop);
   trans_class->set_caps = GST_DEBUG_FUNCPTR(gst_moe_expert_set_caps);
+  trans_class->query = GST_DEBUG_FUNCPTR(gst_moe_expert_query);
   trans_class->transform_ip = GST_DEBUG_FUNCPTR(gst_moe_expert_transform_ip);
 }
 

@@ -17,6 +17,7 @@
 #include <gst/gst.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -57,6 +58,10 @@ struct BatchRecords {
   std::vector<FailedRequest> failed;   // answered with an error record by ann-query
   std::string encoder;                 // model identifiers, for the result documents
   std::string adapter;
+  // moe-route's moe::ExpertExecutor::prefetch() of this batch, for the moe-expert downstream
+  // (null when its experts run on the CPU path): holds the batch's pinned experts on the devices.
+  // Copies of the meta share it; moe-expert drops it when it has run the batch, which unpins them.
+  std::shared_ptr<void> expert_prefetch;
 };
 
 }  // namespace gstmoe

@@ -7,12 +7,19 @@
  *
  * Buffers without a request meta (raw tensors pushed by an application) get one, with ids
  * from a counter, so that every row can still be answered downstream.
+ *
+ * Preload: when the moe-expert downstream runs its experts on an expert executor (GPU devices,
+ * or reduced precision), moe-route asks for that executor (a custom downstream query, see
+ * gstmoeadapter.h) and calls its prefetch() as soon as a batch is routed, on this streaming
+ * thread: the copies of the batch's experts start while earlier batches still compute. The
+ * returned handle travels in the meta (BatchRecords::expert_prefetch) to moe-expert.
  */
 #include "gstmoeroute.h"
 
 #include <utility>
 
 #include "gstmoeadapter.h"
+#include "moe/expert_executor.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_moe_route_debug);
 #define GST_CAT_DEFAULT gst_moe_route_debug
@@ -210,6 +217,16 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   }
   st->stats.add_batch(rows, routing.expert_ids);
   GST_LOG_OBJECT(self, "routed %zu rows in %.3f ms", rows, ms);
+
+  // Asked per batch, so the answer follows relinking and restarts downstream; cheap next to routing.
+  if (std::shared_ptr<moe::ExpertExecutor> executor = gstmoe::adapter::query_executor(GST_BASE_TRANSFORM_SRC_PAD(trans))) {
+    try {
+      records.expert_prefetch = executor->prefetch(routing);  // may wait while moe-expert catches up
+    } catch (const std::exception& e) {
+      // Not fatal here: moe-expert loads the experts itself and reports when that fails too.
+      GST_WARNING_OBJECT(self, "cannot preload the experts of %zu rows: %s", rows, e.what());
+    }
+  }
   return GST_FLOW_OK;
 }
 
@@ -245,7 +262,8 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
       element_class, "MoE router", "Filter/Tensor",
       "Routes every row of an embedding batch to the top-k experts of a Mixture-of-Experts adapter and writes "
       "the experts and their weights into the request meta; the embeddings pass through unchanged for moe-expert. "
-      "Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! moe-encode model=models/default/clip "
+      "When the moe-expert downstream runs its experts on GPU devices (or in reduced precision), moe-route starts "
+      "loading each batch's experts there as soon as it has routed the batch. Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! moe-encode model=models/default/clip "
       "! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter "
       "! ann-query index=catalog.faiss ! zmq-publish endpoint=tcp://127.0.0.1:5556",
       "gst-moe developers");

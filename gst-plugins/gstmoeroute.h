@@ -4,7 +4,8 @@
  * experts each row should use, and writes the chosen experts and their weights into the rows of
  * the request meta. The tensor data passes through unchanged: moe-expert, downstream, runs the
  * experts. Routing and expert execution are separate elements so they can run in different
- * places (threads, later devices) and so the routing is visible in the result documents.
+ * places (threads, devices: moe-route preloads the experts moe-expert will run) and so the
+ * routing is visible in the result documents.
  * What the two share lives in gstmoeadapter.h.
  */
 #pragma once

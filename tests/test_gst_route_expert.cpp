@@ -1,6 +1,9 @@
 // moe-route and moe-expert: routing and expert outputs against the engine called directly on
 // the same rows, the request meta (ids, failed requests, timings), statistics, and the errors a
 // user meets (wrong width, missing adapter, bad top-k, CUDA device, no router, foreign adapter).
+// The expert executor path (reduced precision on the CPU; CUDA devices when there are any): output
+// against moe::ExpertExecutor called directly, moe-route's preload through the meta (also across a
+// queue), and the per-device cache counters.
 #include <gst/app/gstappsink.h>
 #include <gst/app/gstappsrc.h>
 #include <gst/check/gstharness.h>
@@ -20,6 +23,8 @@
 #include "gstmoeexpert.h"
 #include "gstmoemeta.h"
 #include "gstmoeroute.h"
+#include "moe/expert_executor.h"
+#include "moe/expert_store.h"
 #include "moe/model_cache.h"
 #include "moe/moe_layer.h"
 #include "moe_build_config.h"
@@ -171,6 +176,58 @@ Stats read_stats(Harness& h, const char* element, const char* per_expert) {
       out.per_expert.push_back(g_value_get_uint64(gst_value_array_get_value(array, i)));
   gst_structure_free(s);
   return out;
+}
+
+// moe-expert's executor counters: 'batches-prefetched' and one entry of 'devices' per device.
+struct DeviceCounters {
+  std::string device;
+  guint experts = 0;
+  gint slots = 0;
+  guint64 budget_bytes = 0, hits = 0, misses = 0, bytes_copied = 0, evictions = 0, copies_hidden = 0,
+          copies_exposed = 0, resident = 0, pinned = 0;
+  double exposed_wait_ms = -1;
+};
+struct ExecutorStats {
+  guint64 batches_prefetched = 0;
+  std::vector<DeviceCounters> devices;
+};
+
+ExecutorStats read_executor_stats(Harness& h) {
+  GstElement* e = h.element("expert");
+  GstStructure* s = nullptr;
+  g_object_get(e, "stats", &s, nullptr);
+  gst_object_unref(e);
+  ExecutorStats out;
+  EXPECT_NE(s, nullptr);
+  if (!s) return out;
+  EXPECT_TRUE(gst_structure_get_uint64(s, "batches-prefetched", &out.batches_prefetched));
+  const GValue* devices = gst_structure_get_value(s, "devices");
+  EXPECT_TRUE(devices && GST_VALUE_HOLDS_ARRAY(devices));
+  for (guint i = 0; devices && GST_VALUE_HOLDS_ARRAY(devices) && i < gst_value_array_get_size(devices); ++i) {
+    const GstStructure* d = gst_value_get_structure(gst_value_array_get_value(devices, i));
+    DeviceCounters c;
+    c.device = gst_structure_get_string(d, "device");
+    EXPECT_TRUE(gst_structure_get_uint(d, "experts", &c.experts));
+    EXPECT_TRUE(gst_structure_get_int(d, "slots", &c.slots));
+    EXPECT_TRUE(gst_structure_get_double(d, "exposed-wait-ms", &c.exposed_wait_ms));
+    for (auto field : std::vector<std::pair<const char*, guint64*>>{{"budget-bytes", &c.budget_bytes},
+                                                                     {"hits", &c.hits},
+                                                                     {"misses", &c.misses},
+                                                                     {"bytes-copied", &c.bytes_copied},
+                                                                     {"evictions", &c.evictions},
+                                                                     {"copies-hidden", &c.copies_hidden},
+                                                                     {"copies-exposed", &c.copies_exposed},
+                                                                     {"resident", &c.resident},
+                                                                     {"pinned", &c.pinned}})
+      EXPECT_TRUE(gst_structure_get_uint64(d, field.first, field.second)) << field.first;
+    out.devices.push_back(c);
+  }
+  gst_structure_free(s);
+  return out;
+}
+
+size_t distinct_experts(const moe::Routing& r) {
+  return std::set<int32_t>(r.expert_ids.begin(), r.expert_ids.end()).size();
 }
 
 std::string route_line(const std::string& extra = "") {
@@ -467,13 +524,147 @@ TEST_F(RouteExpertTest, MissingModelFailsTheStateChange) {
   expect_contains(start_error("moe-route"), "set the 'model' property");
 }
 
-TEST_F(RouteExpertTest, CudaDeviceIsRefusedWithTheReason) {
+TEST_F(RouteExpertTest, CudaDeviceWithoutAGpuFailsWithTheReason) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) > 0) GTEST_SKIP() << "a CUDA device is present";
   for (const char* device : {"cuda:0", "cuda:0,cuda:1", "all"}) {
     const std::string error = start_error(expert_line(adapter_dir(), std::string("device=\"") + device + "\""));
-    expect_contains(error, device);
-    expect_contains(error, "this build runs experts on the CPU only and the CUDA expert backend is not available yet");
+    expect_contains(error, std::string("device '") + device + "'");
+    expect_contains(error, "no usable CUDA device");
+    expect_contains(error, why);
   }
+  expect_contains(start_error(expert_line(adapter_dir(), "device=gpu")), "unknown device 'gpu'");
   EXPECT_EQ(start_error(expert_line(adapter_dir(), "device=cpu")), "");
+  EXPECT_EQ(start_error(expert_line(adapter_dir(), "device=cpu precision=bf16")), "");
+}
+
+TEST_F(RouteExpertTest, PropertiesHaveTheirDefaults) {
+  GstElement* e = gst_element_factory_make("moe-expert", nullptr);
+  ASSERT_NE(e, nullptr);
+  gchar* device = nullptr;
+  gint precision = -1;
+  gdouble budget = 0;
+  g_object_get(e, "device", &device, "precision", &precision, "cache-budget", &budget, nullptr);
+  EXPECT_STREQ(device, "cpu");
+  EXPECT_EQ(precision, GST_MOE_PRECISION_FP32);
+  EXPECT_DOUBLE_EQ(budget, 0.85);
+  g_free(device);
+  GParamSpecDouble* spec =
+      G_PARAM_SPEC_DOUBLE(g_object_class_find_property(G_OBJECT_GET_CLASS(e), "cache-budget"));
+  EXPECT_DOUBLE_EQ(spec->minimum, 0.05);
+  EXPECT_DOUBLE_EQ(spec->maximum, 1.0);
+  GEnumClass* precisions = G_ENUM_CLASS(g_type_class_ref(GST_TYPE_MOE_PRECISION));
+  for (const char* nick : {"fp32", "fp16", "bf16"}) EXPECT_NE(g_enum_get_value_by_nick(precisions, nick), nullptr) << nick;
+  g_type_class_unref(precisions);
+  gst_object_unref(e);
+}
+
+TEST_F(RouteExpertTest, PlainCpuPathHasNoExecutor) {
+  Harness h(route_line() + " ! " + expert_line());
+  const std::vector<float> rows = random_rows(3, 50);
+  const gstmoe::BatchRecords records = records_for(3);
+  ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+  GstBuffer* out = h.pull();
+  ASSERT_NE(out, nullptr);
+  EXPECT_EQ(records_of(out).expert_prefetch, nullptr);
+  gst_buffer_unref(out);
+  const ExecutorStats stats = read_executor_stats(h);
+  EXPECT_EQ(stats.batches_prefetched, 0u);
+  EXPECT_TRUE(stats.devices.empty());
+}
+
+// Reduced precision on the CPU runs through the expert executor, the GPU code path: moe-route
+// preloads every batch through the meta, moe-expert computes with the handle and drops it.
+TEST_F(RouteExpertTest, ReducedPrecisionRunsOnTheExecutorWithPreload) {
+  for (const auto& p : std::vector<std::pair<const char*, moe::kernels::WeightType>>{
+           {"fp16", moe::kernels::WeightType::F16}, {"bf16", moe::kernels::WeightType::BF16}}) {
+    SCOPED_TRACE(p.first);
+    Harness h(route_line() + " ! " + expert_line(adapter_dir(), std::string("precision=") + p.first));
+    moe::ExpertExecutorOptions options;
+    options.precision = p.second;
+    moe::ExpertExecutor reference(engine().layer(), "cpu", options);
+    size_t listed = 0;
+    for (unsigned b = 0; b < 3; ++b) {
+      const std::vector<float> rows = random_rows(5 + b, 60 + b);
+      const gstmoe::BatchRecords records = records_for(5 + b);
+      ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+      GstBuffer* out = h.pull();
+      ASSERT_NE(out, nullptr);
+      const moe::Routing routing = engine().route(as_tensor(rows));
+      listed += distinct_experts(routing);
+      const std::vector<float> got = buffer_floats(out);
+      expect_close(got, reference.run(as_tensor(rows), routing, nullptr));
+      expect_close(got, engine().apply_experts(as_tensor(rows), routing), 3e-2);  // only rounded weights
+      const gstmoe::BatchRecords& meta = records_of(out);
+      expect_routing(meta, routing);
+      EXPECT_EQ(meta.expert_prefetch, nullptr);  // moe-expert dropped the handle: the batch is done
+      for (const gstmoe::RequestRecord& r : meta.rows) EXPECT_TRUE(has_timing(r, "expert"));
+      gst_buffer_unref(out);
+    }
+    const ExecutorStats stats = read_executor_stats(h);
+    EXPECT_EQ(stats.batches_prefetched, 3u);  // every batch arrived preloaded by moe-route
+    ASSERT_EQ(stats.devices.size(), 1u);
+    const DeviceCounters& d = stats.devices[0];
+    EXPECT_EQ(d.device, "cpu");
+    EXPECT_EQ(d.experts, static_cast<guint>(kExperts));
+    EXPECT_EQ(d.slots, kExperts);  // 85% of the free host memory holds all of them
+    EXPECT_GT(d.budget_bytes, 0u);
+    EXPECT_EQ(d.hits + d.misses, listed);
+    EXPECT_EQ(d.bytes_copied, d.misses * moe::HostExpertStore::blob_bytes(p.second, kWidth, 24));
+    EXPECT_EQ(d.evictions, 0u);
+    EXPECT_EQ(d.resident, d.misses);
+    EXPECT_LE(d.copies_hidden + d.copies_exposed, d.misses);
+    EXPECT_GE(d.exposed_wait_ms, 0.0);
+    EXPECT_EQ(d.pinned, 0u);  // no batch in flight
+  }
+}
+
+TEST_F(RouteExpertTest, PreloadCrossesAQueue) {
+  Harness h(route_line() + " ! queue ! " + expert_line(adapter_dir(), "precision=fp16"));
+  moe::ExpertExecutorOptions options;
+  options.precision = moe::kernels::WeightType::F16;
+  moe::ExpertExecutor reference(engine().layer(), "cpu", options);
+  std::vector<std::vector<float>> batches;
+  for (unsigned b = 0; b < 6; ++b) {
+    batches.push_back(random_rows(4, 70 + b));
+    const gstmoe::BatchRecords records = records_for(4, "b" + std::to_string(b) + "-");
+    ASSERT_EQ(h.push(tensor_buffer(batches.back(), &records)), GST_FLOW_OK);
+  }
+  for (unsigned b = 0; b < 6; ++b) {
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    const moe::Tensor x = as_tensor(batches[b]);
+    expect_close(buffer_floats(out), reference.run(x, engine().route(x), nullptr));
+    EXPECT_EQ(records_of(out).rows[0].id, "b" + std::to_string(b) + "-0");
+    gst_buffer_unref(out);
+  }
+  EXPECT_EQ(read_executor_stats(h).batches_prefetched, 6u);
+}
+
+TEST_F(RouteExpertTest, CudaDeviceRunsTheExpertsWithPreload) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  for (const char* precision : {"fp32", "fp16"}) {
+    SCOPED_TRACE(precision);
+    Harness h(route_line() + " ! queue ! " +
+              expert_line(adapter_dir(), std::string("device=cuda:0 precision=") + precision));
+    for (unsigned b = 0; b < 4; ++b) {
+      const std::vector<float> rows = random_rows(16, 80 + b);
+      const gstmoe::BatchRecords records = records_for(16);
+      ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+      GstBuffer* out = h.pull();
+      ASSERT_NE(out, nullptr);
+      expect_close(buffer_floats(out), engine().apply(as_tensor(rows)).embeddings,
+                   std::string(precision) == "fp32" ? 1e-4 : 5e-3);
+      gst_buffer_unref(out);
+    }
+    const ExecutorStats stats = read_executor_stats(h);
+    EXPECT_EQ(stats.batches_prefetched, 4u);
+    ASSERT_EQ(stats.devices.size(), 1u);
+    EXPECT_EQ(stats.devices[0].device, "cuda:0");
+    EXPECT_GT(stats.devices[0].misses, 0u);
+    EXPECT_EQ(stats.devices[0].pinned, 0u);
+  }
 }
 
 TEST_F(RouteExpertTest, ExpertWithoutRouteIsAnError) {
@@ -531,7 +722,10 @@ TEST_F(RouteExpertTest, DifferentAdaptersMustMatch) {
 }
 
 TEST_F(RouteExpertTest, StateCyclesReleaseTheAdapter) {
-  Pipeline p(route_line() + " ! " + expert_line(), kWidth);
+ for (const char* extra : {"", "precision=fp16"}) {
+  SCOPED_TRACE(extra);
+  const double tol = *extra ? 5e-3 : 1e-6;
+  Pipeline p(route_line() + " ! " + expert_line(adapter_dir(), extra), kWidth);
   for (unsigned cycle = 0; cycle < 3; ++cycle) {
     ASSERT_NE(gst_element_set_state(p.pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE) << "cycle " << cycle;
     const std::vector<float> rows = random_rows(2, 40 + cycle);
@@ -539,7 +733,7 @@ TEST_F(RouteExpertTest, StateCyclesReleaseTheAdapter) {
     ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(p.src), tensor_buffer(rows, &records)), GST_FLOW_OK);
     GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(p.sink), 10 * GST_SECOND);
     ASSERT_NE(sample, nullptr) << "cycle " << cycle << ": " << pop_error(p.bus);
-    expect_close(buffer_floats(gst_sample_get_buffer(sample)), engine().apply(as_tensor(rows)).embeddings);
+    expect_close(buffer_floats(gst_sample_get_buffer(sample)), engine().apply(as_tensor(rows)).embeddings, tol);
     gst_sample_unref(sample);
 
     // The elements hold the cached adapter while running and let go of it in NULL.
@@ -547,6 +741,7 @@ TEST_F(RouteExpertTest, StateCyclesReleaseTheAdapter) {
     ASSERT_EQ(gst_element_set_state(p.pipeline, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
     EXPECT_TRUE(cached.expired()) << "cycle " << cycle;
   }
+ }
 }
 
 }  // namespace

@@ -52,13 +52,11 @@ HostExpertStore::HostExpertStore(kernels::Backend& backend, WeightType type, int
     throw Error("HostExpertStore: num_experts (" + std::to_string(num_experts) + "), hidden (" +
                 std::to_string(hidden) + ") and intermediate (" + std::to_string(intermediate) +
                 ") must be positive");
-  const size_t elt = kernels::weight_type_size(type);
-  const size_t matrix_bytes = static_cast<size_t>(hidden) * static_cast<size_t>(intermediate) * elt;
-  const size_t stride = round_up(matrix_bytes, kMatrixAlignment);
+  blob_bytes_ = blob_bytes(type, hidden, intermediate);
+  const size_t stride = blob_bytes_ / 3;
   offsets_[0] = 0;
   offsets_[1] = stride;
   offsets_[2] = 2 * stride;
-  blob_bytes_ = 3 * stride;
   const size_t total = blob_bytes_ * static_cast<size_t>(num_experts);
   data_ = static_cast<unsigned char*>(backend.allocate_host_staging(total));
   if (!data_)
@@ -84,6 +82,12 @@ HostExpertStore::HostExpertStore(kernels::Backend& backend, WeightType type, int
     release();
     throw;
   }
+}
+
+size_t HostExpertStore::blob_bytes(WeightType type, int64_t hidden, int64_t intermediate) {
+  const size_t matrix_bytes =
+      static_cast<size_t>(hidden) * static_cast<size_t>(intermediate) * kernels::weight_type_size(type);
+  return 3 * round_up(matrix_bytes, kMatrixAlignment);  // w1 | w3 | w2, each padded
 }
 
 HostExpertStore HostExpertStore::from_layer(kernels::Backend& backend, const MoeLayer& layer, WeightType type) {

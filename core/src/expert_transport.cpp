@@ -7,6 +7,7 @@
 #include <numeric>
 #include <string>
 
+#include "device_buffer.h"
 #include "moe/error.h"
 #include "moe_build_config.h"
 
@@ -165,24 +166,6 @@ std::unique_ptr<ExpertTransport> make_nccl_transport(int rank, int, const NcclUn
 #endif
 
 // ---- expert parallelism ------------------------------------------------------------------------
-
-namespace {
-
-// A buffer in backend memory, freed on scope exit.
-class DeviceBuffer {
- public:
-  DeviceBuffer(kernels::Backend& b, size_t bytes) : b_(b), p_(b.allocate(std::max<size_t>(bytes, 64))) {}
-  ~DeviceBuffer() { b_.deallocate(p_); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <typename T> T* as() { return static_cast<T*>(p_); }
-
- private:
-  kernels::Backend& b_;
-  void* p_;
-};
-
-}  // namespace
 
 std::vector<int> ExpertParallelMoe::block_owners(int num_experts, int world_size) {
   if (num_experts < 1 || world_size < 1)

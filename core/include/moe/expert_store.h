@@ -47,6 +47,10 @@ class HostExpertStore {
   kernels::WeightType weight_type() const { return type_; }
   kernels::Backend& backend() const { return *backend_; }
 
+  // Bytes of one expert's blob for these sizes: what max_expert_bytes() of such a store is, known
+  // before the store is built (e.g. to plan placement in slots).
+  static size_t blob_bytes(kernels::WeightType type, int64_t hidden, int64_t intermediate);
+
   // Bytes of expert e's blob (the same for every expert: one cache slot).
   size_t expert_bytes(int e) const;
   // Largest expert_bytes over all experts: the slot size a cache needs.

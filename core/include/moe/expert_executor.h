@@ -1,0 +1,124 @@
+// gst-moe: a MoE layer's routed experts run on one or more devices, with their weights preloaded
+// asynchronously (docs/expert-cache.md, "Executor").
+//
+// ExpertExecutor ties the pieces of expert_store.h, expert_cache.h and expert_placement.h
+// together behind two calls:
+//   handle = prefetch(routing)   as soon as a batch is routed (moe-route's thread): pins the
+//                                experts the batch's rows will use on each device and starts the
+//                                copies of the missing ones; does not wait for copies.
+//   y = run(x, routing, handle)  later, on another thread (moe-expert's): runs the batch,
+//                                y = normalize(x + Σ_j w_j · expert_j(x)), exactly
+//                                MoeAdapter::apply_experts; compute waits only for the copies of
+//                                the experts it is about to use.
+//
+// Per device the executor owns a Backend, a HostExpertStore and an ExpertCache:
+//  - Placement: plan_expert_placement over the cache budgets decides which device serves each
+//    expert (the roomiest device first, hot experts replicated when a load is given). When the
+//    experts do not all fit in the budgets, every device serves a share of the experts in
+//    proportion to its budget and its cache keeps the working set (oversubscription; no replicas).
+//  - Staging is per device and holds only the experts placed on that device (with local ids), in
+//    that device's staging memory (CUDA: page-locked by that device's context). Host memory is the
+//    experts once, plus their replicas; nothing needs to be shared between devices.
+//  - A batch slot (row, j) runs on choose_replica(expert, row). Rows travel to the devices through
+//    the host (upload, then download of the per-slot results, summed per row on the host; peer
+//    copies are an optimisation for later). Residual and L2 normalisation run on the host.
+//  - Qwen2-MoE shared experts are not run by the executor: construction throws (see the class).
+//
+// Threads: prefetch() and stats() may be called from any thread, concurrently with run();
+// run() calls are serialised internally (they use the backends' compute queues).
+// Lifetime: a prefetch handle keeps every device (backend, store, cache) alive, so handles may
+// outlive the executor (e.g. in a buffer that is still queued when an element stops).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "moe/expert_cache.h"
+#include "moe/expert_placement.h"
+#include "moe/moe_layer.h"
+#include "moe/tensor.h"
+
+namespace moe {
+
+struct ExpertExecutorOptions {
+  // Precision of the expert weights on the devices (accumulation is always f32).
+  kernels::WeightType precision = kernels::WeightType::F32;
+  // Cache budget of every device: this fraction of its free memory when the executor is built...
+  double budget_fraction = 0.85;
+  // ...unless budget_bytes is given: one explicit budget per device, in device order (e.g. two
+  // CPU backends with different budgets in tests).
+  std::vector<size_t> budget_bytes;
+  // Rows routed to each expert recently (e.g. moe-route's expert-load), or empty: hot experts
+  // get replicas on other devices. Its length must be the number of experts.
+  std::vector<int64_t> expert_load;
+  // Replication (headroom is ignored: the budget fraction already leaves room on each device).
+  int max_replicas = 2;
+  double hot_load_factor = 2.0;
+  // How long prefetch() may wait for batches in flight to unpin experts before it fails
+  // (ExpertCacheOptions::admission_wait): back-pressure when the router runs ahead.
+  std::chrono::milliseconds admission_wait{10000};
+};
+
+// One device's share: what it serves and its cache's counters.
+struct ExpertDeviceStats {
+  std::string device;           // "cuda:0", "cpu", ...
+  std::vector<int> experts;     // experts placed on the device (global ids, ascending)
+  size_t budget_bytes = 0;      // its cache budget
+  int slots = 0;                // experts its cache holds at once
+  size_t slot_bytes = 0;        // one expert in the executor's precision
+  CacheStats cache;
+};
+
+class ExpertExecutor {
+ public:
+  // The routed experts of `layer` on the devices of `devices` (parse_device_list syntax: "cpu",
+  // "cuda:N", "cuda:0,cuda:1", "all"). "cpu" is one CPU backend whose copies run on a worker
+  // thread (the GPU code path on host memory). Throws moe::Error naming the device and the
+  // reason (no usable CUDA device and why, out of memory, a budget that holds no expert), or
+  // when the layer has a shared expert. The layer is only read during construction.
+  ExpertExecutor(const MoeLayer& layer, const std::string& devices, const ExpertExecutorOptions& options = {});
+  // The same over backends the caller opened (devices are numbered by position; tests use
+  // several CPU backends with explicit budgets).
+  ExpertExecutor(const MoeLayer& layer, std::vector<std::unique_ptr<kernels::Backend>> backends,
+                 const ExpertExecutorOptions& options = {});
+  // The experts of the adapter in `dir` (loaded through moe::shared_moe_adapter).
+  static std::unique_ptr<ExpertExecutor> from_adapter_dir(const std::string& dir, const std::string& devices,
+                                                          const ExpertExecutorOptions& options = {});
+  ~ExpertExecutor();
+  ExpertExecutor(const ExpertExecutor&) = delete;
+  ExpertExecutor& operator=(const ExpertExecutor&) = delete;
+
+  // Pins, on every device, the experts that `routing`'s slots will use there and starts the
+  // copies of those not resident; returns an opaque handle holding the pins (dropping it unpins).
+  // Does not wait for copies; may wait up to admission_wait for room (see the options). Throws
+  // moe::Error when an expert id is out of range or a device's cache cannot take the batch.
+  std::shared_ptr<void> prefetch(const Routing& routing);
+  // True when `handle` came from this executor's prefetch() (a handle from another executor
+  // must not be passed to run()).
+  bool owns(const std::shared_ptr<void>& handle) const;
+
+  // normalize(x + Σ_j w_j · expert_j(x)) for x [rows, hidden] f32 on the host. `handle`: this
+  // executor's prefetch() of the same routing, or null (run() prefetches itself). When run()
+  // returns or throws, the handle's pins are released (a handle serves one run). Throws
+  // moe::Error for a wrong shape or routing, or when a device fails.
+  Tensor run(const Tensor& x, const Routing& routing, const std::shared_ptr<void>& handle);
+
+  // Per device, in device order.
+  std::vector<ExpertDeviceStats> stats() const;
+  const ExpertPlacement& placement() const;
+  std::vector<std::string> device_names() const;
+  const MoeConfig& config() const;
+  kernels::WeightType precision() const;
+
+  struct State;  // shared with the handles
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace moe

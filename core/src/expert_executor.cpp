@@ -1,0 +1,394 @@
+#include "moe/expert_executor.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <utility>
+
+#include "cpu_ops.h"
+#include "device_buffer.h"
+#include "moe/error.h"
+#include "moe/expert_store.h"
+#include "moe/model_cache.h"
+
+namespace moe {
+
+namespace cpu = kernels::cpu;
+
+// What the executor and its prefetch handles share: destroyed when the last of them is gone.
+struct ExpertExecutor::State {
+  struct Device {
+    std::string name;
+    size_t budget = 0;
+    std::vector<int> experts;      // local id -> expert (ascending)
+    std::vector<int32_t> local;    // expert -> local id, -1 when not placed here
+    // Destroyed in reverse order: the cache (waits for its copies), its store, then the backend.
+    std::unique_ptr<kernels::Backend> backend;
+    std::unique_ptr<HostExpertStore> store;  // null when no expert is placed here
+    std::unique_ptr<ExpertCache> cache;
+  };
+
+  MoeConfig config;
+  kernels::WeightType precision = kernels::WeightType::F32;
+  ExpertPlacement placement;
+  std::vector<Device> devices;
+  std::mutex run_mu;  // one run() at a time: it drives the backends' compute queues
+};
+
+namespace {
+
+using State = ExpertExecutor::State;
+
+// The opaque prefetch handle: the pins of one batch, per device.
+struct Prefetch {
+  std::shared_ptr<State> state;                     // keeps the devices alive; identifies the owner
+  std::vector<std::shared_ptr<BatchLease>> leases;  // per device; null where the batch has no slot
+  ~Prefetch() { leases.clear(); }                   // unpin before the state may go
+};
+// Handles are made with this deleter, so std::get_deleter tells a Prefetch from any other pointer.
+struct PrefetchDeleter {
+  void operator()(void* p) const { delete static_cast<Prefetch*>(p); }
+};
+
+Prefetch* as_prefetch(const std::shared_ptr<void>& handle) {
+  return handle && std::get_deleter<PrefetchDeleter>(handle) ? static_cast<Prefetch*>(handle.get()) : nullptr;
+}
+
+void check_routing(const State& st, const Routing& r) {
+  const int E = st.config.num_experts;
+  if (r.rows < 0 || r.top_k < 1 || r.top_k > E || r.expert_ids.size() != static_cast<size_t>(r.rows * r.top_k) ||
+      r.weights.size() != r.expert_ids.size())
+    throw Error("expert executor: routing for " + std::to_string(r.rows) + " rows x top_k " +
+                std::to_string(r.top_k) + " has " + std::to_string(r.expert_ids.size()) + " ids and " +
+                std::to_string(r.weights.size()) + " weights (top_k must be 1.." + std::to_string(E) + ")");
+  for (size_t s = 0; s < r.expert_ids.size(); ++s)
+    if (r.expert_ids[s] < 0 || r.expert_ids[s] >= E)
+      throw Error("expert executor: row " + std::to_string(s / static_cast<size_t>(r.top_k)) +
+                  " is routed to expert " + std::to_string(r.expert_ids[s]) + " outside [0, " + std::to_string(E) +
+                  ")");
+}
+
+// Per device, the batch slots (row · top_k + j) that run there, in slot order.
+std::vector<std::vector<int64_t>> assign_slots(const State& st, const Routing& r) {
+  std::vector<std::vector<int64_t>> slots(st.devices.size());
+  for (int64_t row = 0; row < r.rows; ++row)
+    for (int j = 0; j < r.top_k; ++j)
+      slots[static_cast<size_t>(st.placement.choose_replica(r.expert(row, j), row))].push_back(row * r.top_k + j);
+  return slots;
+}
+
+std::shared_ptr<void> prefetch_on(const std::shared_ptr<State>& st, const Routing& routing) {
+  check_routing(*st, routing);
+  const std::vector<std::vector<int64_t>> slots = assign_slots(*st, routing);
+  std::unique_ptr<Prefetch> p(new Prefetch{st, {}});
+  p->leases.resize(st->devices.size());
+  for (size_t d = 0; d < st->devices.size(); ++d) {
+    if (slots[d].empty()) continue;
+    const State::Device& dev = st->devices[d];
+    std::vector<int32_t> ids;
+    ids.reserve(slots[d].size());
+    for (int64_t s : slots[d]) ids.push_back(dev.local[static_cast<size_t>(routing.expert_ids[static_cast<size_t>(s)])]);
+    p->leases[d] = dev.cache->prefetch(ids);  // throws naming the device; earlier leases unpin with p
+  }
+  return std::shared_ptr<void>(p.release(), PrefetchDeleter{});
+}
+
+// One device's part of a batch, from upload to download.
+struct DeviceWork {
+  size_t device = 0;
+  int64_t rows = 0;  // rows of the device's input
+  int64_t k = 0;     // slots per input row: top_k when the device runs every slot, else 1
+  std::vector<int64_t> row_of;  // input row -> batch row, when k == 1
+  std::vector<float> x_host;    // gathered input rows (k == 1), kept until the device is done
+  std::vector<int32_t> ids;     // local expert per input slot
+  std::vector<float> weights;   // routing weight per input slot
+  std::vector<int64_t> offsets;
+  std::vector<DeviceBuffer> buf;  // x, ids, weights, x_sorted, slot_of, out_sorted, y
+  std::vector<float> y_host;
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::unique_ptr<kernels::Backend>> backends,
+                                   const ExpertExecutorOptions& options) {
+  auto st = std::make_shared<State>();
+  st->config = layer.config();
+  st->precision = options.precision;
+  const MoeConfig& cfg = st->config;
+  if (cfg.shared_expert_intermediate_size > 0)
+    throw Error("expert executor: the MoE layer from '" + cfg.source + "' has a shared expert (Qwen2-MoE, " +
+                "shared_expert_intermediate_size " + std::to_string(cfg.shared_expert_intermediate_size) +
+                "), which is not supported on the executor; run it on the CPU path (MoeLayer::run_experts)");
+  if (backends.empty()) throw Error("expert executor: no devices");
+  const size_t n = backends.size();
+  const int E = cfg.num_experts;
+  const size_t slot = HostExpertStore::blob_bytes(options.precision, cfg.hidden_size, cfg.intermediate_size);
+
+  // Device names: the backends' own, numbered when several share one (e.g. two CPU backends).
+  st->devices.resize(n);
+  for (size_t d = 0; d < n; ++d) {
+    if (!backends[d]) throw Error("expert executor: device " + std::to_string(d) + " has no backend");
+    const std::string name = backends[d]->name();
+    const bool shared_name = std::count_if(backends.begin(), backends.end(),
+                                           [&](const auto& b) { return b && b->name() == name; }) > 1;
+    st->devices[d].name = shared_name ? name + "#" + std::to_string(d) : name;
+  }
+
+  // Budgets, in whole slots.
+  if (!options.budget_bytes.empty() && options.budget_bytes.size() != n)
+    throw Error("expert executor: " + std::to_string(options.budget_bytes.size()) + " cache budgets for " +
+                std::to_string(n) + " devices");
+  if (options.budget_bytes.empty() && !(options.budget_fraction > 0.0 && options.budget_fraction <= 1.0))
+    throw Error("expert executor: cache budget fraction " + std::to_string(options.budget_fraction) +
+                " outside (0, 1]");
+  if (!options.expert_load.empty() && options.expert_load.size() != static_cast<size_t>(E))
+    throw Error("expert executor: " + std::to_string(options.expert_load.size()) + " expert loads for " +
+                std::to_string(E) + " experts");
+  std::vector<size_t> slots(n);
+  size_t total_slots = 0;
+  for (size_t d = 0; d < n; ++d) {
+    State::Device& dev = st->devices[d];
+    if (!options.budget_bytes.empty()) {
+      dev.budget = options.budget_bytes[d];
+    } else {
+      const size_t free_bytes = backends[d]->memory_info().free_bytes;
+      dev.budget = static_cast<size_t>(static_cast<double>(free_bytes) * options.budget_fraction);
+    }
+    slots[d] = dev.budget / slot;
+    if (slots[d] == 0)
+      throw Error("expert executor on " + dev.name + ": the cache budget of " + std::to_string(dev.budget) +
+                  " bytes holds no expert (one expert takes " + std::to_string(slot) + " bytes in " +
+                  kernels::weight_type_name(options.precision) + "); raise the budget or use a smaller precision");
+    total_slots += slots[d];
+  }
+
+  // Placement over the budgets. When the experts do not all fit, every device serves a share in
+  // proportion to its budget (plus one slot of slack, so the greedy plan always places every
+  // expert) and its cache keeps the working set; replicas would only crowd such caches.
+  PlacementOptions po;
+  po.headroom = 0.0;  // the budget fraction already leaves room
+  po.hot_load_factor = options.hot_load_factor;
+  po.max_replicas = options.max_replicas;
+  const bool oversubscribed = static_cast<size_t>(E) > total_slots;
+  std::vector<DeviceMemory> memory(n);
+  for (size_t d = 0; d < n; ++d) {
+    memory[d].index = static_cast<int>(d);
+    const size_t share = oversubscribed ? (slots[d] * static_cast<size_t>(E) + total_slots - 1) / total_slots + 1
+                                        : slots[d];
+    memory[d].free_bytes = share * slot;
+  }
+  if (oversubscribed) po.max_replicas = 1;
+  st->placement = plan_expert_placement(memory, std::vector<size_t>(static_cast<size_t>(E), slot),
+                                        options.expert_load, po);
+
+  // Per device: staging with the experts placed there, and the cache.
+  ExpertCacheOptions co;
+  co.admission_wait = options.admission_wait;
+  for (size_t d = 0; d < n; ++d) {
+    State::Device& dev = st->devices[d];
+    dev.backend = std::move(backends[d]);
+    dev.experts = st->placement.devices()[d].experts;
+    dev.local.assign(static_cast<size_t>(E), -1);
+    for (size_t l = 0; l < dev.experts.size(); ++l) dev.local[static_cast<size_t>(dev.experts[l])] = static_cast<int32_t>(l);
+    if (dev.experts.empty()) continue;
+    const std::vector<int>& placed = dev.experts;
+    dev.store = std::make_unique<HostExpertStore>(
+        *dev.backend, options.precision, static_cast<int>(placed.size()), cfg.hidden_size, cfg.intermediate_size,
+        [&](int l, ExpertMatrix which) { return layer.expert_weight(placed[static_cast<size_t>(l)], which); });
+    co.budget_bytes = dev.budget;
+    dev.cache = std::make_unique<ExpertCache>(*dev.backend, *dev.store, co);
+  }
+  return st;
+}
+
+std::vector<std::unique_ptr<kernels::Backend>> open_backends(const std::string& spec) {
+  std::string why;
+  const int available = kernels::cuda_device_count(&why);
+  std::vector<Placement> list;
+  try {
+    list = parse_device_list(spec, available);
+  } catch (const Error& e) {
+    if (available == 0 && (spec.find("cuda") != std::string::npos || spec.find("all") != std::string::npos))
+      throw Error("device '" + spec + "': no usable CUDA device: " + why);
+    throw Error("device '" + spec + "': " + e.what());
+  }
+  std::vector<std::unique_ptr<kernels::Backend>> backends;
+  for (const Placement& p : list) {
+    if (p.kind == DeviceKind::Host) {
+      kernels::CpuBackendOptions o;
+      o.async_copies = true;  // a real copy queue: prefetch overlaps compute as on a GPU
+      backends.push_back(kernels::make_cpu_backend(o));
+    } else {
+      backends.push_back(kernels::make_cuda_backend(p.index));  // throws naming cuda:N and why
+    }
+  }
+  return backends;
+}
+
+}  // namespace
+
+ExpertExecutor::ExpertExecutor(const MoeLayer& layer, const std::string& devices, const ExpertExecutorOptions& options)
+    : ExpertExecutor(layer, open_backends(devices), options) {}
+
+ExpertExecutor::ExpertExecutor(const MoeLayer& layer, std::vector<std::unique_ptr<kernels::Backend>> backends,
+                               const ExpertExecutorOptions& options)
+    : state_(build_state(layer, std::move(backends), options)) {}
+
+std::unique_ptr<ExpertExecutor> ExpertExecutor::from_adapter_dir(const std::string& dir, const std::string& devices,
+                                                                 const ExpertExecutorOptions& options) {
+  const std::shared_ptr<const MoeAdapter> adapter = shared_moe_adapter(dir);
+  return std::make_unique<ExpertExecutor>(adapter->layer(), devices, options);
+}
+
+ExpertExecutor::~ExpertExecutor() = default;
+
+std::shared_ptr<void> ExpertExecutor::prefetch(const Routing& routing) { return prefetch_on(state_, routing); }
+
+bool ExpertExecutor::owns(const std::shared_ptr<void>& handle) const {
+  const Prefetch* p = as_prefetch(handle);
+  return p && p->state == state_;
+}
+
+Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::shared_ptr<void>& handle) {
+  State& st = *state_;
+  const int64_t D = st.config.hidden_size, I = st.config.intermediate_size;
+  if (x.rank() != 2 || x.dim(1) != D || x.dtype() != DType::F32 || !x.is_host() || x.dim(0) != routing.rows)
+    throw Error("expert executor: input " + x.describe() + ", expected f32[" + std::to_string(routing.rows) + "," +
+                std::to_string(D) + "]@host");
+  if (handle && !owns(handle)) throw Error("expert executor: the prefetch handle comes from another executor");
+  check_routing(st, routing);
+  std::lock_guard<std::mutex> run_lock(st.run_mu);
+
+  // Pins of this batch: the router's, or our own. Released on every way out (below).
+  std::shared_ptr<void> own = handle ? handle : prefetch_on(state_, routing);
+  Prefetch& pins = *as_prefetch(own);
+  auto release = [&] {
+    for (auto& lease : pins.leases)
+      if (lease) lease->release();
+  };
+
+  const int64_t N = routing.rows, K = routing.top_k;
+  Tensor y = Tensor::zeros(DType::F32, {N, D});
+  const std::vector<std::vector<int64_t>> slots = assign_slots(st, routing);
+  std::vector<DeviceWork> work;
+  work.reserve(st.devices.size());  // filled in place: on failure every queued transfer is in `work`
+  try {
+    // 1. Upload each device's rows and group them per local expert (moe_permute returns the
+    //    offsets on the host, so it waits for that device's queue).
+    for (size_t d = 0; d < st.devices.size(); ++d) {
+      if (slots[d].empty()) continue;
+      State::Device& dev = st.devices[d];
+      const BatchLease* lease = pins.leases[d].get();
+      if (lease && lease->released())
+        throw Error("expert executor: the prefetch handle was already used by a run (a handle serves one run)");
+      for (int64_t s : slots[d]) {
+        const int32_t e = routing.expert_ids[static_cast<size_t>(s)];
+        if (!lease || !std::binary_search(lease->experts().begin(), lease->experts().end(), dev.local[static_cast<size_t>(e)]))
+          throw Error("expert executor: the prefetch handle does not pin expert " + std::to_string(e) + " on " +
+                      dev.name + " (it was made for another routing)");
+      }
+      kernels::Backend& b = *dev.backend;
+      work.emplace_back();
+      DeviceWork& w = work.back();
+      w.device = d;
+      const bool all_slots = static_cast<int64_t>(slots[d].size()) == N * K;
+      w.k = all_slots ? K : 1;
+      w.rows = all_slots ? N : static_cast<int64_t>(slots[d].size());
+      for (int64_t s : slots[d]) {
+        w.ids.push_back(dev.local[static_cast<size_t>(routing.expert_ids[static_cast<size_t>(s)])]);
+        w.weights.push_back(routing.weights[static_cast<size_t>(s)]);
+      }
+      const float* x_src = x.data<float>();
+      if (!all_slots) {  // one input row per slot: the row it belongs to
+        w.x_host.resize(static_cast<size_t>(w.rows * D));
+        for (int64_t i = 0; i < w.rows; ++i) {
+          const int64_t row = slots[d][static_cast<size_t>(i)] / K;
+          w.row_of.push_back(row);
+          std::memcpy(w.x_host.data() + i * D, x_src + row * D, static_cast<size_t>(D) * sizeof(float));
+        }
+        x_src = w.x_host.data();
+      }
+      const int64_t S = w.rows * w.k;
+      const size_t fbytes = sizeof(float), ibytes = sizeof(int32_t);
+      for (size_t bytes : {static_cast<size_t>(w.rows * D) * fbytes, static_cast<size_t>(S) * ibytes,
+                           static_cast<size_t>(S) * fbytes, static_cast<size_t>(S * D) * fbytes,
+                           static_cast<size_t>(S) * ibytes, static_cast<size_t>(S * D) * fbytes,
+                           static_cast<size_t>(w.rows * D) * fbytes})
+        w.buf.emplace_back(b, bytes);
+      b.copy_from_host(w.buf[0].as<float>(), x_src, static_cast<size_t>(w.rows * D) * fbytes);
+      b.copy_from_host(w.buf[1].as<int32_t>(), w.ids.data(), w.ids.size() * ibytes);
+      b.copy_from_host(w.buf[2].as<float>(), w.weights.data(), w.weights.size() * fbytes);
+      w.offsets = b.moe_permute(w.buf[1].as<int32_t>(), w.rows, w.k, static_cast<int64_t>(dev.experts.size()),
+                                w.buf[0].as<float>(), D, w.buf[3].as<float>(), w.buf[4].as<int32_t>());
+    }
+    // 2. Queue the experts on every device; each waits only for the copies of its own experts.
+    for (DeviceWork& w : work) {
+      State::Device& dev = st.devices[w.device];
+      std::vector<kernels::ExpertWeights> experts(dev.experts.size());
+      for (size_t l = 0; l < experts.size(); ++l)
+        if (w.offsets[l + 1] > w.offsets[l]) experts[l] = pins.leases[w.device]->acquire(static_cast<int32_t>(l));
+      dev.backend->grouped_swiglu(w.buf[3].as<float>(), w.offsets, experts, D, I, w.buf[5].as<float>());
+      dev.backend->moe_unpermute(w.buf[5].as<float>(), w.buf[4].as<int32_t>(), w.buf[2].as<float>(), w.rows, w.k, D,
+                                 w.buf[6].as<float>());
+    }
+    // 3. Download (waits for each device) and sum the slots of every row.
+    float* yp = y.data<float>();
+    for (DeviceWork& w : work) {
+      w.y_host.resize(static_cast<size_t>(w.rows * D));
+      st.devices[w.device].backend->copy_to_host(w.y_host.data(), w.buf[6].as<float>(), w.y_host.size() * sizeof(float));
+      for (int64_t i = 0; i < w.rows; ++i) {
+        const int64_t row = w.row_of.empty() ? i : w.row_of[static_cast<size_t>(i)];
+        cpu::add_inplace(yp + row * D, w.y_host.data() + i * D, D);
+      }
+    }
+  } catch (...) {
+    // Work still queued may read the pinned slots: let it finish before the pins go.
+    for (const DeviceWork& w : work) try {
+        st.devices[w.device].backend->synchronize();
+      } catch (...) {
+      }
+    release();
+    throw;
+  }
+  release();
+  cpu::add_inplace(y.data<float>(), x.data<float>(), N * D);
+  cpu::l2_normalize_rows(y.data<float>(), N, D);
+  return y;
+}
+
+std::vector<ExpertDeviceStats> ExpertExecutor::stats() const {
+  std::vector<ExpertDeviceStats> out;
+  for (const State::Device& dev : state_->devices) {
+    ExpertDeviceStats s;
+    s.device = dev.name;
+    s.experts = dev.experts;
+    s.budget_bytes = dev.budget;
+    s.slot_bytes = HostExpertStore::blob_bytes(state_->precision, state_->config.hidden_size,
+                                               state_->config.intermediate_size);
+    if (dev.cache) {
+      s.slots = dev.cache->num_slots();
+      s.cache = dev.cache->stats();
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+const ExpertPlacement& ExpertExecutor::placement() const { return state_->placement; }
+
+std::vector<std::string> ExpertExecutor::device_names() const {
+  std::vector<std::string> names;
+  for (const State::Device& dev : state_->devices) names.push_back(dev.name);
+  return names;
+}
+
+const MoeConfig& ExpertExecutor::config() const { return state_->config; }
+kernels::WeightType ExpertExecutor::precision() const { return state_->precision; }
+
+}  // namespace moe
