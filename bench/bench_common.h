@@ -201,27 +201,64 @@ struct TimingOptions {
   double min_sample_s = 0.01;  // calls are grouped so that one sample lasts at least this long
 };
 
-// Times `call` (which queues work on `backend`); each sample ends with backend.synchronize(),
-// so queued device work is inside the time. Returns seconds per call.
-inline Sample time_calls(const std::function<void()>& call, kernels::Backend* backend, const TimingOptions& t) {
-  auto run = [&](int64_t n) {
-    const Clock::time_point t0 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) call();
-    if (backend) backend->synchronize();
-    return seconds_since(t0);
-  };
+namespace detail {
+// Runs `call` n times and waits for the backend; seconds.
+inline double run_n(const std::function<void()>& call, kernels::Backend* backend, int64_t n) {
+  const Clock::time_point t0 = Clock::now();
+  for (int64_t i = 0; i < n; ++i) call();
+  if (backend) backend->synchronize();
+  return seconds_since(t0);
+}
+// Warm-up calls, then the number of calls that makes one sample last min_sample_s.
+inline int64_t calibrate(const std::function<void()>& call, kernels::Backend* backend, const TimingOptions& t) {
   double one = 0;
-  for (int i = 0; i < std::max(1, t.warmup); ++i) one = run(1);
+  for (int i = 0; i < std::max(1, t.warmup); ++i) one = run_n(call, backend, 1);
+  const int64_t n = one > 0 ? static_cast<int64_t>(std::ceil(t.min_sample_s / one)) : 1;
+  return std::min<int64_t>(std::max<int64_t>(1, n), 10000);
+}
+inline Sample summarize(const std::vector<double>& per_call, int64_t inner) {
   Sample s;
-  s.inner = one > 0 ? std::max<int64_t>(1, static_cast<int64_t>(std::ceil(t.min_sample_s / one))) : 1;
-  s.inner = std::min<int64_t>(s.inner, 10000);
-  std::vector<double> per_call;
-  for (int r = 0; r < std::max(1, t.reps); ++r) per_call.push_back(run(s.inner) / static_cast<double>(s.inner));
+  s.inner = inner;
   s.reps = static_cast<int>(per_call.size());
   s.median = median_of(per_call);
   s.min = *std::min_element(per_call.begin(), per_call.end());
   s.max = *std::max_element(per_call.begin(), per_call.end());
   return s;
+}
+}  // namespace detail
+
+// Times `call` (which queues work on `backend`); each sample ends with backend.synchronize(),
+// so queued device work is inside the time. Returns seconds per call.
+inline Sample time_calls(const std::function<void()>& call, kernels::Backend* backend, const TimingOptions& t) {
+  const int64_t inner = detail::calibrate(call, backend, t);
+  std::vector<double> per_call;
+  for (int r = 0; r < std::max(1, t.reps); ++r)
+    per_call.push_back(detail::run_n(call, backend, inner) / static_cast<double>(inner));
+  return detail::summarize(per_call, inner);
+}
+
+// Two calls timed in alternation (a sample of A, a sample of B, repeated), so that drifting
+// clocks and busy neighbours touch both alike. `ratio` is the median over repetitions of
+// time(A) / time(B) from adjacent samples: the paired ratio, steadier than a ratio of medians.
+struct PairedSample {
+  Sample a, b;
+  double ratio = 0;
+};
+inline PairedSample time_paired(const std::function<void()>& a, const std::function<void()>& b,
+                                kernels::Backend* backend, const TimingOptions& t) {
+  const int64_t na = detail::calibrate(a, backend, t), nb = detail::calibrate(b, backend, t);
+  std::vector<double> ta, tb, ratios;
+  for (int r = 0; r < std::max(1, t.reps); ++r) {
+    const bool a_first = r % 2 == 0;  // alternate the order too
+    double x = 0, y = 0;
+    if (a_first) x = detail::run_n(a, backend, na) / static_cast<double>(na);
+    y = detail::run_n(b, backend, nb) / static_cast<double>(nb);
+    if (!a_first) x = detail::run_n(a, backend, na) / static_cast<double>(na);
+    ta.push_back(x);
+    tb.push_back(y);
+    ratios.push_back(x / y);
+  }
+  return {detail::summarize(ta, na), detail::summarize(tb, nb), median_of(ratios)};
 }
 
 // ---- random data ----------------------------------------------------------------------------

@@ -70,6 +70,7 @@ struct Row {
   std::string device, precision;
   int64_t batch;
   Sample moe, dense;
+  double ratio;  // MoE FLOP/s ÷ dense FLOP/s, median of paired samples
   double flops;  // expert FLOPs of one forward (= the dense linear's)
   std::vector<int64_t> expert_rows;
 };
@@ -137,12 +138,12 @@ int run(int argc, char** argv) {
         auto dense = [&] {
           b->linear(x.get<float>(), {L.dense.get(), type}, nullptr, yd.get<float>(), B, 3 * c.k * c.I, c.d);
         };
-        Row r{device, prec, B, {}, {}, 2.0 * static_cast<double>(B * c.k * 3 * c.d * c.I), {}};
-        // Alternate the two so that drifting clocks or neighbours touch both alike.
-        r.dense = time_calls(dense, b.get(), t);
-        r.moe = time_calls(moe, b.get(), t);
-        const Sample dense2 = time_calls(dense, b.get(), t);
-        if (dense2.median < r.dense.median) r.dense = dense2;
+        Row r{device, prec, B, {}, {}, 0, 2.0 * static_cast<double>(B * c.k * 3 * c.d * c.I), {}};
+        // Dense and MoE samples alternate; the ratio is the median of adjacent pairs' ratios.
+        const PairedSample ps = time_paired(dense, moe, b.get(), t);
+        r.dense = ps.a;
+        r.moe = ps.b;
+        r.ratio = ps.ratio;  // dense time / MoE time = MoE FLOP/s / dense FLOP/s
         for (size_t e = 0; e + 1 < offsets.size(); ++e) r.expert_rows.push_back(offsets[e + 1] - offsets[e]);
         std::fprintf(stderr, "[%s %s] batch %lld: moe %.3f ms, dense %.3f ms\n", device.c_str(), prec.c_str(),
                      static_cast<long long>(B), r.moe.median * 1e3, r.dense.median * 1e3);
@@ -170,7 +171,7 @@ int run(int argc, char** argv) {
     const double tps = static_cast<double>(r.batch) / r.moe.median;
     const double moe_rate = r.flops / r.moe.median, dense_rate = r.flops / r.dense.median;
     table.add({r.device, r.precision, std::to_string(r.batch), fmt(tps), fmt(r.moe.median * 1e3),
-               fmt(moe_rate / 1e9), fmt(dense_rate / 1e9), fmt_ratio(moe_rate / dense_rate),
+               fmt(moe_rate / 1e9), fmt(dense_rate / 1e9), fmt_ratio(r.ratio),
                fmt_ratio(tps / base_tps), fmt_pct(std::max(r.moe.spread(), r.dense.spread()))});
     Json j = Json::object();
     j.set("device", r.device);
@@ -179,7 +180,7 @@ int run(int argc, char** argv) {
     j.set("tokens_per_s", tps);
     j.set("moe_flop_per_s", moe_rate);
     j.set("dense_flop_per_s", dense_rate);
-    j.set("ratio_moe_vs_dense", moe_rate / dense_rate);
+    j.set("ratio_moe_vs_dense", r.ratio);
     j.set("ratio_tokens_per_s_vs_first_batch", tps / base_tps);
     j.set("flops_per_forward", r.flops);
     j.set("moe", sample_json(r.moe));
@@ -190,7 +191,8 @@ int run(int argc, char** argv) {
     results.push(j);
   }
   table.print();
-  std::printf("\nMoE/dense = MoE FLOP/s ÷ dense FLOP/s (equal FLOPs: = dense time ÷ MoE time); "
+  std::printf("\nMoE/dense = MoE FLOP/s ÷ dense FLOP/s = dense time ÷ MoE time (equal FLOPs), median over "
+              "alternating pairs of samples; "
               "vs batch 1 = tokens/s ÷ tokens/s at batch %lld; spread = (max-min)/median of the noisier timing.\n",
               static_cast<long long>(batches.front()));
   write_json(json_path, out);
