@@ -237,8 +237,8 @@ run_prebuilt_tests() {
     fi
     echo "--- test_$s $*"
     OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "$bundle_dir/tests/test_$s" "$@" \
-      --gtest_output="xml:$OUT/.part-$s.xml" || rc=1
-    parts+=("$OUT/.part-$s.xml")
+      --gtest_output="xml:$bundle_dir/part-$s.xml" || rc=1
+    parts+=("$bundle_dir/part-$s.xml")
   done
   python3 - "$xml" "${parts[@]}" <<'PY'
 import sys, xml.etree.ElementTree as ET
