@@ -78,7 +78,7 @@ struct Row {
 int run(int argc, char** argv) {
   Args args(argc, argv, kUsage);
   const bool quick = args.flag("quick");
-  const std::vector<std::string> devices = resolve_devices(args.str("device", "auto"));
+  const std::string device_spec = args.str("device", "auto");
   const std::vector<std::string> precisions = args.str_list("precision", "f32,f16,bf16");
   std::vector<int64_t> default_batches;
   if (quick) default_batches = {1, 4, 16, 64, 256};
@@ -95,6 +95,7 @@ int run(int argc, char** argv) {
   t.min_sample_s = args.number("min-sample-ms", 20) / 1000.0;
   const std::string json_path = args.str("json", "");
   args.finish();
+  const std::vector<std::string> devices = resolve_devices(device_spec);
   if (c.d <= 0 || c.E <= 0 || c.k <= 0 || c.k > c.E || c.I <= 0) args.fail("need hidden, inter, experts > 0 and 0 < top-k <= experts");
   for (const std::string& p : precisions) parse_precision(p);
 

@@ -205,7 +205,7 @@ class Rig {
 int run(int argc, char** argv) {
   Args args(argc, argv, kUsage);
   const bool quick = args.flag("quick");
-  const std::vector<std::string> devices = resolve_devices(args.str("device", "auto"));
+  const std::string device_spec = args.str("device", "auto");
   Params p;
   p.E = static_cast<int>(args.integer("experts", quick ? 16 : 64));
   p.slots = static_cast<int>(args.integer("slots", p.E / 2));
@@ -228,6 +228,7 @@ int run(int argc, char** argv) {
     args.fail("tokens × top-k (" + std::to_string(p.tokens * p.k) + ") exceeds the cache's " + std::to_string(p.slots) +
               " slots: a batch could need more experts than the cache holds");
 
+  const std::vector<std::string> devices = resolve_devices(device_spec);
   const std::vector<Batch> batches = make_batches(p, p.warmup + p.batches, 2024);
   double distinct = 0;
   for (size_t n = static_cast<size_t>(p.warmup); n < batches.size(); ++n) distinct += static_cast<double>(batches[n].experts.size());
