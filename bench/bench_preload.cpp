@@ -155,17 +155,27 @@ class Rig {
     uint64_t deferred = 0;
     const size_t n_total = batches.size();
     std::shared_ptr<BatchLease> next;
-    if (mode == "on") next = cache.prefetch(batches[0].experts);
+    const size_t warmup = static_cast<size_t>(p_.warmup);
+    // The counters cover the prefetches of the timed batches: with preload, batch n's
+    // prefetch is issued during batch n-1, so the snapshot is taken just before it.
+    auto snapshot = [&] {
+      before = cache.stats();
+      deferred = 0;
+    };
+    if (mode == "on") {
+      if (warmup == 0) snapshot();
+      next = cache.prefetch(batches[0].experts);
+    }
     for (size_t n = 0; n < n_total; ++n) {
-      if (n == static_cast<size_t>(p_.warmup)) {
-        before = cache.stats();
-        deferred = 0;
+      if (n == warmup) {
+        if (mode != "on") snapshot();
         t0 = Clock::now();
       }
       std::shared_ptr<BatchLease> cur;
       bool defer = false;
       if (mode == "on") {
         cur = std::move(next);
+        if (n + 1 == warmup) snapshot();
         if (n + 1 < n_total) {
           try {
             next = cache.prefetch(batches[n + 1].experts);  // copies run while batch n computes
