@@ -19,6 +19,8 @@
 #include "bench_common.h"
 #include "clip_writer.h"
 #include "moe/clip_model.h"
+#include "moe/compute.h"
+#include "moe/error.h"
 
 namespace moe::bench {
 namespace {
@@ -28,9 +30,8 @@ const char* kUsage =
     "  CLIP encoder images/s and texts/s per batch size; baseline = batch 1 in the same run.\n"
     "  --quick            tests/fixtures/clip_tiny_bpe instead of a synthetic ViT-B/32 (smoke run)\n"
     "  --model DIR        a CLIP model directory to benchmark instead (config.json + safetensors)\n"
-    "  --device D         cpu (default). Other devices wait for ClipModel on the Backend\n"
-    "                     (branch engine-backend): see select_encoder() in bench/bench_encoder.cpp\n"
-    "  --precision P      f32 (default; the only one until engine-backend)\n"
+    "  --device LIST      cpu (default), cuda:N, auto; comma-separated for several\n"
+    "  --precision P      f32 (default), f16 or bf16 (weights; f32 accumulation)\n"
     "  --batches LIST     batch sizes (default 1,2,4,8,16,32,64)\n"
     "  --modality LIST    images,texts (default both)\n"
     "  --text-tokens N    tokens per text incl. start and end (default 16)\n"
@@ -38,21 +39,19 @@ const char* kUsage =
     "  --keep-model DIR   write the synthetic model to DIR and keep it (default: a temp dir, removed)\n"
     "  --json FILE        also write the results as JSON\n";
 
-// THE one place where the encoder's device and precision are chosen.
-//
-// Until branch engine-backend merges, ClipModel runs on the CPU in f32 only, so anything else
-// is refused here with the reason (the caller prints it and skips the device). When ClipModel
-// takes ComputeOptions{device, precision}, replace the body with that load
-// (e.g. `return ClipModel::load(dir, ComputeOptions{device, precision});`) and every other
-// line of this program stays as it is.
+// The one place where the encoder's device and precision are chosen: a device that cannot be
+// used (no GPU, built without CUDA) is reported with the reason and skipped by the caller.
 std::optional<ClipModel> select_encoder(const std::string& dir, const std::string& device,
                                         const std::string& precision, std::string* why) {
-  if (device != "cpu" || precision != "f32") {
-    *why = "ClipModel runs on the CPU in f32 only until ComputeOptions{device, precision} land "
-           "(branch engine-backend); asked for " + device + " " + precision;
+  try {
+    moe::ComputeOptions options;
+    options.device = device;
+    options.precision = moe::parse_precision(precision);
+    return ClipModel::load(dir, options);
+  } catch (const moe::Error& e) {
+    *why = e.what();
     return std::nullopt;
   }
-  return ClipModel::load(dir);
 }
 
 // A temporary directory removed on scope exit (unless kept).

@@ -427,12 +427,11 @@ main() {
   echo "$tests_gpu"
   echo "$tests_full"
 
-  # Benchmarks in GPU mode (full sizes on cuda:0). The encoders run on the CPU until branch
-  # engine-backend merges; their run is a CPU figure on this machine's cores, kept short.
+  # Benchmarks in GPU mode (full sizes on cuda:0); the encoders on cuda:0 in fp32 and fp16.
   step "bench layer (cuda:0)" 120 "$bin_dir/bench/moe-bench-layer" --device cuda:0 --json "$OUT/bench-layer.json"
   step "bench preload (cuda:0)" 150 "$bin_dir/bench/moe-bench-preload" --device cuda:0 --json "$OUT/bench-preload.json"
-  step "bench encoder (cpu; cuda:0 not yet)" 90 "$bin_dir/bench/moe-bench-encoder" --device cpu,cuda:0 \
-    --batches 1,8,32 --reps 3 --json "$OUT/bench-encoder.json"
+  step "bench encoder (cuda:0)" 90 "$bin_dir/bench/moe-bench-encoder" --device cuda:0 \
+    --batches 1,8,32,64 --reps 3 --json "$OUT/bench-encoder.json"
 
   echo "=== done in $(($(date +%s) - start))s"
   summary "$(gpu_name)" "$mode" "$tests_gpu"$'\n'"$tests_full"
