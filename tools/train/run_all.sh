@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Reproduce models/default/ and the Python-side adaptation comparison (docs/adaptation.md).
-# Developers only; needs the fixture venv (tools/setup-fixture-env.sh). About 17 minutes of one
+# Developers only; needs the fixture venv (tools/setup-fixture-env.sh). About 22 minutes of one
 # CPU core in all; every step runs niced and single-threaded.
 #
 #   tools/train/run_all.sh            # everything under build-train/, then models/default/
 #
 # Steps (each can be re-run alone, see docs/adaptation.md):
 #   1. tools/catalog/generate_catalog.py   procedural catalog   -> build-train/catalog/
-#   2. tools/train/train_base.py           tiny CLIP, base      -> build-train/base/clip/
+#   2. tools/train/train_base.py           tiny CLIP, studio    -> build-train/base-studio/
+#      tools/train/train_base.py --init    + photographic base  -> build-train/base/clip/
 #   3. tools/train/adapt.py --method full  full fine-tuning     -> build-train/full/clip/
 #      tools/train/adapt.py --method lora  LoRA, merged         -> build-train/lora/clip/
 #      tools/train/adapt.py --method moe   MoE adapter          -> build-train/moe/adapter/
@@ -22,7 +23,10 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 run() { echo "+ $*" >&2; nice -n 10 "$PY" "$@"; }
 
 run tools/catalog/generate_catalog.py --out "$RUNS/catalog" --seed 2024
-run tools/train/train_base.py --catalog "$RUNS/catalog" --out "$RUNS/base"
+run tools/train/train_base.py --catalog "$RUNS/catalog" --out "$RUNS/base-studio"
+run tools/train/train_base.py --catalog "$RUNS/catalog" --out "$RUNS/base" \
+  --splits base-train,base-wild --init "$RUNS/base-studio/fp32.safetensors" \
+  --steps 600 --warmup 50 --lr 5e-4
 for method in full lora moe; do
   run tools/train/adapt.py --method "$method" --catalog "$RUNS/catalog" --runs "$RUNS"
 done

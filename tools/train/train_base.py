@@ -28,19 +28,27 @@ def main():
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--weight-decay", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--splits", default="base-train",
+                    help="comma-separated catalog splits to train on (e.g. base-train,base-wild)")
+    ap.add_argument("--init", default=None,
+                    help="start from these fp32 weights (a previous run's fp32.safetensors) "
+                         "instead of a random initialisation")
     args = ap.parse_args()
 
     t_start = time.time()
     torch.manual_seed(args.seed)
     config = common.tiny_clip_config()
     model = common.CLIPModel(config).float()
+    if args.init:
+        model.load_state_dict(common.load_file(args.init))
     proc = common.image_processor(config.vision_config.image_size)
-    items = common.load_split(args.catalog, "base-train")
+    items = [it for split in args.splits.split(",") for it in common.load_split(args.catalog, split)]
     pixels = common.load_pixels([it["abspath"] for it in items], proc)
     tokens = common.Tokens()
     sampler = common.PairSampler(items, pixels, args.seed)
     n_params = common.count_params(model.parameters())
-    print("base CLIP: %d parameters, %d base-train items" % (n_params, len(items)), flush=True)
+    print("base CLIP: %d parameters, %d items (%s)%s" % (
+        n_params, len(items), args.splits, ", from " + args.init if args.init else ""), flush=True)
 
     stats = common.train_clip(model, sampler, tokens, args.steps, args.batch, args.lr, args.warmup,
                               args.weight_decay, label="base")
@@ -67,7 +75,8 @@ def main():
     rel = max(evaluate.max_rel_err(embs["fp16"][i], embs["fp32"][i]) for i in range(2))
 
     common.write_json(os.path.join(args.out, "train.json"), {
-        "method": "base (contrastive pre-training on base-train)",
+        "method": "base (contrastive pre-training on %s%s)" % (
+            args.splits, ", continued from " + args.init if args.init else ""),
         "args": vars(args), "versions": common.versions(),
         "params_total": n_params, "params_trainable": n_params,
         "train_wall_s": stats["wall_s"], "train_cpu_s": stats["cpu_s"],
