@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "moe/compute.h"
 #include "moe/error.h"
 #include "moe/tensor.h"
 #include "moe_build_config.h"
@@ -164,12 +165,8 @@ inline std::unique_ptr<kernels::Backend> make_backend(const std::string& device,
   return kernels::make_cuda_backend(std::atoi(device.c_str() + 5));
 }
 
-inline kernels::WeightType parse_precision(const std::string& p) {
-  if (p == "f32") return kernels::WeightType::F32;
-  if (p == "f16") return kernels::WeightType::F16;
-  if (p == "bf16") return kernels::WeightType::BF16;
-  throw Error("unknown precision '" + p + "' (f32, f16, bf16)");
-}
+// Precision names are the engine's (moe::parse_precision: f32/fp32, f16/fp16, bf16).
+using moe::parse_precision;
 
 // ---- timing ---------------------------------------------------------------------------------
 
