@@ -69,7 +69,9 @@ __global__ void topk_softmax_kernel(const float* logits, int64_t rows, int exper
       row_ids[j] = best_id;
       row_w[j] = best;
     }
-    if (lane == (best_id & 31)) p[best_id] = -INFINITY;
+    // best_id stays INT_MAX only when no entry compares > -inf (NaN logits): no slot to mask,
+    // and the id is then rejected by moe_permute instead of writing past the shared row.
+    if (best_id < experts && lane == (best_id & 31)) p[best_id] = -INFINITY;
     __syncwarp();
   }
   if (renormalize && lane == 0)
