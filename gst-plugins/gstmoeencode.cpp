@@ -572,7 +572,18 @@ static gboolean set_sink_caps(GstMoeEncode* self, GstCaps* caps) {
       GstVideoInfo rgb;
       gst_video_info_set_format(&rgb, GST_VIDEO_FORMAT_RGB, GST_VIDEO_INFO_WIDTH(&st->video_info),
                                 GST_VIDEO_INFO_HEIGHT(&st->video_info));
+      // The converter refuses (NULL) to change the frame rate or the interlacing: keep both.
+      GST_VIDEO_INFO_FPS_N(&rgb) = GST_VIDEO_INFO_FPS_N(&st->video_info);
+      GST_VIDEO_INFO_FPS_D(&rgb) = GST_VIDEO_INFO_FPS_D(&st->video_info);
+      GST_VIDEO_INFO_INTERLACE_MODE(&rgb) = GST_VIDEO_INFO_INTERLACE_MODE(&st->video_info);
       st->converter = gst_video_converter_new(&st->video_info, &rgb, nullptr);
+      if (st->converter == nullptr) {  // else its frames would be read as RGB
+        gchar* str = gst_caps_to_string(caps);
+        GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Cannot convert video %s to RGB", str), (nullptr));
+        g_free(str);
+        st->kind = InputKind::None;
+        return FALSE;
+      }
     }
   }
   GST_DEBUG_OBJECT(self, "sink caps %" GST_PTR_FORMAT, caps);

@@ -342,23 +342,29 @@ TEST(MoeEncode, RgbFramesWithPaddedStride) {
   gst_harness_teardown(h);
 }
 
+// Video sources send a frame rate (videotestsrc: 30/1); the element's converter must accept it.
 TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
-  const int w = 40, h_px = 30;
-  GstVideoInfo info, rgb_info;
-  gst_video_info_set_format(&info, GST_VIDEO_FORMAT_I420, w, h_px);
-  gst_video_info_set_format(&rgb_info, GST_VIDEO_FORMAT_RGB, w, h_px);  // 120-byte rows: packed
-  GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
-  gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
+  for (const int fps : {0, 30}) {
+    SCOPED_TRACE("framerate " + std::to_string(fps) + "/1");
+    const int w = 40, h_px = 30;
+    GstVideoInfo info, rgb_info;
+    gst_video_info_set_format(&info, GST_VIDEO_FORMAT_I420, w, h_px);
+    gst_video_info_set_format(&rgb_info, GST_VIDEO_FORMAT_RGB, w, h_px);  // 120-byte rows: packed
+    GST_VIDEO_INFO_FPS_N(&info) = GST_VIDEO_INFO_FPS_N(&rgb_info) = fps;
+    GST_VIDEO_INFO_FPS_D(&info) = GST_VIDEO_INFO_FPS_D(&rgb_info) = 1;
+    GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
+    gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
 
-  GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
-  GstVideoFrame frame;
-  ASSERT_TRUE(gst_video_frame_map(&frame, &info, buf, GST_MAP_WRITE));
-  for (guint p = 0; p < 3; ++p) {
-    auto* plane = static_cast<uint8_t*>(GST_VIDEO_FRAME_PLANE_DATA(&frame, p));
-    const int stride = GST_VIDEO_FRAME_PLANE_STRIDE(&frame, p);
-    for (int y = 0; y < GST_VIDEO_FRAME_COMP_HEIGHT(&frame, p); ++y)
-      for (int x = 0; x < GST_VIDEO_FRAME_COMP_WIDTH(&frame, p); ++x)
-        plane[y * stride + x] = static_cast<uint8_t>(p == 0 ? 16 + (x * 5 + y * 3) % 220 : 128 + (x - y) * (p == 1 ? 3 : -2));
+    GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
+    GstVideoFrame frame;
+    ASSERT_TRUE(gst_video_frame_map(&frame, &info, buf, GST_MAP_WRITE));
+    for (guint p = 0; p < 3; ++p) {
+      auto* plane = static_cast<uint8_t*>(GST_VIDEO_FRAME_PLANE_DATA(&frame, p));
+      const int stride = GST_VIDEO_FRAME_PLANE_STRIDE(&frame, p);
+      for (int y = 0; y < GST_VIDEO_FRAME_COMP_HEIGHT(&frame, p); ++y)
+        for (int x = 0; x < GST_VIDEO_FRAME_COMP_WIDTH(&frame, p); ++x)
+          plane[y * stride + x] =
+              static_cast<uint8_t>(p == 0 ? 16 + (x * 5 + y * 3) % 220 : 128 + (x - y) * (p == 1 ? 3 : -2));
   }
   // The RGB the element should see: the same frame through GstVideoConverter.
   std::vector<uint8_t> rgb(rgb_info.size);
@@ -379,6 +385,7 @@ TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
   const moe::Tensor want = model()->encode_images({view_of(rgb, w, h_px)}).embeds;
   EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
   gst_harness_teardown(h);
+  }
 }
 
 /* ----- request buffers ----- */
