@@ -489,7 +489,12 @@ static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer*
   }
   if (st->kind == InputKind::None) {  // no (valid) caps event: the buffer's meaning is unknown
     gst_buffer_unref(buf);
-    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Received a buffer before valid caps"), (nullptr));
+    // Typically filesrc, whose caps are ANY: it negotiates nothing unless a caps filter says what it reads.
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
+                      ("Received a buffer without caps: upstream does not say whether it sends texts, video frames "
+                       "or requests; filesrc and other sources of untyped bytes need a caps filter, e.g. "
+                       "filesrc location=query.txt ! text/x-raw,format=utf8 ! moe-encode"),
+                      (nullptr));
     return GST_FLOW_NOT_NEGOTIATED;
   }
 

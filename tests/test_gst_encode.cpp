@@ -474,6 +474,26 @@ TEST(MoeEncode, NoModelIsASettingsError) {
   g_error_free(err);
 }
 
+// filesrc sends untyped bytes (caps ANY): the error tells the user to add a caps filter.
+TEST(MoeEncode, BufferWithoutCapsErrorNamesTheCapsFilter) {
+  GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
+  GstBus* bus = gst_bus_new();
+  gst_element_set_bus(h->element, bus);
+  EXPECT_EQ(gst_harness_push(h, text_buffer("red mug")), GST_FLOW_NOT_NEGOTIATED);
+  GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR);
+  ASSERT_NE(msg, nullptr);
+  GError* err = nullptr;
+  gst_message_parse_error(msg, &err, nullptr);
+  const std::string message = err->message;
+  EXPECT_NE(message.find("text/x-raw,format=utf8"), std::string::npos) << message;
+  EXPECT_TRUE(g_error_matches(err, GST_CORE_ERROR, GST_CORE_ERROR_NEGOTIATION)) << message;
+  g_error_free(err);
+  gst_message_unref(msg);
+  gst_element_set_bus(h->element, nullptr);
+  gst_object_unref(bus);
+  gst_harness_teardown(h);
+}
+
 TEST(MoeEncode, NullPlayingNullCyclesWork) {
   GstElement* pipeline = gst_parse_launch(
       ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode model=" + kModelDir +
