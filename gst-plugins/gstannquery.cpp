@@ -568,7 +568,7 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
       "(cosine similarity): one JSON result document per request, one error document per request that failed "
       "upstream. With mode=build it instead adds every row (the request's id, uri and text become the item) to a new "
       "index, writes INDEX and INDEX.items.jsonl at end of stream and sends one index-built document.\n"
-      "Build: gst-launch-1.0 -e moe-catalog-src location=photos/ ! moe-encode model=clip/ ! moe-route model=adapter/ "
+      "Build: gst-launch-1.0 moe-catalog-src location=photos/ ! moe-encode model=clip/ ! moe-route model=adapter/ "
       "! moe-expert model=adapter/ ! ann-query mode=build index=catalog.faiss ! fakesink\n"
       "Search: gst-launch-1.0 zmq-query ! moe-encode model=clip/ ! moe-route model=adapter/ ! "
       "moe-expert model=adapter/ ! ann-query index=catalog.faiss k=5 ! zmq-publish",
