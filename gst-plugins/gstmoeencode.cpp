@@ -923,7 +923,7 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       "an encoded image file) with a CLIP model into batches of embeddings (application/x-moe-tensor, width = the "
       "model's projection_dim). Each row's request (id, modality, uri, timings) is in the buffer's GstMoeBatchMeta; "
       "requests that cannot be encoded travel on in its failed list. Example: gst-launch-1.0 videotestsrc "
-      "num-buffers=16 ! moe-encode model=models/clip-vit-base-patch32 max-batch=4 ! fakesink",
+      "num-buffers=16 ! moe-encode model=models/default/clip max-batch=4 ! fakesink",
       "gst-moe developers");
 
   GST_DEBUG_CATEGORY_INIT(gst_moe_encode_debug, "moe-encode", 0, "CLIP encoder");
