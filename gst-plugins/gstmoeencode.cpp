@@ -426,6 +426,15 @@ static GstFlowReturn push_pending(GstMoeEncode* self, bool only_due) {
   return gst_pad_push(self->srcpad, encode_batch(self, batch));
 }
 
+// Keeps the result of a push that no chain call made (the timer's, or one ahead of an event) for
+// the next chain call to return upstream. With `report_now`, a fatal result is also posted at
+// once, as queue does: the next chain call may never come (after EOS, or a live source that
+// receives no more requests).
+static void defer_flow(GstMoeEncode* self, GstFlowReturn ret, bool report_now) {
+  self->st->deferred_flow = ret;
+  if (report_now && (ret == GST_FLOW_NOT_LINKED || ret < GST_FLOW_EOS)) GST_ELEMENT_FLOW_ERROR(self, ret);
+}
+
 // Pushes partial batches once their oldest entry has waited max-latency.
 static void timer_loop(GstMoeEncode* self) {
   EncodeState* st = self->st;
@@ -446,7 +455,7 @@ static void timer_loop(GstMoeEncode* self) {
       const GstFlowReturn ret = push_pending(self, /*only_due=*/true);
       if (ret != GST_FLOW_OK) {
         GST_DEBUG_OBJECT(self, "timer push: %s", gst_flow_get_name(ret));
-        st->deferred_flow = ret;
+        defer_flow(self, ret, /*report_now=*/true);
       }
     }
     lk.lock();
@@ -527,11 +536,7 @@ static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer*
 // Pushes the pending batch ahead of a serialized event; the caller holds push_lock.
 static void push_before_event(GstMoeEncode* self, GstEvent* event) {
   const GstFlowReturn ret = push_pending(self, /*only_due=*/false);
-  if (ret == GST_FLOW_OK) return;
-  self->st->deferred_flow = ret;
-  // After EOS no chain call will return the error upstream: report it here, as queue does.
-  if (GST_EVENT_TYPE(event) == GST_EVENT_EOS && (ret == GST_FLOW_NOT_LINKED || ret < GST_FLOW_EOS))
-    GST_ELEMENT_FLOW_ERROR(self, ret);
+  if (ret != GST_FLOW_OK) defer_flow(self, ret, /*report_now=*/GST_EVENT_TYPE(event) == GST_EVENT_EOS);
 }
 
 // Sets the fixed output caps once per stream; the caller holds push_lock.

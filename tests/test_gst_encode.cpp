@@ -494,6 +494,34 @@ TEST(MoeEncode, BufferWithoutCapsErrorNamesTheCapsFilter) {
   gst_harness_teardown(h);
 }
 
+// A live source may send nothing after the request whose batch the timer could not push: the
+// failure is posted at once rather than kept for a chain call that never comes.
+TEST(MoeEncode, TimerPushFailureIsReportedWithoutAnotherBuffer) {
+  GstElement* pipeline = gst_parse_launch(
+      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode name=enc max-latency=1000000 model=" +
+       kModelDir)
+          .c_str(),
+      nullptr);  // moe-encode's src pad stays unlinked
+  ASSERT_NE(pipeline, nullptr);
+  GstElement* in = gst_bin_get_by_name(GST_BIN(pipeline), "in");
+  ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+  ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(in), text_buffer("red mug")), GST_FLOW_OK);
+  GstBus* bus = gst_element_get_bus(pipeline);
+  // Waits for the message only; it comes as soon as the 1 ms batch wait is over.
+  GstMessage* msg = gst_bus_timed_pop_filtered(bus, 60 * GST_SECOND, GST_MESSAGE_ERROR);
+  ASSERT_NE(msg, nullptr) << "no error for the batch the timer could not push";
+  EXPECT_STREQ(GST_OBJECT_NAME(GST_MESSAGE_SRC(msg)), "enc");
+  GError* err = nullptr;
+  gst_message_parse_error(msg, &err, nullptr);
+  EXPECT_TRUE(g_error_matches(err, GST_STREAM_ERROR, GST_STREAM_ERROR_FAILED)) << err->message;
+  g_error_free(err);
+  gst_message_unref(msg);
+  gst_object_unref(bus);
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(in);
+  gst_object_unref(pipeline);
+}
+
 TEST(MoeEncode, NullPlayingNullCyclesWork) {
   GstElement* pipeline = gst_parse_launch(
       ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode model=" + kModelDir +
