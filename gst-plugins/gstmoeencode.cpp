@@ -218,8 +218,11 @@ static void set_text(Pending* p, const std::string& text) {
     p->record.text = text;
     return;
   }
-  p->error = "text request '" + p->record.id + "' is not valid UTF-8 (invalid byte at offset " +
-             std::to_string(end - text.data()) + ")";
+  const std::string offset = std::to_string(end - text.data());
+  // A NUL is valid UTF-8 but not text: typically the terminator of a C string an app pushed.
+  p->error = "text request '" + p->record.id + "' " +
+             (*end == '\0' ? "holds a NUL byte at offset " + offset + " (push the text without its terminator)"
+                           : "is not valid UTF-8 (invalid byte at offset " + offset + ")");
   // The error document quotes the query: keep it valid UTF-8 (U+FFFD for bad bytes).
   gchar* valid = g_utf8_make_valid(text.data(), static_cast<gssize>(text.size()));
   p->record.text = valid;

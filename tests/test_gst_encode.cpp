@@ -209,6 +209,14 @@ TEST(MoeEncode, InvalidUtf8FailsOnlyThatRequest) {
   EXPECT_NE(f.reason.find("UTF-8"), std::string::npos) << f.reason;
   EXPECT_NE(f.reason.find("'1'"), std::string::npos) << f.reason;
 
+  // A C string pushed with its terminator: the reason names the NUL.
+  ASSERT_EQ(gst_harness_push(h, bytes_buffer("mug", 4)), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push_event(h, gst_event_new_eos()), TRUE);
+  const Output nul = take(gst_harness_pull(h));
+  ASSERT_EQ(nul.records.failed.size(), 1u);
+  EXPECT_NE(nul.records.failed[0].reason.find("NUL byte at offset 3"), std::string::npos)
+      << nul.records.failed[0].reason;
+
   const moe::Tensor want = model()->encode_texts({"hello", "world"}).embeds;
   EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
   EXPECT_LE(max_abs_diff(out.row(1), want, 1), kTolerance);
