@@ -9,6 +9,7 @@ and matched to the requests by id (docs/zmq-schema.md). Needs python3-zmq (Debia
 """
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
@@ -40,7 +41,8 @@ def main():
     for i, text in enumerate(args.texts):
         pending[f"{session}-t{i}"] = {"text": text}
     for i, path in enumerate(args.image):
-        pending[f"{session}-i{i}"] = {"image": path}
+        # The service reads the file itself, from its own working directory: send an absolute path.
+        pending[f"{session}-i{i}"] = {"image": path if "://" in path else os.path.abspath(path)}
     for rid, body in pending.items():
         push.send_string(json.dumps({"id": rid, "k": args.k, **body}))
 

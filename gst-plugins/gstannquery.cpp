@@ -223,9 +223,11 @@ static void collect_rows(GstAnnQuery* self, Session& s, gstmoe::BatchRecords& ba
 // At EOS: writes the index and pushes the summary. FALSE (with an element error) on failure.
 static gboolean finish_build(GstAnnQuery* self, Session& s) {
   if (!s.index || s.index->size() == 0) {
-    GST_ELEMENT_ERROR(self, STREAM, FAILED, ("no items to index"),
-                      ("end of stream with no row to add to '%s' (%" G_GINT64_FORMAT " failed requests)",
-                       s.index_path.c_str(), s.build_failed));
+    GST_ELEMENT_ERROR(self, STREAM, FAILED,
+                      ("no items to index: the stream ended before any row reached ann-query (%" G_GINT64_FORMAT
+                       " failed requests); '%s' is not written",
+                       s.build_failed, s.index_path.c_str()),
+                      (nullptr));
     return FALSE;
   }
   try {
@@ -407,8 +409,10 @@ static gboolean start(GstAnnQuery* self) {
     gchar* dir = g_path_get_dirname(s->index_path.c_str());
     const bool writable = g_file_test(dir, G_FILE_TEST_IS_DIR) && g_access(dir, W_OK) == 0;
     if (!writable)
-      GST_ELEMENT_ERROR(self, RESOURCE, OPEN_WRITE, ("Cannot write the ANN index '%s'", s->index_path.c_str()),
-                        ("directory '%s' does not exist or is not writable", dir));
+      GST_ELEMENT_ERROR(self, RESOURCE, OPEN_WRITE,
+                        ("Cannot write the ANN index '%s': directory '%s' does not exist or is not writable",
+                         s->index_path.c_str(), dir),
+                        (nullptr));
     g_free(dir);
     if (!writable) return FALSE;
   }
@@ -564,7 +568,7 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
       "(cosine similarity): one JSON result document per request, one error document per request that failed "
       "upstream. With mode=build it instead adds every row (the request's id, uri and text become the item) to a new "
       "index, writes INDEX and INDEX.items.jsonl at end of stream and sends one index-built document.\n"
-      "Build: gst-launch-1.0 -e moe-catalog-src location=photos/ ! moe-encode model=clip/ ! moe-route model=adapter/ "
+      "Build: gst-launch-1.0 moe-catalog-src location=photos/ ! moe-encode model=clip/ ! moe-route model=adapter/ "
       "! moe-expert model=adapter/ ! ann-query mode=build index=catalog.faiss ! fakesink\n"
       "Search: gst-launch-1.0 zmq-query ! moe-encode model=clip/ ! moe-route model=adapter/ ! "
       "moe-expert model=adapter/ ! ann-query index=catalog.faiss k=5 ! zmq-publish",

@@ -337,8 +337,8 @@ static void gst_moe_catalog_src_class_init(GstMoeCatalogSrcClass* klass) {
       element_class, "Image catalog source", "Source/File",
       "Reads an image catalog (a folder of images or a JSON Lines file) and emits one application/x-moe-request "
       "buffer per item: the image file's bytes, with a GstMoeBatchMeta row giving its id, file:// uri and caption. "
-      "Unreadable items travel on as failed requests. Example: gst-launch-1.0 moe-catalog-src location=catalog/ ! "
-      "moe-encode model=models/clip-vit-base-patch32 max-batch=32 ! fakesink",
+      "Unreadable items travel on as failed requests. Example: gst-launch-1.0 moe-catalog-src "
+      "location=models/default/catalog ! moe-encode model=models/default/clip max-batch=32 ! fakesink",
       "gst-moe developers");
 
   GST_DEBUG_CATEGORY_INIT(gst_moe_catalog_src_debug, "moe-catalog-src", 0, "image catalog source");

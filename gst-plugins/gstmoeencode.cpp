@@ -218,8 +218,11 @@ static void set_text(Pending* p, const std::string& text) {
     p->record.text = text;
     return;
   }
-  p->error = "text request '" + p->record.id + "' is not valid UTF-8 (invalid byte at offset " +
-             std::to_string(end - text.data()) + ")";
+  const std::string offset = std::to_string(end - text.data());
+  // A NUL is valid UTF-8 but not text: typically the terminator of a C string an app pushed.
+  p->error = "text request '" + p->record.id + "' " +
+             (*end == '\0' ? "holds a NUL byte at offset " + offset + " (push the text without its terminator)"
+                           : "is not valid UTF-8 (invalid byte at offset " + offset + ")");
   // The error document quotes the query: keep it valid UTF-8 (U+FFFD for bad bytes).
   gchar* valid = g_utf8_make_valid(text.data(), static_cast<gssize>(text.size()));
   p->record.text = valid;
@@ -426,6 +429,15 @@ static GstFlowReturn push_pending(GstMoeEncode* self, bool only_due) {
   return gst_pad_push(self->srcpad, encode_batch(self, batch));
 }
 
+// Keeps the result of a push that no chain call made (the timer's, or one ahead of an event) for
+// the next chain call to return upstream. With `report_now`, a fatal result is also posted at
+// once, as queue does: the next chain call may never come (after EOS, or a live source that
+// receives no more requests).
+static void defer_flow(GstMoeEncode* self, GstFlowReturn ret, bool report_now) {
+  self->st->deferred_flow = ret;
+  if (report_now && (ret == GST_FLOW_NOT_LINKED || ret < GST_FLOW_EOS)) GST_ELEMENT_FLOW_ERROR(self, ret);
+}
+
 // Pushes partial batches once their oldest entry has waited max-latency.
 static void timer_loop(GstMoeEncode* self) {
   EncodeState* st = self->st;
@@ -446,7 +458,7 @@ static void timer_loop(GstMoeEncode* self) {
       const GstFlowReturn ret = push_pending(self, /*only_due=*/true);
       if (ret != GST_FLOW_OK) {
         GST_DEBUG_OBJECT(self, "timer push: %s", gst_flow_get_name(ret));
-        st->deferred_flow = ret;
+        defer_flow(self, ret, /*report_now=*/true);
       }
     }
     lk.lock();
@@ -489,7 +501,12 @@ static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer*
   }
   if (st->kind == InputKind::None) {  // no (valid) caps event: the buffer's meaning is unknown
     gst_buffer_unref(buf);
-    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Received a buffer before valid caps"), (nullptr));
+    // Typically filesrc, whose caps are ANY: it negotiates nothing unless a caps filter says what it reads.
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
+                      ("Received a buffer without caps: upstream does not say whether it sends texts, video frames "
+                       "or requests; filesrc and other sources of untyped bytes need a caps filter, e.g. "
+                       "filesrc location=query.txt ! text/x-raw,format=utf8 ! moe-encode"),
+                      (nullptr));
     return GST_FLOW_NOT_NEGOTIATED;
   }
 
@@ -522,11 +539,7 @@ static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer*
 // Pushes the pending batch ahead of a serialized event; the caller holds push_lock.
 static void push_before_event(GstMoeEncode* self, GstEvent* event) {
   const GstFlowReturn ret = push_pending(self, /*only_due=*/false);
-  if (ret == GST_FLOW_OK) return;
-  self->st->deferred_flow = ret;
-  // After EOS no chain call will return the error upstream: report it here, as queue does.
-  if (GST_EVENT_TYPE(event) == GST_EVENT_EOS && (ret == GST_FLOW_NOT_LINKED || ret < GST_FLOW_EOS))
-    GST_ELEMENT_FLOW_ERROR(self, ret);
+  if (ret != GST_FLOW_OK) defer_flow(self, ret, /*report_now=*/GST_EVENT_TYPE(event) == GST_EVENT_EOS);
 }
 
 // Sets the fixed output caps once per stream; the caller holds push_lock.
@@ -572,7 +585,18 @@ static gboolean set_sink_caps(GstMoeEncode* self, GstCaps* caps) {
       GstVideoInfo rgb;
       gst_video_info_set_format(&rgb, GST_VIDEO_FORMAT_RGB, GST_VIDEO_INFO_WIDTH(&st->video_info),
                                 GST_VIDEO_INFO_HEIGHT(&st->video_info));
+      // The converter refuses (NULL) to change the frame rate or the interlacing: keep both.
+      GST_VIDEO_INFO_FPS_N(&rgb) = GST_VIDEO_INFO_FPS_N(&st->video_info);
+      GST_VIDEO_INFO_FPS_D(&rgb) = GST_VIDEO_INFO_FPS_D(&st->video_info);
+      GST_VIDEO_INFO_INTERLACE_MODE(&rgb) = GST_VIDEO_INFO_INTERLACE_MODE(&st->video_info);
       st->converter = gst_video_converter_new(&st->video_info, &rgb, nullptr);
+      if (st->converter == nullptr) {  // else its frames would be read as RGB
+        gchar* str = gst_caps_to_string(caps);
+        GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Cannot convert video %s to RGB", str), (nullptr));
+        g_free(str);
+        st->kind = InputKind::None;
+        return FALSE;
+      }
     }
   }
   GST_DEBUG_OBJECT(self, "sink caps %" GST_PTR_FORMAT, caps);
@@ -907,7 +931,7 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       "an encoded image file) with a CLIP model into batches of embeddings (application/x-moe-tensor, width = the "
       "model's projection_dim). Each row's request (id, modality, uri, timings) is in the buffer's GstMoeBatchMeta; "
       "requests that cannot be encoded travel on in its failed list. Example: gst-launch-1.0 videotestsrc "
-      "num-buffers=16 ! moe-encode model=models/clip-vit-base-patch32 max-batch=4 ! fakesink",
+      "num-buffers=16 ! moe-encode model=models/default/clip max-batch=4 ! fakesink",
       "gst-moe developers");
 
   GST_DEBUG_CATEGORY_INIT(gst_moe_encode_debug, "moe-encode", 0, "CLIP encoder");

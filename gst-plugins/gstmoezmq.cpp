@@ -22,6 +22,13 @@ ZmqSocket::ZmqSocket(zmq::socket_type type, const std::string& endpoint, bool bi
   if (endpoint.rfind("inproc://", 0) == 0)
     throw std::runtime_error(what + "inproc:// endpoints are private to the element's own ZeroMQ context and "
                                     "cannot be reached; use tcp:// or ipc://");
+  // libzmq keeps only the low 16 bits of a tcp port: tcp://127.0.0.1:99999 would bind 34463.
+  if (endpoint.rfind("tcp://", 0) == 0) {
+    const std::string port = endpoint.substr(endpoint.rfind(':') + 1);
+    if (!port.empty() && port.size() <= 18 && port.find_first_not_of("0123456789") == std::string::npos &&
+        std::stoll(port) > 65535)
+      throw std::runtime_error(what + "port " + port + " is out of range (0..65535)");
+  }
   try {
     socket_.set(zmq::sockopt::linger, 0);
     configure(socket_);

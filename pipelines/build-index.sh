@@ -19,7 +19,9 @@ INDEX_TYPE=${INDEX_TYPE:-flat}
 # moe-expert        runs those experts: embedding + weighted expert outputs, L2-normalised
 # ann-query         mode=build collects every embedding and writes the index at EOS
 # fakesink          ann-query emits one summary document at the end (and one per failed image)
-exec gst-launch-1.0 -e \
+# No -e: Ctrl-C abandons the build and leaves an earlier INDEX as it was (with -e, the EOS it
+# sends would make ann-query write the images encoded so far over it).
+exec gst-launch-1.0 \
   moe-catalog-src location="$CATALOG" \
   ! moe-encode model="$MODEL" max-batch=32 \
   ! moe-route model="$ADAPTER" \

@@ -209,6 +209,14 @@ TEST(MoeEncode, InvalidUtf8FailsOnlyThatRequest) {
   EXPECT_NE(f.reason.find("UTF-8"), std::string::npos) << f.reason;
   EXPECT_NE(f.reason.find("'1'"), std::string::npos) << f.reason;
 
+  // A C string pushed with its terminator: the reason names the NUL.
+  ASSERT_EQ(gst_harness_push(h, bytes_buffer("mug", 4)), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push_event(h, gst_event_new_eos()), TRUE);
+  const Output nul = take(gst_harness_pull(h));
+  ASSERT_EQ(nul.records.failed.size(), 1u);
+  EXPECT_NE(nul.records.failed[0].reason.find("NUL byte at offset 3"), std::string::npos)
+      << nul.records.failed[0].reason;
+
   const moe::Tensor want = model()->encode_texts({"hello", "world"}).embeds;
   EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
   EXPECT_LE(max_abs_diff(out.row(1), want, 1), kTolerance);
@@ -342,23 +350,29 @@ TEST(MoeEncode, RgbFramesWithPaddedStride) {
   gst_harness_teardown(h);
 }
 
+// Video sources send a frame rate (videotestsrc: 30/1); the element's converter must accept it.
 TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
-  const int w = 40, h_px = 30;
-  GstVideoInfo info, rgb_info;
-  gst_video_info_set_format(&info, GST_VIDEO_FORMAT_I420, w, h_px);
-  gst_video_info_set_format(&rgb_info, GST_VIDEO_FORMAT_RGB, w, h_px);  // 120-byte rows: packed
-  GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
-  gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
+  for (const int fps : {0, 30}) {
+    SCOPED_TRACE("framerate " + std::to_string(fps) + "/1");
+    const int w = 40, h_px = 30;
+    GstVideoInfo info, rgb_info;
+    gst_video_info_set_format(&info, GST_VIDEO_FORMAT_I420, w, h_px);
+    gst_video_info_set_format(&rgb_info, GST_VIDEO_FORMAT_RGB, w, h_px);  // 120-byte rows: packed
+    GST_VIDEO_INFO_FPS_N(&info) = GST_VIDEO_INFO_FPS_N(&rgb_info) = fps;
+    GST_VIDEO_INFO_FPS_D(&info) = GST_VIDEO_INFO_FPS_D(&rgb_info) = 1;
+    GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
+    gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
 
-  GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
-  GstVideoFrame frame;
-  ASSERT_TRUE(gst_video_frame_map(&frame, &info, buf, GST_MAP_WRITE));
-  for (guint p = 0; p < 3; ++p) {
-    auto* plane = static_cast<uint8_t*>(GST_VIDEO_FRAME_PLANE_DATA(&frame, p));
-    const int stride = GST_VIDEO_FRAME_PLANE_STRIDE(&frame, p);
-    for (int y = 0; y < GST_VIDEO_FRAME_COMP_HEIGHT(&frame, p); ++y)
-      for (int x = 0; x < GST_VIDEO_FRAME_COMP_WIDTH(&frame, p); ++x)
-        plane[y * stride + x] = static_cast<uint8_t>(p == 0 ? 16 + (x * 5 + y * 3) % 220 : 128 + (x - y) * (p == 1 ? 3 : -2));
+    GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
+    GstVideoFrame frame;
+    ASSERT_TRUE(gst_video_frame_map(&frame, &info, buf, GST_MAP_WRITE));
+    for (guint p = 0; p < 3; ++p) {
+      auto* plane = static_cast<uint8_t*>(GST_VIDEO_FRAME_PLANE_DATA(&frame, p));
+      const int stride = GST_VIDEO_FRAME_PLANE_STRIDE(&frame, p);
+      for (int y = 0; y < GST_VIDEO_FRAME_COMP_HEIGHT(&frame, p); ++y)
+        for (int x = 0; x < GST_VIDEO_FRAME_COMP_WIDTH(&frame, p); ++x)
+          plane[y * stride + x] =
+              static_cast<uint8_t>(p == 0 ? 16 + (x * 5 + y * 3) % 220 : 128 + (x - y) * (p == 1 ? 3 : -2));
   }
   // The RGB the element should see: the same frame through GstVideoConverter.
   std::vector<uint8_t> rgb(rgb_info.size);
@@ -379,6 +393,7 @@ TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
   const moe::Tensor want = model()->encode_images({view_of(rgb, w, h_px)}).embeds;
   EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
   gst_harness_teardown(h);
+  }
 }
 
 /* ----- request buffers ----- */
@@ -465,6 +480,54 @@ TEST(MoeEncode, NoModelIsASettingsError) {
   EXPECT_NE(message.find("model"), std::string::npos) << message;
   EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_SETTINGS)) << message;
   g_error_free(err);
+}
+
+// filesrc sends untyped bytes (caps ANY): the error tells the user to add a caps filter.
+TEST(MoeEncode, BufferWithoutCapsErrorNamesTheCapsFilter) {
+  GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
+  GstBus* bus = gst_bus_new();
+  gst_element_set_bus(h->element, bus);
+  EXPECT_EQ(gst_harness_push(h, text_buffer("red mug")), GST_FLOW_NOT_NEGOTIATED);
+  GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR);
+  ASSERT_NE(msg, nullptr);
+  GError* err = nullptr;
+  gst_message_parse_error(msg, &err, nullptr);
+  const std::string message = err->message;
+  EXPECT_NE(message.find("text/x-raw,format=utf8"), std::string::npos) << message;
+  EXPECT_TRUE(g_error_matches(err, GST_CORE_ERROR, GST_CORE_ERROR_NEGOTIATION)) << message;
+  g_error_free(err);
+  gst_message_unref(msg);
+  gst_element_set_bus(h->element, nullptr);
+  gst_object_unref(bus);
+  gst_harness_teardown(h);
+}
+
+// A live source may send nothing after the request whose batch the timer could not push: the
+// failure is posted at once rather than kept for a chain call that never comes.
+TEST(MoeEncode, TimerPushFailureIsReportedWithoutAnotherBuffer) {
+  GstElement* pipeline = gst_parse_launch(
+      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode name=enc max-latency=1000000 model=" +
+       kModelDir)
+          .c_str(),
+      nullptr);  // moe-encode's src pad stays unlinked
+  ASSERT_NE(pipeline, nullptr);
+  GstElement* in = gst_bin_get_by_name(GST_BIN(pipeline), "in");
+  ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+  ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(in), text_buffer("red mug")), GST_FLOW_OK);
+  GstBus* bus = gst_element_get_bus(pipeline);
+  // Waits for the message only; it comes as soon as the 1 ms batch wait is over.
+  GstMessage* msg = gst_bus_timed_pop_filtered(bus, 60 * GST_SECOND, GST_MESSAGE_ERROR);
+  ASSERT_NE(msg, nullptr) << "no error for the batch the timer could not push";
+  EXPECT_STREQ(GST_OBJECT_NAME(GST_MESSAGE_SRC(msg)), "enc");
+  GError* err = nullptr;
+  gst_message_parse_error(msg, &err, nullptr);
+  EXPECT_TRUE(g_error_matches(err, GST_STREAM_ERROR, GST_STREAM_ERROR_FAILED)) << err->message;
+  g_error_free(err);
+  gst_message_unref(msg);
+  gst_object_unref(bus);
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(in);
+  gst_object_unref(pipeline);
 }
 
 TEST(MoeEncode, NullPlayingNullCyclesWork) {

@@ -373,6 +373,14 @@ TEST_P(StartFailure, MalformedEndpointFailsWithAHint) {
   }
 }
 
+TEST_P(StartFailure, TcpPortOutOfRangeIsRefused) {
+  for (bool bind : {true, false}) {
+    const std::string error = start_error("tcp://127.0.0.1:99999", bind);  // libzmq would use 34463
+    EXPECT_NE(error.find("'tcp://127.0.0.1:99999'"), std::string::npos) << error;
+    EXPECT_NE(error.find("out of range"), std::string::npos) << error;
+  }
+}
+
 TEST_P(StartFailure, InprocEndpointIsRefused) {
   const std::string error = start_error("inproc://results");
   EXPECT_NE(error.find("inproc://"), std::string::npos) << error;
