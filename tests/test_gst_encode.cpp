@@ -445,10 +445,13 @@ TEST(MoeEncode, RequestBuffersMixTextAndImagesAndCarryFailures) {
 // Puts a `factory` element in a pipeline, with `property` set to `value` unless `property` is
 // null, and expects the change to `state` to fail; returns the error it posted (to be freed), or
 // null when there was none.
-GError* failed_state_change(const char* factory, const char* property, const std::string& value, GstState state) {
+// Sets the properties (as gst-launch would parse them), asks for `state`, expects the state
+// change to fail, and returns the error the element posted (nullptr if none).
+GError* failed_state_change(const char* factory, const std::vector<std::pair<std::string, std::string>>& properties,
+                            GstState state) {
   GstElement* pipeline = gst_pipeline_new(nullptr);
   GstElement* e = gst_element_factory_make(factory, nullptr);
-  if (property != nullptr) g_object_set(e, property, value.c_str(), nullptr);
+  for (const auto& [name, value] : properties) gst_util_set_object_arg(G_OBJECT(e), name.c_str(), value.c_str());
   gst_bin_add(GST_BIN(pipeline), e);
   EXPECT_EQ(gst_element_set_state(pipeline, state), GST_STATE_CHANGE_FAILURE);
   GError* err = nullptr;
@@ -465,7 +468,7 @@ GError* failed_state_change(const char* factory, const char* property, const std
 
 TEST(MoeEncode, BadModelPathFailsStateChangeNamingThePath) {
   const std::string bad = "/nonexistent/models/clip-missing";
-  GError* err = failed_state_change("moe-encode", "model", bad, GST_STATE_READY);
+  GError* err = failed_state_change("moe-encode", {{"model", bad}}, GST_STATE_READY);
   ASSERT_NE(err, nullptr);
   const std::string message = err->message;
   EXPECT_NE(message.find(bad), std::string::npos) << message;
@@ -474,7 +477,7 @@ TEST(MoeEncode, BadModelPathFailsStateChangeNamingThePath) {
 }
 
 TEST(MoeEncode, NoModelIsASettingsError) {
-  GError* err = failed_state_change("moe-encode", nullptr, "", GST_STATE_READY);
+  GError* err = failed_state_change("moe-encode", {}, GST_STATE_READY);
   ASSERT_NE(err, nullptr);
   const std::string message = err->message;
   EXPECT_NE(message.find("model"), std::string::npos) << message;
@@ -561,26 +564,6 @@ TEST(MoeEncode, NullPlayingNullCyclesWork) {
 
 /* ----- device and precision ----- */
 
-// A moe-encode in a pipeline with the given properties (set from strings), expected to fail going
-// to READY; returns the error it posted (to be freed), or null when there was none.
-GError* failed_load(const std::vector<std::pair<std::string, std::string>>& properties) {
-  GstElement* pipeline = gst_pipeline_new(nullptr);
-  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
-  for (const auto& [name, value] : properties) gst_util_set_object_arg(G_OBJECT(e), name.c_str(), value.c_str());
-  gst_bin_add(GST_BIN(pipeline), e);
-  EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_READY), GST_STATE_CHANGE_FAILURE);
-  GError* err = nullptr;
-  GstBus* bus = gst_element_get_bus(pipeline);
-  if (GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR)) {
-    gst_message_parse_error(msg, &err, nullptr);
-    gst_message_unref(msg);
-  }
-  gst_object_unref(bus);
-  gst_element_set_state(pipeline, GST_STATE_NULL);
-  gst_object_unref(pipeline);
-  return err;
-}
-
 TEST(MoeEncode, DeviceAndPrecisionDefaultToCpuFp32) {
   GstElement* e = gst_element_factory_make("moe-encode", nullptr);
   gchar* device = nullptr;
@@ -627,7 +610,7 @@ TEST(MoeEncode, AutoDeviceInHalfPrecisionEncodesWithThatModel) {
 TEST(MoeEncode, UnusableDeviceIsAnErrorNamingDeviceAndReason) {
   std::string why;
   if (moe::kernels::cuda_device_count(&why) == 0) {
-    GError* err = failed_load({{"model", kModelDir}, {"device", "cuda:0"}});
+    GError* err = failed_state_change("moe-encode", {{"model", kModelDir}, {"device", "cuda:0"}}, GST_STATE_READY);
     ASSERT_NE(err, nullptr);
     const std::string message = err->message;
     EXPECT_NE(message.find("cuda:0"), std::string::npos) << message;
@@ -635,7 +618,7 @@ TEST(MoeEncode, UnusableDeviceIsAnErrorNamingDeviceAndReason) {
     EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_SETTINGS)) << message;
     g_error_free(err);
   }
-  GError* err = failed_load({{"model", kModelDir}, {"device", "tpu:0"}, {"precision", "fp16"}});
+  GError* err = failed_state_change("moe-encode", {{"model", kModelDir}, {"device", "tpu:0"}, {"precision", "fp16"}}, GST_STATE_READY);
   ASSERT_NE(err, nullptr);
   const std::string message = err->message;
   EXPECT_NE(message.find("tpu:0"), std::string::npos) << message;
@@ -784,7 +767,7 @@ TEST(MoeCatalogSrc, MalformedLinesBecomeFailedRequests) {
 
 TEST(MoeCatalogSrc, MissingLocationIsAnErrorNamingThePath) {
   const std::string missing = "/nonexistent/catalog/folder";
-  GError* err = failed_state_change("moe-catalog-src", "location", missing, GST_STATE_PAUSED);
+  GError* err = failed_state_change("moe-catalog-src", {{"location", missing}}, GST_STATE_PAUSED);
   ASSERT_NE(err, nullptr);
   EXPECT_NE(std::string(err->message).find(missing), std::string::npos) << err->message;
   g_error_free(err);

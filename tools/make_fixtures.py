@@ -46,6 +46,9 @@ import safetensors
 import transformers
 from safetensors.torch import save_file, load_file
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import st_canonical  # noqa: E402
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(REPO_ROOT, "tests", "fixtures")
 TOKENIZER_DIR = os.path.join(REPO_ROOT, "models", "clip-tokenizer")
@@ -65,27 +68,9 @@ def fresh_dir(path):
 
 
 def save_st(tensors, path, metadata):
-    """safetensors.save_file + a canonical header so that re-runs are byte-identical.
-
-    safetensors writes __metadata__ in hash-map order; rewrite the JSON header
-    with __metadata__ first (sorted keys) and tensors in data-offset order,
-    space-padded to a multiple of 8 bytes. The data section is unchanged.
-    """
+    """safetensors.save_file + a canonical header (tools/st_canonical.py): re-runs are byte-identical."""
     save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
-    with open(path, "rb") as fh:
-        blob = fh.read()
-    n = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + n])
-    meta = header.pop("__metadata__", None)
-    ordered = {}
-    if meta:
-        ordered["__metadata__"] = {k: meta[k] for k in sorted(meta)}
-    for k in sorted(header, key=lambda k: (header[k]["data_offsets"][0], k)):
-        ordered[k] = header[k]
-    text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as fh:
-        fh.write(len(text).to_bytes(8, "little") + text + blob[8 + n:])
+    st_canonical.canonicalize(path)
 
 
 def eager_kwargs(config_cls):

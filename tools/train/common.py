@@ -22,6 +22,9 @@ import torch.nn.functional as F  # noqa: E402
 from PIL import Image  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from st_canonical import canonicalize as canonical_safetensors  # noqa: E402
+
 torch.set_num_threads(1)
 torch.set_num_interop_threads(1)
 
@@ -406,24 +409,6 @@ def load_adapter(adapter_dir):
 
 
 # ------------------------------------------------------------------------ export
-
-
-def canonical_safetensors(path):
-    """Rewrite a safetensors header canonically (__metadata__ first, tensors in data order)."""
-    with open(path, "rb") as fh:
-        blob = fh.read()
-    n = int.from_bytes(blob[:8], "little")
-    header = json.loads(blob[8:8 + n])
-    meta = header.pop("__metadata__", None)
-    ordered = {}
-    if meta:
-        ordered["__metadata__"] = {k: meta[k] for k in sorted(meta)}
-    for k in sorted(header, key=lambda k: (header[k]["data_offsets"][0], k)):
-        ordered[k] = header[k]
-    text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as fh:
-        fh.write(len(text).to_bytes(8, "little") + text + blob[8 + n:])
 
 
 def fresh_dir(path):

@@ -1,0 +1,25 @@
+"""Byte-stable safetensors files, so regenerated fixtures and models show no spurious git diffs.
+
+safetensors writes ``__metadata__`` in hash-map order; ``canonicalize(path)`` rewrites the JSON
+header with ``__metadata__`` first (sorted keys) and tensors in data-offset order, space-padded
+to a multiple of 8 bytes. The data section is unchanged.
+"""
+
+import json
+
+
+def canonicalize(path):
+    with open(path, "rb") as fh:
+        blob = fh.read()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    meta = header.pop("__metadata__", None)
+    ordered = {}
+    if meta:
+        ordered["__metadata__"] = {k: meta[k] for k in sorted(meta)}
+    for k in sorted(header, key=lambda k: (header[k]["data_offsets"][0], k)):
+        ordered[k] = header[k]
+    text = json.dumps(ordered, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as fh:
+        fh.write(len(text).to_bytes(8, "little") + text + blob[8 + n:])
