@@ -13,23 +13,13 @@
 using moe::ClipModel;
 using moe::Tensor;
 using moe::test::expect_error;
+using moe::test::real_ids;
 using moe::test::fixture_path;
 using moe::test::max_rel_error;
 
 namespace {
 
 constexpr double kTol = 1e-4;  // relative, as the issue asks
-
-std::vector<std::vector<int32_t>> real_ids(const moe::SafetensorsFile& io, const std::string& prefix) {
-  Tensor ids = io.get(prefix + "input_ids");
-  Tensor lens = io.get(prefix + "lengths");
-  std::vector<std::vector<int32_t>> out;
-  for (int64_t b = 0; b < ids.dim(0); ++b) {
-    const int32_t* row = ids.data<int32_t>() + b * ids.dim(1);
-    out.emplace_back(row, row + lens.data<int32_t>()[b]);
-  }
-  return out;
-}
 
 const ClipModel& tiny() {
   static ClipModel m = ClipModel::load(fixture_path("clip_tiny"));

@@ -25,6 +25,7 @@ using moe::MoeLayer;
 using moe::Tensor;
 using moe::kernels::WeightType;
 using moe::test::expect_error;
+using moe::test::real_ids;
 using moe::test::fixture_path;
 using moe::test::max_abs_error;
 using moe::test::max_rel_error;
@@ -51,17 +52,6 @@ ComputeOptions options(const std::string& device, WeightType precision) {
   o.device = device;
   o.precision = precision;
   return o;
-}
-
-std::vector<std::vector<int32_t>> real_ids(const moe::SafetensorsFile& io, const std::string& prefix) {
-  Tensor ids = io.get(prefix + "input_ids");
-  Tensor lens = io.get(prefix + "lengths");
-  std::vector<std::vector<int32_t>> out;
-  for (int64_t b = 0; b < ids.dim(0); ++b) {
-    const int32_t* row = ids.data<int32_t>() + b * ids.dim(1);
-    out.emplace_back(row, row + lens.data<int32_t>()[b]);
-  }
-  return out;
 }
 
 // Messages logged in the "moe" domain while it lives.

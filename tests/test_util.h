@@ -39,6 +39,19 @@ inline double max_rel_error(const Tensor& a, const Tensor& b, double floor = 1e-
   return diff / ref;
 }
 
+// The token ids of a fixture's `<prefix>input_ids` rows, each cut to its `<prefix>lengths`
+// entry (the fixtures pad to 77 after the end token).
+inline std::vector<std::vector<int32_t>> real_ids(const SafetensorsFile& io, const std::string& prefix) {
+  Tensor ids = io.get(prefix + "input_ids");
+  Tensor lens = io.get(prefix + "lengths");
+  std::vector<std::vector<int32_t>> out;
+  for (int64_t b = 0; b < ids.dim(0); ++b) {
+    const int32_t* row = ids.data<int32_t>() + b * ids.dim(1);
+    out.emplace_back(row, row + lens.data<int32_t>()[b]);
+  }
+  return out;
+}
+
 inline double max_abs_error(const Tensor& a, const Tensor& b) {
   EXPECT_EQ(a.shape(), b.shape()) << a.describe() << " vs " << b.describe();
   if (a.shape() != b.shape()) return INFINITY;
