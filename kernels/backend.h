@@ -70,6 +70,13 @@ class Backend {
   virtual void copy_to_host(void* dst, const void* src, size_t bytes) = 0;
   // Device-to-device copy within this backend, queued with the operations.
   virtual void copy_on_device(void* dst, const void* src, size_t bytes) = 0;
+  // Copies into `peer`'s memory (`peer` may be this backend; CUDA: another device of this
+  // process, over NVLink/PCIe peer access where the devices allow it, else staged by the driver).
+  // Ordered after the operations queued so far on both backends; operations queued later on
+  // either start after the copy completed; the host does not wait (CPU: a plain memcpy). Throws
+  // moe::Error when the two backends cannot exchange memory (a CPU and a CUDA backend). Like
+  // the operations, called from the one thread that drives both backends.
+  virtual void copy_to_peer(Backend& peer, void* dst, const void* src, size_t bytes) = 0;
   // On the copy queue, concurrently with operations; the event completes with the copy. `src`
   // must stay valid until then (and be staging memory for the copy to be truly asynchronous).
   virtual std::shared_ptr<Event> copy_from_host_async(void* dst, const void* src, size_t bytes) = 0;
@@ -109,7 +116,8 @@ class Backend {
 
   // Router: softmax over `experts` logits per row (f32), the top_k largest (descending, ties to
   // the lower index) into ids [rows, top_k] (int32) and weights [rows, top_k], divided by their
-  // sum when `renormalize`.
+  // sum when `renormalize`. Logits must not be NaN: such a row's ids and weights are unspecified
+  // (CUDA: an id outside [0, experts), which moe_permute then rejects).
   virtual void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
                             int32_t* ids, float* weights) = 0;
   // Groups rows per expert: counts the (row, j) slots of each expert, prefix-sums them and

@@ -239,6 +239,23 @@ TEST(CpuBackend, MemoryCopies) {
   cpu->deallocate(b);
 }
 
+TEST(CpuBackend, CopyToPeerBetweenHostBackends) {
+  auto a = moe::kernels::make_cpu_backend(), b = moe::kernels::make_cpu_backend();
+  const std::vector<float> src = random_values(1000, 2);
+  std::vector<float> back(1000);
+  auto* pa = static_cast<float*>(a->allocate(4000));
+  auto* pb = static_cast<float*>(b->allocate(4000));
+  a->copy_from_host(pa, src.data(), 4000);
+  a->copy_to_peer(*b, pb, pa, 4000);
+  b->copy_to_host(back.data(), pb, 4000);
+  EXPECT_EQ(back, src);
+  a->copy_to_peer(*a, pa + 500, pb, 2000);  // to itself: like copy_on_device
+  a->copy_to_host(back.data(), pa, 4000);
+  EXPECT_TRUE(std::equal(src.begin(), src.begin() + 500, back.begin() + 500));
+  a->deallocate(pa);
+  b->deallocate(pb);
+}
+
 TEST(CpuOps, HalfAndBfloatWideningMatchesTensorConversions) {
   for (uint32_t b = 0; b <= 0xffffu; ++b) {
     const auto bits = static_cast<uint16_t>(b);
@@ -660,6 +677,31 @@ TEST(CudaBackend, MemoryCopiesAndEvents) {
   expect_error([&] { gpu->wait_event(*foreign); }, {"cuda:0", "wait_event", "another backend"});
   expect_error([&] { gpu->allocate(size_t{1} << 50); }, {"cuda:0", "allocate", "out of device memory"});
   gpu->synchronize();  // the failed allocation left no error behind
+}
+
+// Two backends (cuda:0 and cuda:1, or two on cuda:0 with their own streams): a copy sees the work
+// queued before it on the source, and work queued after it on the destination sees the copy.
+TEST(CudaBackend, CopyToPeerIsOrderedWithBothQueues) {
+  std::string why;
+  const int n = moe::kernels::cuda_device_count(&why);
+  if (n == 0) GTEST_SKIP() << why;
+  auto a = moe::kernels::make_cuda_backend(0), b = moe::kernels::make_cuda_backend(n > 1 ? 1 : 0);
+  const size_t count = size_t{1} << 22;  // 16 MiB: long enough for a missing fence to show
+  const std::vector<float> x = random_values(count, 60), y = random_values(count, 61);
+  DeviceBuffer<float> xa(*a, x), ya(*a, y), on_b(*b, count), back(*a, count);
+  a->add(xa.get(), ya.get(), static_cast<int64_t>(count));  // queued on a before the copy
+  a->copy_to_peer(*b, on_b.get(), xa.get(), count * 4);
+  b->l2_normalize_rows(on_b.get(), 1024, static_cast<int64_t>(count / 1024), 1e-12f);  // after the copy, on b
+  b->copy_to_peer(*a, back.get(), on_b.get(), count * 4);
+  std::vector<float> want(x);
+  moe::kernels::cpu::add_inplace(want.data(), y.data(), static_cast<int64_t>(count));
+  moe::kernels::cpu::l2_normalize_rows(want.data(), 1024, static_cast<int64_t>(count / 1024));
+  EXPECT_LT(rel_error(back.host(), want), kF32Tol);
+
+  auto cpu = moe::kernels::make_cpu_backend();
+  std::vector<float> host(16);
+  expect_error([&] { a->copy_to_peer(*cpu, host.data(), xa.get(), 64); }, {"cuda:0", "copy_to_peer", "cpu"});
+  expect_error([&] { cpu->copy_to_peer(*a, xa.get(), host.data(), 64); }, {"copy_to_peer", "cuda:0", "host memory"});
 }
 
 TEST(CudaBackend, LinearMatchesCpuForEveryWeightType) {

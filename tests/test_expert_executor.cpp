@@ -290,6 +290,21 @@ TEST(ExpertExecutor, TwoDevicesWithDifferentBudgetsGiveTheSameOutput) {
   EXPECT_GT(st[1].cache.acquires, 0u);
   EXPECT_EQ(sum(st, &CacheStats::evictions), 0u);  // both budgets hold their share
   expect_consistent_and_idle(two);
+
+  // A batch whose experts all live on the second device runs there alone (it is the batch's home).
+  const std::vector<int>& second = devs[1].experts;
+  const Tensor x = rows(5, 16, 90);
+  Routing r;
+  r.rows = 5;
+  r.top_k = 2;
+  for (int64_t i = 0; i < 5; ++i) {
+    r.expert_ids.insert(r.expert_ids.end(), {second[0], second[1]});
+    r.weights.insert(r.weights.end(), {0.6f, 0.4f});
+  }
+  const uint64_t first_acquires = two.stats()[0].cache.acquires;
+  EXPECT_TRUE(close(two.run(x, r, two.prefetch(r)), tiny().apply_experts(x, r), 1e-5));
+  EXPECT_EQ(two.stats()[0].cache.acquires, first_acquires);
+  expect_consistent_and_idle(two);
 }
 
 TEST(ExpertExecutor, HotExpertsAreReplicatedAndShareTheRows) {
@@ -410,6 +425,28 @@ TEST(ExpertExecutorOnCuda, EqualsAdapterApplyOnEveryDevice) {
       }
       expect_consistent_and_idle(ex);
     }
+}
+
+// Experts over two CUDA backends (cuda:0 and cuda:1, or two on cuda:0): batches split over both
+// travel by peer copies.
+TEST(ExpertExecutorOnCuda, TwoDevicesSplitBatchesByPeerCopies) {
+  std::string why;
+  const int n = moe::kernels::cuda_device_count(&why);
+  if (n == 0) GTEST_SKIP() << why;
+  const moe::MoeConfig& c = tiny().layer().config();
+  std::vector<std::unique_ptr<moe::kernels::Backend>> gpus;
+  gpus.push_back(moe::kernels::make_cuda_backend(0));
+  gpus.push_back(moe::kernels::make_cuda_backend(n > 1 ? 1 : 0));
+  ExpertExecutor ex(tiny().layer(), std::move(gpus), budgets(c, {4, 2}));
+  for (unsigned b = 0; b < 6; ++b) {
+    const Tensor x = rows(37, 16, 600 + b);
+    const Routing r = tiny().route(x);
+    EXPECT_TRUE(close(ex.run(x, r, ex.prefetch(r)), tiny().apply_experts(x, r), 1e-4)) << "batch " << b;
+  }
+  const std::vector<ExpertDeviceStats> st = ex.stats();
+  EXPECT_GT(st[0].cache.acquires, 0u);
+  EXPECT_GT(st[1].cache.acquires, 0u);
+  expect_consistent_and_idle(ex);
 }
 
 TEST(ExpertExecutorOnCuda, HalfBudgetWithPrefetchAhead) {

@@ -19,7 +19,12 @@ root=$(pwd)
 build=${GPU_BUNDLE_BUILD_DIR:-$root/build-gpu-bundle}
 arch=${GPU_BUNDLE_ARCH:-90}
 jobs=${MOE_BUILD_JOBS:-$(nproc)}
-suites=(backend expert_cache expert_parallel)
+# The engine's suites with GPU tests (the gst_* ones need GStreamer on the GPU machine).
+. tools/gpu-suites.sh
+suites=()
+for s in $(discover_gpu_suites); do
+  case $s in gst_*) ;; *) suites+=("$s") ;; esac
+done
 benches=(moe-bench-layer moe-bench-encoder moe-bench-preload)
 
 if [ -f "$build/build.ninja" ]; then

@@ -5,7 +5,7 @@
 # to run it with the device tool and where to record the results.
 #
 # Everything goes under ${OUT:-build-gpu/gpu-check} (at most 8 files, no sub-folders, so the
-# device tool brings all of it back): summary.md, gpu-check.log, tests-gpu.xml, tests-full.xml,
+# device tool brings all of it back): summary.md, gpu-check.log, tests.xml,
 # bench-layer.json, bench-encoder.json, bench-preload.json.
 #
 # Two ways to get binaries:
@@ -33,14 +33,12 @@ budget=${GPU_CHECK_BUDGET_S:-510}
 mode=${GPU_CHECK_MODE:-auto}
 jobs=${GPU_CHECK_JOBS:-$(nproc)}
 mkdir -p "$OUT"
-rm -f "$OUT"/summary.md "$OUT"/gpu-check.log "$OUT"/tests-*.xml "$OUT"/bench-*.json
+rm -f "$OUT"/summary.md "$OUT"/gpu-check.log "$OUT"/tests*.xml "$OUT"/bench-*.json
 
-# Suites with GPU tests; more are found below from the test names in tests/*.cpp.
-gpu_suites=(backend expert_cache expert_parallel)
-gpu_pattern='Cuda|Gpu|Nccl'
-gtest_gpu_filter='*Cuda*:*Gpu*:*Nccl*'
-# Tests named like GPU tests that skip *because* a GPU is present (they test the no-GPU path).
-expected_gpu_skips=(CudaBackend.UnavailableBackendSaysWhy)
+# Suites with GPU tests (discover_gpu_suites, gpu_pattern). Tests named like GPU tests that
+# skip *because* a GPU is present (they test the no-GPU path) say exactly
+# "a CUDA device is present"; any other GPU-test skip fails the check.
+. "$root/tools/gpu-suites.sh"
 
 start=$(date +%s)
 failures=()
@@ -127,16 +125,6 @@ gpu_arch() {  # "90" for compute capability 9.0; default 90 (H100/H200)
   echo "${cc:-90}"
 }
 
-# Suites (test file stems) that contain tests named like GPU tests, from the sources.
-discover_gpu_suites() {
-  local f s
-  for f in tests/test_*.cpp; do
-    if grep -Eq "^TEST(_F)?\([A-Za-z0-9_]*($gpu_pattern)[A-Za-z0-9_]*, |^TEST(_F)?\([A-Za-z0-9_]+, [A-Za-z0-9_]*($gpu_pattern)" "$f"; then
-      s=$(basename "$f" .cpp)
-      echo "${s#test_}"
-    fi
-  done
-}
 # "Suite.Name" of every test named like a GPU test in the sources of the suites in $SUITES.
 gpu_test_names() {
   local s files=()
@@ -264,8 +252,9 @@ PY
 check_tests() {
   python3 - "$@" <<'PY'
 import re, sys, xml.etree.ElementTree as ET
-xml, label, expected, pattern = sys.argv[1], sys.argv[2], set(sys.argv[3].split()), sys.argv[4]
-wanted = [n for n in sys.argv[5].split() if n]
+xml, label, pattern = sys.argv[1], sys.argv[2], sys.argv[3]
+wanted = [n for n in sys.argv[4].split() if n]
+expected = lambda m: m == "a CUDA device is present"
 try:
     root = ET.parse(xml).getroot()
 except Exception as e:
@@ -286,11 +275,11 @@ for c in root.iter("testcase"):
 gpu = lambda n: re.search(pattern, n) is not None
 gp = [n for n in passed if gpu(n)]
 gf = [n for n in failed if gpu(n)]
-gs = [(n, m) for n, m in skipped if gpu(n) and n not in expected]
+gs = [(n, m) for n, m in skipped if gpu(n) and not expected(m)]
 print(f"{label}: {len(passed)} passed, {len(failed)} failed, {len(skipped)} skipped "
       f"(GPU-named: {len(gp)} passed, {len(gf)} failed, {len(gs)} skipped unexpectedly)")
 for n, m in skipped:
-    tag = "expected on a GPU machine" if n in expected else ("GPU TEST SKIPPED" if gpu(n) else "skipped")
+    tag = "expected on a GPU machine" if expected(m) else ("GPU TEST SKIPPED" if gpu(n) else "skipped")
     print(f"  SKIPPED {n} [{tag}]: {m}")
 for n in failed:
     print(f"  FAILED  {n}")
@@ -366,9 +355,8 @@ main() {
   echo "gpu-check: $(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), budget ${budget}s, OUT=$OUT"
   step preflight 30 preflight || { summary "" "$mode" "not run: no GPU"; return 1; }
 
-  local s extra wanted
-  SUITES="${gpu_suites[*]}"
-  for s in $(discover_gpu_suites); do [[ " $SUITES " == *" $s "* ]] || SUITES="$SUITES $s"; done
+  local wanted
+  SUITES=$(discover_gpu_suites | paste -sd' ' -)
   wanted=$(gpu_test_names | tr '\n' ' ')
   echo "suites with GPU-named tests: $SUITES"
 
@@ -390,13 +378,11 @@ main() {
   [ -n "$missing" ] && echo "missing build dependencies: $missing"
   echo "mode: $mode"
 
-  local bin_dir tests_gpu tests_full rc_tests=0
+  local bin_dir tests
   if [ "$mode" = build ]; then
     if step configure 150 build_configure "$(gpu_arch)" && step build 330 build_targets; then
       bin_dir=$build
-      step "GPU tests (--gtest_filter=$gtest_gpu_filter)" 150 run_meson_tests "$OUT/tests-gpu.xml" \
-        --test-args="--gtest_filter=$gtest_gpu_filter"
-      step "full suites ($SUITES)" 240 run_meson_tests "$OUT/tests-full.xml"
+      step "suites with GPU tests ($SUITES)" 240 run_meson_tests "$OUT/tests.xml"
     elif [ $auto = 1 ] && [ -f "$root/.gpu-bundle/gpu-bundle.tar.gz" ]; then
       # The build failure stays a failure; the bundle still gets the tests and figures run.
       echo "build failed: going on with the prebuilt bundle"
@@ -414,18 +400,16 @@ main() {
     wanted=$(gpu_test_names | tr '\n' ' ')
     step "prebuilt setup" 60 prebuilt_setup || { summary "$(gpu_name)" "$mode" "not run: bundle unusable"; return 1; }
     bin_dir=$bundle_dir
-    step "GPU tests (--gtest_filter=$gtest_gpu_filter)" 150 run_prebuilt_tests "$OUT/tests-gpu.xml" \
-      --gtest_filter="$gtest_gpu_filter"
-    step "full suites ($SUITES)" 240 run_prebuilt_tests "$OUT/tests-full.xml"
+    # prebuilt_setup ran in a child: the tests and benches need its library path here too.
+    export LD_LIBRARY_PATH
+    LD_LIBRARY_PATH=$(cat "$bundle_dir/ld_library_path")
+    step "suites with GPU tests ($SUITES)" 240 run_prebuilt_tests "$OUT/tests.xml"
   fi
 
   echo "=== test results"
-  tests_gpu=$(check_tests "$OUT/tests-gpu.xml" "GPU tests" "${expected_gpu_skips[*]}" "$gpu_pattern" "$wanted") || {
-    rc_tests=1; failures+=("GPU tests: failures, unexpected skips or none run"); }
-  tests_full=$(check_tests "$OUT/tests-full.xml" "full suites" "${expected_gpu_skips[*]}" "$gpu_pattern" "$wanted") || {
-    rc_tests=1; failures+=("full suites: failures or unexpected GPU skips"); }
-  echo "$tests_gpu"
-  echo "$tests_full"
+  tests=$(check_tests "$OUT/tests.xml" "suites with GPU tests" "$gpu_pattern" "$wanted") || {
+    failures+=("tests: failures, unexpected GPU-test skips, or GPU tests not run"); }
+  echo "$tests"
 
   # Benchmarks in GPU mode (full sizes on cuda:0); the encoders on cuda:0 in fp32 and fp16.
   step "bench layer (cuda:0)" 120 "$bin_dir/bench/moe-bench-layer" --device cuda:0 --json "$OUT/bench-layer.json"
@@ -434,7 +418,7 @@ main() {
     --batches 1,8,32,64 --reps 3 --json "$OUT/bench-encoder.json"
 
   echo "=== done in $(($(date +%s) - start))s"
-  summary "$(gpu_name)" "$mode" "$tests_gpu"$'\n'"$tests_full"
+  summary "$(gpu_name)" "$mode" "$tests"
   [ ${#failures[@]} -eq 0 ]
 }
 

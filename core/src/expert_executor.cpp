@@ -7,15 +7,12 @@
 #include <string>
 #include <utility>
 
-#include "cpu_ops.h"
 #include "device_buffer.h"
 #include "moe/error.h"
 #include "moe/expert_store.h"
 #include "moe/model_cache.h"
 
 namespace moe {
-
-namespace cpu = kernels::cpu;
 
 // What the executor and its prefetch handles share: destroyed when the last of them is gone.
 struct ExpertExecutor::State {
@@ -95,18 +92,40 @@ std::shared_ptr<void> prefetch_on(const std::shared_ptr<State>& st, const Routin
   return std::shared_ptr<void>(p.release(), PrefetchDeleter{});
 }
 
-// One device's part of a batch, from upload to download.
+// One device's part of a batch: its slots' input rows in, the routing-weighted sum of their
+// experts' outputs out (per input row), all in that device's memory.
 struct DeviceWork {
   size_t device = 0;
-  int64_t rows = 0;  // rows of the device's input
-  int64_t k = 0;     // slots per input row: top_k when the device runs every slot, else 1
-  std::vector<int64_t> row_of;  // input row -> batch row, when k == 1
-  std::vector<float> x_host;    // gathered input rows (k == 1), kept until the device is done
-  std::vector<int32_t> ids;     // local expert per input slot
-  std::vector<float> weights;   // routing weight per input slot
-  std::vector<int64_t> offsets;
-  std::vector<DeviceBuffer> buf;  // x, ids, weights, x_sorted, slot_of, out_sorted, y
-  std::vector<float> y_host;
+  int64_t rows = 0;  // input rows on the device
+  int64_t k = 0;     // slots per input row: top_k when the device runs the whole batch, else 1
+  std::vector<int32_t> ids;     // local expert per slot
+  std::vector<float> weights;   // routing weight per slot
+  std::vector<int64_t> offsets;  // per local expert, from moe_permute
+  const float* x = nullptr;     // input rows
+  float* y = nullptr;           // output rows
+  int32_t* ids_dev = nullptr;   // ids and weights on the device
+  float* weights_dev = nullptr;
+  float* x_sorted = nullptr;    // rows grouped per local expert
+  int32_t* slot_of = nullptr;
+  float* out_sorted = nullptr;  // their experts' outputs
+  std::vector<DeviceBuffer> buf;
+  float* alloc(kernels::Backend& b, int64_t floats) {
+    buf.emplace_back(b, static_cast<size_t>(floats) * sizeof(float));
+    return buf.back().as<float>();
+  }
+};
+
+// The buffers of one run(): declared before the work is queued and freed after every device has
+// finished, also when run() throws.
+struct Batch {
+  std::vector<DeviceBuffer> home;  // on the home device
+  std::vector<DeviceWork> work;    // per device with slots
+  std::vector<int32_t> device_of;  // per slot, when the batch is split over devices
+  std::vector<float> ones;         // per slot: unit weights for summing the weighted slots
+  float* alloc_home(kernels::Backend& b, size_t bytes) {
+    home.emplace_back(b, bytes);
+    return home.back().as<float>();
+  }
 };
 
 }  // namespace
@@ -274,13 +293,43 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
   };
 
   const int64_t N = routing.rows, K = routing.top_k;
-  Tensor y = Tensor::zeros(DType::F32, {N, D});
+  const size_t fbytes = sizeof(float), ibytes = sizeof(int32_t);
   const std::vector<std::vector<int64_t>> slots = assign_slots(st, routing);
-  std::vector<DeviceWork> work;
-  work.reserve(st.devices.size());  // filled in place: on failure every queued transfer is in `work`
+  // Home: the device with the most slots. The batch goes there once; the slots of other devices
+  // travel to them and back by peer copies; residual and normalisation run there too.
+  size_t home = 0;
+  for (size_t d = 1; d < slots.size(); ++d)
+    if (slots[d].size() > slots[home].size()) home = d;
+  const bool split = slots[home].size() != static_cast<size_t>(N * K);
+  kernels::Backend& hb = *st.devices[home].backend;
+
+  Tensor y = Tensor::zeros(DType::F32, {N, D});
+  Batch batch;
+  batch.work.reserve(st.devices.size());
   try {
-    // 1. Upload each device's rows and group them per local expert (moe_permute returns the
-    //    offsets on the host, so it waits for that device's queue).
+    float* x_home = batch.alloc_home(hb, static_cast<size_t>(N * D) * fbytes);
+    float* y_home = batch.alloc_home(hb, static_cast<size_t>(N * D) * fbytes);
+    hb.copy_from_host(x_home, x.data<float>(), static_cast<size_t>(N * D) * fbytes);
+    // 1. Split: group the batch's slots by device on home (moe_permute with the device as the
+    //    "expert"), so that each device's rows are one contiguous block to copy.
+    float *x_by_device = nullptr, *out_by_device = nullptr;
+    int32_t* slot_of_device = nullptr;
+    std::vector<int64_t> device_offsets;
+    if (split) {
+      std::vector<int32_t>& device_of = batch.device_of;
+      device_of.resize(static_cast<size_t>(N * K));
+      for (size_t d = 0; d < slots.size(); ++d)
+        for (int64_t s : slots[d]) device_of[static_cast<size_t>(s)] = static_cast<int32_t>(d);
+      auto* device_ids = reinterpret_cast<int32_t*>(batch.alloc_home(hb, device_of.size() * ibytes));
+      x_by_device = batch.alloc_home(hb, static_cast<size_t>(N * K * D) * fbytes);
+      out_by_device = batch.alloc_home(hb, static_cast<size_t>(N * K * D) * fbytes);
+      slot_of_device = reinterpret_cast<int32_t*>(batch.alloc_home(hb, device_of.size() * ibytes));
+      hb.copy_from_host(device_ids, device_of.data(), device_of.size() * ibytes);
+      device_offsets = hb.moe_permute(device_ids, N, K, static_cast<int64_t>(slots.size()), x_home, D, x_by_device,
+                                      slot_of_device);
+    }
+    // 2. Each device with slots gets its rows and groups them per local expert (moe_permute
+    //    returns the offsets on the host, so it waits for that device's queue).
     for (size_t d = 0; d < st.devices.size(); ++d) {
       if (slots[d].empty()) continue;
       State::Device& dev = st.devices[d];
@@ -294,71 +343,72 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
                       dev.name + " (it was made for another routing)");
       }
       kernels::Backend& b = *dev.backend;
-      work.emplace_back();
-      DeviceWork& w = work.back();
+      batch.work.emplace_back();
+      DeviceWork& w = batch.work.back();
       w.device = d;
-      const bool all_slots = static_cast<int64_t>(slots[d].size()) == N * K;
-      w.k = all_slots ? K : 1;
-      w.rows = all_slots ? N : static_cast<int64_t>(slots[d].size());
-      for (int64_t s : slots[d]) {
+      w.k = split ? 1 : K;
+      w.rows = split ? static_cast<int64_t>(slots[d].size()) : N;
+      for (int64_t s : slots[d]) {  // slot order: the order moe_permute keeps within a device
         w.ids.push_back(dev.local[static_cast<size_t>(routing.expert_ids[static_cast<size_t>(s)])]);
         w.weights.push_back(routing.weights[static_cast<size_t>(s)]);
       }
-      const float* x_src = x.data<float>();
-      if (!all_slots) {  // one input row per slot: the row it belongs to
-        w.x_host.resize(static_cast<size_t>(w.rows * D));
-        for (int64_t i = 0; i < w.rows; ++i) {
-          const int64_t row = slots[d][static_cast<size_t>(i)] / K;
-          w.row_of.push_back(row);
-          std::memcpy(w.x_host.data() + i * D, x_src + row * D, static_cast<size_t>(D) * sizeof(float));
-        }
-        x_src = w.x_host.data();
-      }
       const int64_t S = w.rows * w.k;
-      const size_t fbytes = sizeof(float), ibytes = sizeof(int32_t);
-      for (size_t bytes : {static_cast<size_t>(w.rows * D) * fbytes, static_cast<size_t>(S) * ibytes,
-                           static_cast<size_t>(S) * fbytes, static_cast<size_t>(S * D) * fbytes,
-                           static_cast<size_t>(S) * ibytes, static_cast<size_t>(S * D) * fbytes,
-                           static_cast<size_t>(w.rows * D) * fbytes})
-        w.buf.emplace_back(b, bytes);
-      b.copy_from_host(w.buf[0].as<float>(), x_src, static_cast<size_t>(w.rows * D) * fbytes);
-      b.copy_from_host(w.buf[1].as<int32_t>(), w.ids.data(), w.ids.size() * ibytes);
-      b.copy_from_host(w.buf[2].as<float>(), w.weights.data(), w.weights.size() * fbytes);
-      w.offsets = b.moe_permute(w.buf[1].as<int32_t>(), w.rows, w.k, static_cast<int64_t>(dev.experts.size()),
-                                w.buf[0].as<float>(), D, w.buf[3].as<float>(), w.buf[4].as<int32_t>());
+      if (!split) {
+        w.x = x_home;
+        w.y = y_home;
+      } else if (d == home) {
+        w.x = x_by_device + device_offsets[d] * D;
+        w.y = out_by_device + device_offsets[d] * D;
+      } else {
+        float* x_in = w.alloc(b, w.rows * D);
+        hb.copy_to_peer(b, x_in, x_by_device + device_offsets[d] * D, static_cast<size_t>(w.rows * D) * fbytes);
+        w.x = x_in;
+        w.y = w.alloc(b, w.rows * D);
+      }
+      w.ids_dev = reinterpret_cast<int32_t*>(w.alloc(b, S));  // int32 and f32 have the same size
+      w.weights_dev = w.alloc(b, S);
+      w.x_sorted = w.alloc(b, S * D);
+      w.slot_of = reinterpret_cast<int32_t*>(w.alloc(b, S));
+      w.out_sorted = w.alloc(b, S * D);
+      b.copy_from_host(w.ids_dev, w.ids.data(), w.ids.size() * ibytes);
+      b.copy_from_host(w.weights_dev, w.weights.data(), w.weights.size() * fbytes);
+      w.offsets = b.moe_permute(w.ids_dev, w.rows, w.k, static_cast<int64_t>(dev.experts.size()), w.x, D,
+                                w.x_sorted, w.slot_of);
     }
-    // 2. Queue the experts on every device; each waits only for the copies of its own experts.
-    for (DeviceWork& w : work) {
+    // 3. Queue the experts on every device (each waits only for the copies of its own experts)
+    //    and the way back to home.
+    for (DeviceWork& w : batch.work) {
       State::Device& dev = st.devices[w.device];
       std::vector<kernels::ExpertWeights> experts(dev.experts.size());
       for (size_t l = 0; l < experts.size(); ++l)
         if (w.offsets[l + 1] > w.offsets[l]) experts[l] = pins.leases[w.device]->acquire(static_cast<int32_t>(l));
-      dev.backend->grouped_swiglu(w.buf[3].as<float>(), w.offsets, experts, D, I, w.buf[5].as<float>());
-      dev.backend->moe_unpermute(w.buf[5].as<float>(), w.buf[4].as<int32_t>(), w.buf[2].as<float>(), w.rows, w.k, D,
-                                 w.buf[6].as<float>());
+      dev.backend->grouped_swiglu(w.x_sorted, w.offsets, experts, D, I, w.out_sorted);
+      dev.backend->moe_unpermute(w.out_sorted, w.slot_of, w.weights_dev, w.rows, w.k, D, w.y);
+      if (split && w.device != home)
+        dev.backend->copy_to_peer(hb, out_by_device + device_offsets[w.device] * D, w.y,
+                                  static_cast<size_t>(w.rows * D) * fbytes);
     }
-    // 3. Download (waits for each device) and sum the slots of every row.
-    float* yp = y.data<float>();
-    for (DeviceWork& w : work) {
-      w.y_host.resize(static_cast<size_t>(w.rows * D));
-      st.devices[w.device].backend->copy_to_host(w.y_host.data(), w.buf[6].as<float>(), w.y_host.size() * sizeof(float));
-      for (int64_t i = 0; i < w.rows; ++i) {
-        const int64_t row = w.row_of.empty() ? i : w.row_of[static_cast<size_t>(i)];
-        cpu::add_inplace(yp + row * D, w.y_host.data() + i * D, D);
-      }
+    // 4. On home: sum the (already weighted) slots of every row, add the residual, normalise.
+    if (split) {
+      batch.ones.assign(static_cast<size_t>(N * K), 1.0f);
+      float* unit = batch.alloc_home(hb, batch.ones.size() * fbytes);
+      hb.copy_from_host(unit, batch.ones.data(), batch.ones.size() * fbytes);
+      hb.moe_unpermute(out_by_device, slot_of_device, unit, N, K, D, y_home);
     }
+    hb.add(y_home, x_home, N * D);
+    hb.l2_normalize_rows(y_home, N, D, 1e-12f);
+    // Waits for home, which waited (through the peer copies) for every other device.
+    hb.copy_to_host(y.data<float>(), y_home, static_cast<size_t>(N * D) * fbytes);
   } catch (...) {
-    // Work still queued may read the pinned slots: let it finish before the pins go.
-    for (const DeviceWork& w : work) try {
-        st.devices[w.device].backend->synchronize();
+    // Work still queued may read the pinned slots and the batch's buffers: let it finish first.
+    for (State::Device& dev : st.devices) try {
+        dev.backend->synchronize();
       } catch (...) {
       }
     release();
     throw;
   }
   release();
-  cpu::add_inplace(y.data<float>(), x.data<float>(), N * D);
-  cpu::l2_normalize_rows(y.data<float>(), N, D);
   return y;
 }
 

@@ -132,6 +132,12 @@ class CpuBackend final : public Backend {
   void copy_from_host(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
   void copy_to_host(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
   void copy_on_device(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
+  // Operations run synchronously here, so the copy is ordered with both backends' work already.
+  void copy_to_peer(Backend& peer, void* dst, const void* src, size_t bytes) override {
+    if (!peer.is_host_memory())
+      throw Error("cpu: copy_to_peer: " + peer.name() + " is not host memory (copy through the host instead)");
+    copy(dst, src, bytes);
+  }
   std::shared_ptr<Event> copy_from_host_async(void* dst, const void* src, size_t bytes) override {
     if (!copies_) {
       copy(dst, src, bytes);

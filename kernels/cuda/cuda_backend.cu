@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <set>
+#include <utility>
 #include <string>
 
 #include "backend.h"
@@ -173,6 +175,21 @@ class CudaBackend final : public Backend {
     check(ctx_, "copy_on_device", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ctx_.stream),
           "cudaMemcpyAsync");
   }
+  void copy_to_peer(Backend& peer, void* dst, const void* src, size_t bytes) override {
+    const char* op = "copy_to_peer";
+    auto* to = dynamic_cast<CudaBackend*>(&peer);
+    if (!to) throw Error(ctx_.name + ": " + op + ": " + peer.name() + " is not a CUDA device (copy through the host)");
+    if (!bytes) return;
+    if (to == this) return copy_on_device(dst, src, bytes);
+    enable_peer_access(to->ctx_.device);
+    // peer's queue -> our queue: the copy must not overwrite what peer's earlier work still reads.
+    fence(*to, *this, op);
+    on_device(op);
+    check(ctx_, op, cudaMemcpyPeerAsync(dst, to->ctx_.device, src, ctx_.device, bytes, ctx_.stream),
+          "cudaMemcpyPeerAsync");
+    // our queue -> peer's queue: peer's later work reads the copied rows.
+    fence(*this, *to, op);
+  }
   std::shared_ptr<Event> copy_from_host_async(void* dst, const void* src, size_t bytes) override {
     const char* op = "copy_from_host_async";
     on_device(op);
@@ -279,6 +296,42 @@ class CudaBackend final : public Backend {
  private:
   // The runtime's current device is per host thread: set it on every entry.
   void on_device(const char* op) const { check(ctx_, op, cudaSetDevice(ctx_.device), "cudaSetDevice"); }
+  // Work queued on `to`'s compute stream from now on starts after everything queued so far on
+  // `from`'s (across devices too: an event may be waited on by another device's stream).
+  static void fence(const CudaBackend& from, const CudaBackend& to, const char* op) {
+    if (from.ctx_.stream == to.ctx_.stream) return;
+    from.on_device(op);
+    cudaEvent_t event = nullptr;
+    check(from.ctx_, op, cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate(fence)");
+    cudaError_t err = cudaEventRecord(event, from.ctx_.stream);
+    if (err == cudaSuccess) {
+      to.on_device(op);
+      err = cudaStreamWaitEvent(to.ctx_.stream, event, 0);
+    }
+    from.on_device(op);
+    cudaEventDestroy(event);  // fine while pending: released once it completes
+    check(from.ctx_, op, err, "cudaEventRecord/cudaStreamWaitEvent(fence)");
+  }
+  // Direct peer-to-peer transfers where the hardware allows (NVLink, PCIe P2P); without it
+  // cudaMemcpyPeerAsync still works, staged through host memory by the driver. Enabled once per
+  // device pair for the process (the runtime keeps it per context).
+  void enable_peer_access(int peer_device) const {
+    if (peer_device == ctx_.device) return;
+    static std::mutex mu;
+    static std::set<std::pair<int, int>> tried;
+    std::lock_guard<std::mutex> lock(mu);
+    if (!tried.insert({ctx_.device, peer_device}).second) return;
+    int can = 0;
+    check(ctx_, "copy_to_peer", cudaDeviceCanAccessPeer(&can, ctx_.device, peer_device), "cudaDeviceCanAccessPeer");
+    if (!can) return;
+    on_device("copy_to_peer");
+    const cudaError_t err = cudaDeviceEnablePeerAccess(peer_device, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();
+      return;
+    }
+    check(ctx_, "copy_to_peer", err, "cudaDeviceEnablePeerAccess");
+  }
   cudaEvent_t own(const Event& event, const char* op) const {
     const auto* e = dynamic_cast<const CudaEvent*>(&event);
     if (!e || e->owner != this) throw Error(ctx_.name + ": " + op + ": the event belongs to another backend");

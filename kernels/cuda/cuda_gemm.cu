@@ -6,6 +6,7 @@
 #include <cublas_api.h>
 
 #include <algorithm>
+#include <cstdint>
 
 #include "cuda_common.h"
 
@@ -69,8 +70,15 @@ void grouped_gemm(Ctx& ctx, const char* op, WeightType type, const std::vector<G
     check_int(ctx, op, std::max({p.lda, p.ldb, p.ldc}), "leading dimension");
   }
   const bool half = type != WeightType::F32;
+  // The grouped call reads its matrix pointers from device memory, so cuBLAS cannot check their
+  // alignment and may pick vectorised kernels; rows at odd offsets (d or inter not a multiple of
+  // 4 floats / 8 halves) go through cublasGemmEx, which sees the pointers.
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const bool all_aligned = std::all_of(problems.begin(), problems.end(), [&](const GemmProblem& p) {
+    return aligned(p.a) && aligned(p.b) && aligned(p.c);
+  });
 #if CUBLAS_VER_MAJOR > 12 || (CUBLAS_VER_MAJOR == 12 && CUBLAS_VER_MINOR >= 5)
-  if (!half || ctx.grouped_half_f32_out != 0) {
+  if (all_aligned && (!half || ctx.grouped_half_f32_out != 0)) {
     // Every problem is a group of one (experts have different row counts). Host arrays for the
     // shapes and scalars; device arrays for the matrix pointers.
     const size_t g = problems.size();
@@ -112,6 +120,7 @@ void grouped_gemm(Ctx& ctx, const char* op, WeightType type, const std::vector<G
 #else
   (void)dev_ptrs;
   (void)half;
+  (void)all_aligned;
 #endif
   for (const GemmProblem& p : problems) gemm_one(ctx, op, type, p);
 }

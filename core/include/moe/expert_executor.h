@@ -19,9 +19,13 @@
 //  - Staging is per device and holds only the experts placed on that device (with local ids), in
 //    that device's staging memory (CUDA: page-locked by that device's context). Host memory is the
 //    experts once, plus their replicas; nothing needs to be shared between devices.
-//  - A batch slot (row, j) runs on choose_replica(expert, row). Rows travel to the devices through
-//    the host (upload, then download of the per-slot results, summed per row on the host; peer
-//    copies are an optimisation for later). Residual and L2 normalisation run on the host.
+//  - A batch slot (row, j) runs on choose_replica(expert, row). The batch is uploaded once, to
+//    its home: the device with the most of its slots. When other devices have slots too, home
+//    groups the slots by device (moe_permute with the device as the key) and each device's block
+//    of rows travels to it and its weighted expert outputs back by Backend::copy_to_peer (CUDA:
+//    cudaMemcpyPeerAsync, direct over NVLink/PCIe where peer access is possible); home sums them
+//    per row, adds the residual, normalises, and the result is downloaded once. Streams are
+//    ordered by events, so the host waits only for that final download.
 //  - Qwen2-MoE shared experts are not run by the executor: construction throws (see the class).
 //
 // Threads: prefetch() and stats() may be called from any thread, concurrently with run();
