@@ -35,6 +35,7 @@ GST_DEBUG_CATEGORY_STATIC(gst_moe_expert_debug);
 #define DEFAULT_DEVICE "cpu"
 #define DEFAULT_PRECISION GST_MOE_PRECISION_FP32
 #define DEFAULT_CACHE_BUDGET 0.85
+#define DEFAULT_REBALANCE_INTERVAL 256
 
 namespace {
 
@@ -45,6 +46,7 @@ struct ExpertState {
   std::string device = DEFAULT_DEVICE;
   GstMoePrecision precision = DEFAULT_PRECISION;
   double cache_budget = DEFAULT_CACHE_BUDGET;
+  guint rebalance_interval = DEFAULT_REBALANCE_INTERVAL;
 
   // The executor (null on the CPU path): set by start(), cleared by stop(), under the object
   // lock because the executor query and the 'stats' property read it from other threads.
@@ -93,7 +95,7 @@ struct _GstMoeExpert {
   ExpertState* st;
 };
 
-enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_CACHE_BUDGET, PROP_STATS };
+enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_CACHE_BUDGET, PROP_REBALANCE_INTERVAL, PROP_STATS };
 
 static GstStaticPadTemplate sink_template =
     GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
@@ -125,6 +127,9 @@ static void gst_moe_expert_set_property(GObject* object, guint prop_id, const GV
     case PROP_CACHE_BUDGET:
       self->st->cache_budget = g_value_get_double(value);
       break;
+    case PROP_REBALANCE_INTERVAL:
+      self->st->rebalance_interval = g_value_get_uint(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -155,6 +160,11 @@ static void gst_moe_expert_get_property(GObject* object, guint prop_id, GValue* 
       g_value_set_double(value, self->st->cache_budget);
       GST_OBJECT_UNLOCK(self);
       break;
+    case PROP_REBALANCE_INTERVAL:
+      GST_OBJECT_LOCK(self);
+      g_value_set_uint(value, self->st->rebalance_interval);
+      GST_OBJECT_UNLOCK(self);
+      break;
     case PROP_STATS: {
       GstStructure* s = self->st->stats.to_structure("moe-expert-stats", "expert-rows");
       gst_structure_set(s, "batches-prefetched", G_TYPE_UINT64, self->st->batches_prefetched.load(), nullptr);
@@ -162,6 +172,8 @@ static void gst_moe_expert_get_property(GObject* object, guint prop_id, GValue* 
       std::shared_ptr<moe::ExpertExecutor> executor = self->st->executor;
       GST_OBJECT_UNLOCK(self);
       GValue devices = G_VALUE_INIT;
+      gst_structure_set(s, "placement-changes", G_TYPE_UINT64, executor ? executor->placement_changes() : guint64{0},
+                        nullptr);
       if (executor) {
         devices = device_stats(*executor);
       } else {
@@ -185,6 +197,7 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   const std::string device = st->device;
   const GstMoePrecision precision = st->precision;
   const double cache_budget = st->cache_budget;
+  const guint rebalance_interval = st->rebalance_interval;
   GST_OBJECT_UNLOCK(self);
 
   std::shared_ptr<const moe::MoeAdapter> adapter = gstmoe::adapter::load(GST_ELEMENT(self), dir);
@@ -196,6 +209,7 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
     moe::ExpertExecutorOptions options;
     options.precision = gstmoe::weight_type(precision);
     options.budget_fraction = cache_budget;
+    options.rebalance_interval = static_cast<int>(rebalance_interval);
     try {
       executor = std::make_shared<moe::ExpertExecutor>(adapter->layer(), device, options);
     } catch (const std::exception& e) {  // moe::Error names the device and the reason
@@ -403,7 +417,8 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
       gobject_class, PROP_DEVICE,
       g_param_spec_string("device", "Device",
                           "Where the experts run: \"cpu\", \"cuda:N\", a list \"cuda:0,cuda:1\" (experts placed over "
-                          "the devices by free memory, rows sent to the device holding their expert) or \"all\" "
+                          "the devices by free memory and, after rebalance-interval batches, by load; rows sent to a device "
+                          "holding their expert) or \"all\" "
                           "(every CUDA device). A device that cannot be used fails the start, saying why",
                           DEFAULT_DEVICE,
                           static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
@@ -424,10 +439,20 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
                           0.05, 1.0, DEFAULT_CACHE_BUDGET,
                           static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
   g_object_class_install_property(
+      gobject_class, PROP_REBALANCE_INTERVAL,
+      g_param_spec_uint("rebalance-interval", "Rebalance interval",
+                        "With several devices: every this many batches, place the experts again by the rows each "
+                        "ran on during those batches, so that hot experts get replicas on other devices and their "
+                        "rows are shared (see placement-changes in stats). 0: the placement made at start, by free "
+                        "memory only, stays",
+                        0, G_MAXINT, DEFAULT_REBALANCE_INTERVAL,
+                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+  g_object_class_install_property(
       gobject_class, PROP_STATS,
       g_param_spec_boxed("stats", "Statistics",
                          "Since the element started: rows and batches processed, expert-rows (per expert, how many "
-                         "rows it ran on), batches-prefetched (batches whose experts moe-route preloaded), and "
+                         "rows it ran on), batches-prefetched (batches whose experts moe-route preloaded), "
+                         "placement-changes (how often rebalance-interval moved experts), and "
                          "devices: per device of the expert executor (none on the plain CPU path) the experts it "
                          "serves, its cache slots and budget-bytes, and the cache counters hits, misses, "
                          "bytes-copied, evictions, copies-hidden (copies finished before the experts were needed), "

@@ -64,6 +64,11 @@ class Backend {
   // Host memory the backend copies from asynchronously (CUDA: page-locked).
   virtual void* allocate_host_staging(size_t bytes) = 0;
   virtual void free_host_staging(void* ptr) = 0;
+  // True when staging memory that `owner` allocated may be the source of this backend's
+  // copy_from_host_async, as fast as its own (one copy of the experts in host memory serves
+  // every device): CUDA page-locked staging is portable across the devices of a process; any
+  // host memory serves a CPU backend. `owner` must outlive the copies.
+  virtual bool shares_staging_with(const Backend& owner) const = 0;
   // Queued with the operations; `src` must stay valid until the next synchronize().
   virtual void copy_from_host(void* dst, const void* src, size_t bytes) = 0;
   // Waits for the queued operations, then copies.

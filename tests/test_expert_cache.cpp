@@ -434,8 +434,16 @@ TEST(ExpertCache, BudgetsTooSmallFailClearly) {
                {"one batch needs 3 distinct experts", "holds only 2", "budget"});
   EXPECT_EQ(cache.stats().prefetch_failures, 1u);
   expect_error([&] { cache.prefetch({8}); }, {"expert 8", "[0, 8)"});
+}
+
+// A cache on one CPU backend copies from a store staged by another (host memory serves both).
+TEST(ExpertCache, CopiesFromAnotherBackendsStaging) {
+  Rig rig(8, 8, 16);
   auto other = moe::kernels::make_cpu_backend();
-  expect_error([&] { ExpertCache(*other, rig.store, rig.slots(2)); }, {"staging memory belongs to backend"});
+  ExpertCache cache(*other, rig.store, rig.slots(2));
+  auto lease = cache.prefetch({3, 5});
+  const moe::kernels::ExpertWeights w = lease->acquire(5);
+  EXPECT_EQ(std::memcmp(w.w1.data, rig.store.expert_data(5), rig.store.expert_bytes(5)), 0);
 }
 
 TEST(ExpertCache, LeaseMisuseFailsClearly) {
@@ -501,4 +509,8 @@ TEST(ExpertCacheOnCuda, CopiesLandIntactAndPinnedExpertsStay) {
               << s.copies_hidden << "/" << s.copies_exposed << ", host wait " << s.exposed_wait_ns << " ns\n";
     cache.check_invariants();
   }
+  // A CUDA cache cannot take host staging that is not page-locked (a CPU backend's).
+  Rig host(8, 8, 16);
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  expect_error([&] { ExpertCache(*gpu, host.store, host.slots(2)); }, {"cuda:0", "cannot copy from asynchronously"});
 }

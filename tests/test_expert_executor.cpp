@@ -272,7 +272,8 @@ TEST(ExpertExecutor, TwoDevicesWithDifferentBudgetsGiveTheSameOutput) {
   ExpertExecutor two(tiny().layer(), cpu_devices(2), budgets(c, {4, 2}));
   EXPECT_EQ(two.device_names(), (std::vector<std::string>{"cpu#0", "cpu#1"}));
   // The roomier device serves more experts; every expert is served exactly once.
-  const auto& devs = two.placement().devices();
+  const moe::ExpertPlacement placement = two.placement();
+  const auto& devs = placement.devices();
   ASSERT_EQ(devs.size(), 2u);
   EXPECT_EQ(devs[0].experts.size(), 4u);
   EXPECT_EQ(devs[1].experts.size(), 2u);
@@ -330,10 +331,75 @@ TEST(ExpertExecutor, HotExpertsAreReplicatedAndShareTheRows) {
   expect_consistent_and_idle(ex);
 }
 
+// Load measured while running replicates the hot expert; a batch prefetched before the change
+// still runs where its experts were pinned.
+TEST(ExpertExecutor, RebalanceReplicatesAHotExpertAtRunTime) {
+  const moe::MoeConfig& c = tiny().layer().config();
+  ExpertExecutor ex(tiny().layer(), cpu_devices(2), budgets(c, {6, 6}));
+  for (int e = 0; e < 6; ++e) ASSERT_EQ(ex.placement().devices_of(e).size(), 1u) << e;  // no load known yet
+  const int64_t n = 12;
+  const Tensor x = rows(n, 16, 80);
+  Routing r;  // every row uses expert 2
+  r.rows = n;
+  r.top_k = 2;
+  std::vector<int64_t> load(6, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t other = static_cast<int32_t>(i % 6 == 2 ? 3 : i % 6);
+    r.expert_ids.insert(r.expert_ids.end(), {2, other});
+    r.weights.insert(r.weights.end(), {0.8f, 0.2f});
+    ++load[2];
+    ++load[static_cast<size_t>(other)];
+  }
+  std::shared_ptr<void> before = ex.prefetch(r);  // every slot of expert 2 on its one device
+
+  EXPECT_TRUE(ex.rebalance(load));
+  EXPECT_EQ(ex.placement_changes(), 1u);
+  const moe::ExpertPlacement after = ex.placement();
+  ASSERT_EQ(after.devices_of(2).size(), 2u);
+  EXPECT_EQ(ex.stats()[0].experts, after.devices()[0].experts);
+  EXPECT_FALSE(ex.rebalance(load));  // the same load: nothing to change
+  EXPECT_EQ(ex.placement_changes(), 1u);
+
+  const Tensor want = tiny().apply_experts(x, r);
+  // Run with the new placement, this batch would look for expert 2 on a device it did not pin.
+  EXPECT_TRUE(close(ex.run(x, r, before), want, 1e-5));
+  EXPECT_TRUE(close(ex.run(x, r, ex.prefetch(r)), want, 1e-5));  // the new placement: 2 on both devices
+  for (const ExpertDeviceStats& s : ex.stats())
+    EXPECT_GE(s.cache.acquires, 1u) << s.device;
+  expect_consistent_and_idle(ex);
+  expect_error([&] { ex.rebalance({1, 2}); }, {"2 expert loads", "6 experts"});
+}
+
+TEST(ExpertExecutor, RunRebalancesEveryIntervalFromTheRowsItRan) {
+  const moe::MoeConfig& c = tiny().layer().config();
+  ExpertExecutorOptions o = budgets(c, {6, 6});
+  o.rebalance_interval = 3;
+  ExpertExecutor ex(tiny().layer(), cpu_devices(2), o);
+  Routing hot;  // expert 4 in every row
+  hot.rows = 8;
+  hot.top_k = 2;
+  for (int64_t i = 0; i < hot.rows; ++i) {
+    hot.expert_ids.insert(hot.expert_ids.end(), {4, static_cast<int32_t>(i % 4)});
+    hot.weights.insert(hot.weights.end(), {0.5f, 0.5f});
+  }
+  const Tensor x = rows(hot.rows, 16, 81);
+  for (int b = 0; b < 2; ++b) ex.run(x, hot, nullptr);
+  EXPECT_EQ(ex.placement_changes(), 0u);  // two batches: the window is not full yet
+  EXPECT_EQ(ex.placement().devices_of(4).size(), 1u);
+  ex.run(x, hot, nullptr);
+  EXPECT_EQ(ex.placement_changes(), 1u);
+  EXPECT_EQ(ex.placement().devices_of(4).size(), 2u);
+  EXPECT_TRUE(close(ex.run(x, hot, nullptr), tiny().apply_experts(x, hot), 1e-5));
+  expect_consistent_and_idle(ex);
+  o.rebalance_interval = -1;
+  expect_error([&] { ExpertExecutor(tiny().layer(), cpu_devices(2), o); }, {"rebalance interval -1"});
+}
+
 TEST(ExpertExecutor, OversubscribedDevicesShareTheExpertsByBudget) {
   const moe::MoeConfig& c = tiny().layer().config();
   ExpertExecutor ex(tiny().layer(), cpu_devices(2), budgets(c, {3, 2}));  // 5 slots for 6 experts
-  const auto& devs = ex.placement().devices();
+  const moe::ExpertPlacement placement = ex.placement();
+  const auto& devs = placement.devices();
   EXPECT_EQ(devs[0].experts.size() + devs[1].experts.size(), 6u);  // no replicas
   EXPECT_GT(devs[0].experts.size(), devs[1].experts.size());
   std::mt19937 rng(3);

@@ -189,6 +189,7 @@ struct DeviceCounters {
 };
 struct ExecutorStats {
   guint64 batches_prefetched = 0;
+  guint64 placement_changes = 0;
   std::vector<DeviceCounters> devices;
 };
 
@@ -201,6 +202,7 @@ ExecutorStats read_executor_stats(Harness& h) {
   EXPECT_NE(s, nullptr);
   if (!s) return out;
   EXPECT_TRUE(gst_structure_get_uint64(s, "batches-prefetched", &out.batches_prefetched));
+  EXPECT_TRUE(gst_structure_get_uint64(s, "placement-changes", &out.placement_changes));
   const GValue* devices = gst_structure_get_value(s, "devices");
   EXPECT_TRUE(devices && GST_VALUE_HOLDS_ARRAY(devices));
   for (guint i = 0; devices && GST_VALUE_HOLDS_ARRAY(devices) && i < gst_value_array_get_size(devices); ++i) {
@@ -544,10 +546,13 @@ TEST_F(RouteExpertTest, PropertiesHaveTheirDefaults) {
   gchar* device = nullptr;
   gint precision = -1;
   gdouble budget = 0;
-  g_object_get(e, "device", &device, "precision", &precision, "cache-budget", &budget, nullptr);
+  guint interval = 0;
+  g_object_get(e, "device", &device, "precision", &precision, "cache-budget", &budget, "rebalance-interval",
+               &interval, nullptr);
   EXPECT_STREQ(device, "cpu");
   EXPECT_EQ(precision, GST_MOE_PRECISION_FP32);
   EXPECT_DOUBLE_EQ(budget, 0.85);
+  EXPECT_EQ(interval, 256u);
   g_free(device);
   GParamSpecDouble* spec =
       G_PARAM_SPEC_DOUBLE(g_object_class_find_property(G_OBJECT_GET_CLASS(e), "cache-budget"));
@@ -603,6 +608,7 @@ TEST_F(RouteExpertTest, ReducedPrecisionRunsOnTheExecutorWithPreload) {
     }
     const ExecutorStats stats = read_executor_stats(h);
     EXPECT_EQ(stats.batches_prefetched, 3u);  // every batch arrived preloaded by moe-route
+    EXPECT_EQ(stats.placement_changes, 0u);   // one device: nothing to re-place
     ASSERT_EQ(stats.devices.size(), 1u);
     const DeviceCounters& d = stats.devices[0];
     EXPECT_EQ(d.device, "cpu");

@@ -178,9 +178,10 @@ kernels::ExpertWeights BatchLease::acquire(int32_t expert) {
 ExpertCache::ExpertCache(kernels::Backend& backend, const HostExpertStore& store, const ExpertCacheOptions& options)
     : core_(std::make_shared<BatchLease::Core>(backend, store)) {
   BatchLease::Core& c = *core_;
-  if (&store.backend() != &backend)
-    throw Error("expert cache on " + backend.name() + ": the expert store's staging memory belongs to backend " +
-                store.backend().name() + " (another instance); build the store with the cache's backend");
+  if (&store.backend() != &backend && !backend.shares_staging_with(store.backend()))
+    throw Error("expert cache on " + backend.name() + ": the expert store's staging memory belongs to " +
+                store.backend().name() + ", which " + backend.name() +
+                " cannot copy from asynchronously; build the store with the cache's backend");
   c.slot_bytes = store.max_expert_bytes();
   if (options.budget_bytes > 0) {
     c.budget = options.budget_bytes;

@@ -19,28 +19,44 @@ struct ExpertExecutor::State {
   struct Device {
     std::string name;
     size_t budget = 0;
-    std::vector<int> experts;      // local id -> expert (ascending)
-    std::vector<int32_t> local;    // expert -> local id, -1 when not placed here
-    // Destroyed in reverse order: the cache (waits for its copies), its store, then the backend.
-    std::unique_ptr<kernels::Backend> backend;
-    std::unique_ptr<HostExpertStore> store;  // null when no expert is placed here
+    kernels::Backend* backend = nullptr;  // one of `backends`
     std::unique_ptr<ExpertCache> cache;
   };
 
   MoeConfig config;
   kernels::WeightType precision = kernels::WeightType::F32;
-  ExpertPlacement placement;
+  size_t slot_bytes = 0;
+  // What rebalance() plans over: each device's share of memory, and the options.
+  std::vector<DeviceMemory> placement_memory;
+  PlacementOptions placement_options;
+  // Destroyed in reverse order: the caches (they wait for their copies), the store, the backends.
+  std::vector<std::unique_ptr<kernels::Backend>> backends;
+  std::unique_ptr<HostExpertStore> store;  // every routed expert, staged by backends[0]
   std::vector<Device> devices;
+
+  mutable std::mutex placement_mu;  // guards placement and placement_changes
+  std::shared_ptr<const ExpertPlacement> placement;
+  uint64_t placement_changes = 0;
   std::mutex run_mu;  // one run() at a time: it drives the backends' compute queues
+  // Load since the last automatic rebalance (under run_mu).
+  int rebalance_interval = 0;
+  int batches_in_window = 0;
+  std::vector<int64_t> window_load;
+
+  std::shared_ptr<const ExpertPlacement> current_placement() const {
+    std::lock_guard<std::mutex> lock(placement_mu);
+    return placement;
+  }
 };
 
 namespace {
 
 using State = ExpertExecutor::State;
 
-// The opaque prefetch handle: the pins of one batch, per device.
+// The opaque prefetch handle: where each slot of one batch runs, and its pins per device.
 struct Prefetch {
   std::shared_ptr<State> state;                     // keeps the devices alive; identifies the owner
+  std::vector<int32_t> device_of;                   // per slot (row · top_k + j)
   std::vector<std::shared_ptr<BatchLease>> leases;  // per device; null where the batch has no slot
   ~Prefetch() { leases.clear(); }                   // unpin before the state may go
 };
@@ -67,28 +83,23 @@ void check_routing(const State& st, const Routing& r) {
                   ")");
 }
 
-// Per device, the batch slots (row · top_k + j) that run there, in slot order.
-std::vector<std::vector<int64_t>> assign_slots(const State& st, const Routing& r) {
-  std::vector<std::vector<int64_t>> slots(st.devices.size());
-  for (int64_t row = 0; row < r.rows; ++row)
-    for (int j = 0; j < r.top_k; ++j)
-      slots[static_cast<size_t>(st.placement.choose_replica(r.expert(row, j), row))].push_back(row * r.top_k + j);
-  return slots;
-}
-
 std::shared_ptr<void> prefetch_on(const std::shared_ptr<State>& st, const Routing& routing) {
   check_routing(*st, routing);
-  const std::vector<std::vector<int64_t>> slots = assign_slots(*st, routing);
-  std::unique_ptr<Prefetch> p(new Prefetch{st, {}});
+  const std::shared_ptr<const ExpertPlacement> placement = st->current_placement();
+  std::unique_ptr<Prefetch> p(new Prefetch{st, {}, {}});
+  p->device_of.reserve(routing.expert_ids.size());
+  std::vector<std::vector<int32_t>> experts(st->devices.size());
+  for (int64_t row = 0; row < routing.rows; ++row)
+    for (int j = 0; j < routing.top_k; ++j) {
+      const int e = routing.expert(row, j);
+      const int d = placement->choose_replica(e, row);
+      p->device_of.push_back(d);
+      experts[static_cast<size_t>(d)].push_back(e);
+    }
   p->leases.resize(st->devices.size());
-  for (size_t d = 0; d < st->devices.size(); ++d) {
-    if (slots[d].empty()) continue;
-    const State::Device& dev = st->devices[d];
-    std::vector<int32_t> ids;
-    ids.reserve(slots[d].size());
-    for (int64_t s : slots[d]) ids.push_back(dev.local[static_cast<size_t>(routing.expert_ids[static_cast<size_t>(s)])]);
-    p->leases[d] = dev.cache->prefetch(ids);  // throws naming the device; earlier leases unpin with p
-  }
+  for (size_t d = 0; d < st->devices.size(); ++d)
+    if (!experts[d].empty())
+      p->leases[d] = st->devices[d].cache->prefetch(experts[d]);  // throws naming the device; earlier leases unpin with p
   return std::shared_ptr<void>(p.release(), PrefetchDeleter{});
 }
 
@@ -147,7 +158,12 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   if (backends.empty()) throw Error("expert executor: no devices");
   const size_t n = backends.size();
   const int E = cfg.num_experts;
-  const size_t slot = HostExpertStore::blob_bytes(options.precision, cfg.hidden_size, cfg.intermediate_size);
+  st->slot_bytes = HostExpertStore::blob_bytes(options.precision, cfg.hidden_size, cfg.intermediate_size);
+  const size_t slot = st->slot_bytes;
+  if (options.rebalance_interval < 0)
+    throw Error("expert executor: rebalance interval " + std::to_string(options.rebalance_interval) + " < 0");
+  st->rebalance_interval = options.rebalance_interval;
+  st->window_load.assign(static_cast<size_t>(E), 0);
 
   // Device names: the backends' own, numbered when several share one (e.g. two CPU backends).
   st->devices.resize(n);
@@ -157,7 +173,9 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
     const bool shared_name = std::count_if(backends.begin(), backends.end(),
                                            [&](const auto& b) { return b && b->name() == name; }) > 1;
     st->devices[d].name = shared_name ? name + "#" + std::to_string(d) : name;
+    st->devices[d].backend = backends[d].get();
   }
+  st->backends = std::move(backends);
 
   // Budgets, in whole slots.
   if (!options.budget_bytes.empty() && options.budget_bytes.size() != n)
@@ -176,7 +194,7 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
     if (!options.budget_bytes.empty()) {
       dev.budget = options.budget_bytes[d];
     } else {
-      const size_t free_bytes = backends[d]->memory_info().free_bytes;
+      const size_t free_bytes = dev.backend->memory_info().free_bytes;
       dev.budget = static_cast<size_t>(static_cast<double>(free_bytes) * options.budget_fraction);
     }
     slots[d] = dev.budget / slot;
@@ -190,38 +208,29 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   // Placement over the budgets. When the experts do not all fit, every device serves a share in
   // proportion to its budget (plus one slot of slack, so the greedy plan always places every
   // expert) and its cache keeps the working set; replicas would only crowd such caches.
-  PlacementOptions po;
+  PlacementOptions& po = st->placement_options;
   po.headroom = 0.0;  // the budget fraction already leaves room
   po.hot_load_factor = options.hot_load_factor;
   po.max_replicas = options.max_replicas;
   const bool oversubscribed = static_cast<size_t>(E) > total_slots;
-  std::vector<DeviceMemory> memory(n);
+  if (oversubscribed) po.max_replicas = 1;
+  st->placement_memory.resize(n);
   for (size_t d = 0; d < n; ++d) {
-    memory[d].index = static_cast<int>(d);
+    st->placement_memory[d].index = static_cast<int>(d);
     const size_t share = oversubscribed ? (slots[d] * static_cast<size_t>(E) + total_slots - 1) / total_slots + 1
                                         : slots[d];
-    memory[d].free_bytes = share * slot;
+    st->placement_memory[d].free_bytes = share * slot;
   }
-  if (oversubscribed) po.max_replicas = 1;
-  st->placement = plan_expert_placement(memory, std::vector<size_t>(static_cast<size_t>(E), slot),
-                                        options.expert_load, po);
+  st->placement = std::make_shared<const ExpertPlacement>(plan_expert_placement(
+      st->placement_memory, std::vector<size_t>(static_cast<size_t>(E), slot), options.expert_load, po));
 
-  // Per device: staging with the experts placed there, and the cache.
+  // One staging copy of the experts; a cache per device.
+  st->store = std::make_unique<HostExpertStore>(HostExpertStore::from_layer(*st->backends[0], layer, options.precision));
   ExpertCacheOptions co;
   co.admission_wait = options.admission_wait;
-  for (size_t d = 0; d < n; ++d) {
-    State::Device& dev = st->devices[d];
-    dev.backend = std::move(backends[d]);
-    dev.experts = st->placement.devices()[d].experts;
-    dev.local.assign(static_cast<size_t>(E), -1);
-    for (size_t l = 0; l < dev.experts.size(); ++l) dev.local[static_cast<size_t>(dev.experts[l])] = static_cast<int32_t>(l);
-    if (dev.experts.empty()) continue;
-    const std::vector<int>& placed = dev.experts;
-    dev.store = std::make_unique<HostExpertStore>(
-        *dev.backend, options.precision, static_cast<int>(placed.size()), cfg.hidden_size, cfg.intermediate_size,
-        [&](int l, ExpertMatrix which) { return layer.expert_weight(placed[static_cast<size_t>(l)], which); });
+  for (State::Device& dev : st->devices) {
     co.budget_bytes = dev.budget;
-    dev.cache = std::make_unique<ExpertCache>(*dev.backend, *dev.store, co);
+    dev.cache = std::make_unique<ExpertCache>(*dev.backend, *st->store, co);  // throws if it cannot share staging
   }
   return st;
 }
@@ -294,7 +303,14 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
 
   const int64_t N = routing.rows, K = routing.top_k;
   const size_t fbytes = sizeof(float), ibytes = sizeof(int32_t);
-  const std::vector<std::vector<int64_t>> slots = assign_slots(st, routing);
+  if (pins.device_of.size() != static_cast<size_t>(N * K)) {
+    release();
+    throw Error("expert executor: the prefetch handle was made for " + std::to_string(pins.device_of.size()) +
+                " slots, the batch has " + std::to_string(N * K) + " (it was made for another routing)");
+  }
+  std::vector<std::vector<int64_t>> slots(st.devices.size());  // per device, its slots in order
+  for (size_t s = 0; s < pins.device_of.size(); ++s)
+    slots[static_cast<size_t>(pins.device_of[s])].push_back(static_cast<int64_t>(s));
   // Home: the device with the most slots. The batch goes there once; the slots of other devices
   // travel to them and back by peer copies; residual and normalisation run there too.
   size_t home = 0;
@@ -338,7 +354,7 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
         throw Error("expert executor: the prefetch handle was already used by a run (a handle serves one run)");
       for (int64_t s : slots[d]) {
         const int32_t e = routing.expert_ids[static_cast<size_t>(s)];
-        if (!lease || !std::binary_search(lease->experts().begin(), lease->experts().end(), dev.local[static_cast<size_t>(e)]))
+        if (!lease || !std::binary_search(lease->experts().begin(), lease->experts().end(), e))
           throw Error("expert executor: the prefetch handle does not pin expert " + std::to_string(e) + " on " +
                       dev.name + " (it was made for another routing)");
       }
@@ -349,7 +365,7 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       w.k = split ? 1 : K;
       w.rows = split ? static_cast<int64_t>(slots[d].size()) : N;
       for (int64_t s : slots[d]) {  // slot order: the order moe_permute keeps within a device
-        w.ids.push_back(dev.local[static_cast<size_t>(routing.expert_ids[static_cast<size_t>(s)])]);
+        w.ids.push_back(routing.expert_ids[static_cast<size_t>(s)]);
         w.weights.push_back(routing.weights[static_cast<size_t>(s)]);
       }
       const int64_t S = w.rows * w.k;
@@ -372,16 +388,15 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       w.out_sorted = w.alloc(b, S * D);
       b.copy_from_host(w.ids_dev, w.ids.data(), w.ids.size() * ibytes);
       b.copy_from_host(w.weights_dev, w.weights.data(), w.weights.size() * fbytes);
-      w.offsets = b.moe_permute(w.ids_dev, w.rows, w.k, static_cast<int64_t>(dev.experts.size()), w.x, D,
-                                w.x_sorted, w.slot_of);
+      w.offsets = b.moe_permute(w.ids_dev, w.rows, w.k, st.config.num_experts, w.x, D, w.x_sorted, w.slot_of);
     }
     // 3. Queue the experts on every device (each waits only for the copies of its own experts)
     //    and the way back to home.
     for (DeviceWork& w : batch.work) {
       State::Device& dev = st.devices[w.device];
-      std::vector<kernels::ExpertWeights> experts(dev.experts.size());
-      for (size_t l = 0; l < experts.size(); ++l)
-        if (w.offsets[l + 1] > w.offsets[l]) experts[l] = pins.leases[w.device]->acquire(static_cast<int32_t>(l));
+      std::vector<kernels::ExpertWeights> experts(static_cast<size_t>(st.config.num_experts));
+      for (size_t e = 0; e < experts.size(); ++e)
+        if (w.offsets[e + 1] > w.offsets[e]) experts[e] = pins.leases[w.device]->acquire(static_cast<int32_t>(e));
       dev.backend->grouped_swiglu(w.x_sorted, w.offsets, experts, D, I, w.out_sorted);
       dev.backend->moe_unpermute(w.out_sorted, w.slot_of, w.weights_dev, w.rows, w.k, D, w.y);
       if (split && w.device != home)
@@ -409,28 +424,57 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
     throw;
   }
   release();
+  if (st.rebalance_interval > 0 && st.devices.size() > 1) {
+    for (int32_t e : routing.expert_ids) ++st.window_load[static_cast<size_t>(e)];
+    if (++st.batches_in_window >= st.rebalance_interval) {
+      rebalance(st.window_load);
+      st.window_load.assign(st.window_load.size(), 0);
+      st.batches_in_window = 0;
+    }
+  }
   return y;
 }
 
+bool ExpertExecutor::rebalance(const std::vector<int64_t>& expert_load) {
+  State& st = *state_;
+  if (expert_load.size() != static_cast<size_t>(st.config.num_experts))
+    throw Error("expert executor: rebalance with " + std::to_string(expert_load.size()) + " expert loads for " +
+                std::to_string(st.config.num_experts) + " experts");
+  auto next = std::make_shared<const ExpertPlacement>(
+      plan_expert_placement(st.placement_memory, std::vector<size_t>(expert_load.size(), st.slot_bytes), expert_load,
+                            st.placement_options));
+  std::lock_guard<std::mutex> lock(st.placement_mu);
+  bool same = true;
+  for (int e = 0; e < st.config.num_experts && same; ++e) same = next->devices_of(e) == st.placement->devices_of(e);
+  if (same) return false;
+  st.placement = std::move(next);
+  ++st.placement_changes;
+  return true;
+}
+
 std::vector<ExpertDeviceStats> ExpertExecutor::stats() const {
+  const std::shared_ptr<const ExpertPlacement> placement = state_->current_placement();
   std::vector<ExpertDeviceStats> out;
-  for (const State::Device& dev : state_->devices) {
+  for (size_t d = 0; d < state_->devices.size(); ++d) {
+    const State::Device& dev = state_->devices[d];
     ExpertDeviceStats s;
     s.device = dev.name;
-    s.experts = dev.experts;
+    s.experts = placement->devices()[d].experts;
     s.budget_bytes = dev.budget;
-    s.slot_bytes = HostExpertStore::blob_bytes(state_->precision, state_->config.hidden_size,
-                                               state_->config.intermediate_size);
-    if (dev.cache) {
-      s.slots = dev.cache->num_slots();
-      s.cache = dev.cache->stats();
-    }
+    s.slot_bytes = state_->slot_bytes;
+    s.slots = dev.cache->num_slots();
+    s.cache = dev.cache->stats();
     out.push_back(std::move(s));
   }
   return out;
 }
 
-const ExpertPlacement& ExpertExecutor::placement() const { return state_->placement; }
+ExpertPlacement ExpertExecutor::placement() const { return *state_->current_placement(); }
+
+uint64_t ExpertExecutor::placement_changes() const {
+  std::lock_guard<std::mutex> lock(state_->placement_mu);
+  return state_->placement_changes;
+}
 
 std::vector<std::string> ExpertExecutor::device_names() const {
   std::vector<std::string> names;

@@ -129,6 +129,7 @@ class CpuBackend final : public Backend {
   void deallocate(void* ptr) override { std::free(ptr); }
   void* allocate_host_staging(size_t bytes) override { return allocate(bytes); }
   void free_host_staging(void* ptr) override { std::free(ptr); }
+  bool shares_staging_with(const Backend&) const override { return true; }
   void copy_from_host(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
   void copy_to_host(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }
   void copy_on_device(void* dst, const void* src, size_t bytes) override { copy(dst, src, bytes); }

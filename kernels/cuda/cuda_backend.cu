@@ -156,6 +156,10 @@ class CudaBackend final : public Backend {
     if (!ptr) return;
     check(ctx_, "free_host_staging", cudaFreeHost(ptr), "cudaFreeHost");
   }
+  // Staging is allocated with cudaHostAllocPortable: page-locked for every device's context.
+  bool shares_staging_with(const Backend& owner) const override {
+    return dynamic_cast<const CudaBackend*>(&owner) != nullptr;
+  }
   void copy_from_host(void* dst, const void* src, size_t bytes) override {
     if (!bytes) return;
     on_device("copy_from_host");

@@ -117,7 +117,8 @@ class ExpertCache {
  public:
   // Allocates min(budget / slot size, num_experts) slots on `backend` (slot size =
   // store.max_expert_bytes()). Throws moe::Error when the budget holds no expert, or when the
-  // store's staging memory belongs to another backend.
+  // store's staging memory belongs to a backend this one cannot copy from
+  // (Backend::shares_staging_with). The store, and the backend that staged it, outlive the cache.
   ExpertCache(kernels::Backend& backend, const HostExpertStore& store, const ExpertCacheOptions& options = {});
   ~ExpertCache();
   ExpertCache(const ExpertCache&) = delete;

@@ -11,25 +11,31 @@
 //                                MoeAdapter::apply_experts; compute waits only for the copies of
 //                                the experts it is about to use.
 //
-// Per device the executor owns a Backend, a HostExpertStore and an ExpertCache:
+// The executor owns a Backend and an ExpertCache per device, and one HostExpertStore:
+//  - Staging: every routed expert once, in the first device's staging memory (CUDA:
+//    page-locked and portable, so every device's copy queue reads it asynchronously).
+//  - Caches: per device, a budget of slots that hold any expert (global ids).
 //  - Placement: plan_expert_placement over the cache budgets decides which device serves each
-//    expert (the roomiest device first, hot experts replicated when a load is given). When the
+//    expert (the roomiest device first, hot experts replicated when a load is known). When the
 //    experts do not all fit in the budgets, every device serves a share of the experts in
 //    proportion to its budget and its cache keeps the working set (oversubscription; no replicas).
-//  - Staging is per device and holds only the experts placed on that device (with local ids), in
-//    that device's staging memory (CUDA: page-locked by that device's context). Host memory is the
-//    experts once, plus their replicas; nothing needs to be shared between devices.
-//  - A batch slot (row, j) runs on choose_replica(expert, row). The batch is uploaded once, to
-//    its home: the device with the most of its slots. When other devices have slots too, home
-//    groups the slots by device (moe_permute with the device as the key) and each device's block
-//    of rows travels to it and its weighted expert outputs back by Backend::copy_to_peer (CUDA:
-//    cudaMemcpyPeerAsync, direct over NVLink/PCIe where peer access is possible); home sums them
-//    per row, adds the residual, normalises, and the result is downloaded once. Streams are
-//    ordered by events, so the host waits only for that final download.
+//    rebalance(load) re-plans with a measured load; since any cache can hold any expert, a new
+//    placement takes effect at the next prefetch, with nothing to rebuild (the caches fill and
+//    evict as batches come).
+//  - A batch slot (row, j) runs on placement.choose_replica(expert, row), decided at prefetch and
+//    kept in the handle, so a batch runs where its experts were pinned even if the placement
+//    changed in between. The batch is uploaded once, to its home: the device with the most of
+//    its slots. When other devices have slots too, home groups the slots by device (moe_permute
+//    with the device as the key) and each device's block of rows travels to it and its weighted
+//    expert outputs back by Backend::copy_to_peer (CUDA: cudaMemcpyPeerAsync, direct over
+//    NVLink/PCIe where peer access is possible); home sums them per row, adds the residual,
+//    normalises, and the result is downloaded once. Streams are ordered by events, so the host
+//    waits only for that final download.
 //  - Qwen2-MoE shared experts are not run by the executor: construction throws (see the class).
 //
-// Threads: prefetch() and stats() may be called from any thread, concurrently with run();
-// run() calls are serialised internally (they use the backends' compute queues).
+// Threads: prefetch(), rebalance(), placement() and stats() may be called from any thread,
+// concurrently with run(); run() calls are serialised internally (they use the backends'
+// compute queues).
 // Lifetime: a prefetch handle keeps every device (backend, store, cache) alive, so handles may
 // outlive the executor (e.g. in a buffer that is still queued when an element stops).
 #pragma once
@@ -63,6 +69,10 @@ struct ExpertExecutorOptions {
   // Replication (headroom is ignored: the budget fraction already leaves room on each device).
   int max_replicas = 2;
   double hot_load_factor = 2.0;
+  // With several devices: after every this many run() calls, rebalance() with the rows each
+  // expert ran on during them, so hot experts get replicas as the traffic shows them. 0: never
+  // (the placement stays what construction planned).
+  int rebalance_interval = 256;
   // How long prefetch() may wait for batches in flight to unpin experts before it fails
   // (ExpertCacheOptions::admission_wait): back-pressure when the router runs ahead.
   std::chrono::milliseconds admission_wait{10000};
@@ -112,9 +122,18 @@ class ExpertExecutor {
   // moe::Error for a wrong shape or routing, or when a device fails.
   Tensor run(const Tensor& x, const Routing& routing, const std::shared_ptr<void>& handle);
 
+  // Re-plans the placement with `expert_load` (rows routed to each expert recently, one entry
+  // per expert), the budgets and replication options of construction (run() calls it itself
+  // every rebalance_interval batches). Returns true when the
+  // placement changed; it applies from the next prefetch(). Throws moe::Error for a wrong length.
+  bool rebalance(const std::vector<int64_t>& expert_load);
+
   // Per device, in device order.
   std::vector<ExpertDeviceStats> stats() const;
-  const ExpertPlacement& placement() const;
+  // The placement now (a copy: rebalance() may replace it at any time).
+  ExpertPlacement placement() const;
+  // How many times rebalance() changed the placement.
+  uint64_t placement_changes() const;
   std::vector<std::string> device_names() const;
   const MoeConfig& config() const;
   kernels::WeightType precision() const;
