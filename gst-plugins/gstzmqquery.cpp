@@ -9,7 +9,8 @@
  * request. With a ROUTER socket each client also gets an immediate accepted/rejected reply.
  *
  * The service reads image files only under image-root, so that a client cannot make it read any
- * file of the machine or learn which files exist outside that folder.
+ * file of the machine or learn which files exist outside that folder; and ZeroMQ itself drops
+ * messages larger than max-message-bytes, so that a huge message is never received in full.
  */
 #include "gstzmqquery.h"
 
@@ -42,6 +43,7 @@ struct _GstZmqQuery {
   gboolean bind;
   GstZmqQuerySocketType socket_type;
   gint recv_hwm;
+  guint64 max_message_bytes;
   guint64 max_image_bytes;
   gchar* image_root;
   gint64 num_requests;
@@ -63,6 +65,7 @@ enum {
   PROP_BIND,
   PROP_SOCKET_TYPE,
   PROP_RECV_HWM,
+  PROP_MAX_MESSAGE_BYTES,
   PROP_MAX_IMAGE_BYTES,
   PROP_IMAGE_ROOT,
   PROP_NUM_REQUESTS,
@@ -75,6 +78,11 @@ enum {
 #define DEFAULT_RECV_HWM 1000
 #define MAX_RECV_HWM 10000000
 #define DEFAULT_MAX_IMAGE_BYTES (G_GUINT64_CONSTANT(32) * 1024 * 1024)
+// Fits an image_base64 request of DEFAULT_MAX_IMAGE_BYTES (45328942 bytes, base64_request_bytes)
+// with room to spare.
+#define DEFAULT_MAX_MESSAGE_BYTES (G_GUINT64_CONSTANT(48) * 1024 * 1024)
+// ZMQ_MAXMSGSIZE is an int64_t.
+#define MAX_MAX_MESSAGE_BYTES static_cast<guint64>(G_MAXINT64)
 #define DEFAULT_IMAGE_ROOT nullptr
 #define DEFAULT_NUM_REQUESTS (-1)
 #define MIN_K 1
@@ -118,6 +126,18 @@ struct Rejection {
 [[noreturn]] void reject(std::string reason) { throw Rejection{std::move(reason)}; }
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+// The size of the largest image_base64 request for an image of `image_bytes` bytes: 4 characters
+// per 3 bytes, a line break every 76 characters (as base64(1) writes them), and 1 KiB for the rest
+// of the JSON (id, k, member names). Saturates at G_MAXUINT64.
+constexpr guint64 base64_request_bytes(guint64 image_bytes) {
+  const guint64 groups = image_bytes / 3 + (image_bytes % 3 ? 1 : 0);
+  if (groups > (G_MAXUINT64 - 1024) / 5) return G_MAXUINT64;
+  return 4 * groups + 4 * groups / 76 + 1024;
+}
+static_assert(base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES) == 45328942 &&
+                  DEFAULT_MAX_MESSAGE_BYTES >= base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES),
+              "the defaults of max-message-bytes, max-image-bytes and their blurbs agree");
 
 // True if the canonical `path` is `root` (canonical) or lies under it.
 bool is_within(const std::string& path, const std::string& root) {
@@ -354,6 +374,9 @@ static void gst_zmq_query_set_property(GObject* object, guint prop_id, const GVa
     case PROP_RECV_HWM:
       self->recv_hwm = g_value_get_int(value);
       break;
+    case PROP_MAX_MESSAGE_BYTES:
+      self->max_message_bytes = g_value_get_uint64(value);
+      break;
     case PROP_MAX_IMAGE_BYTES:
       self->max_image_bytes = g_value_get_uint64(value);
       break;
@@ -387,6 +410,9 @@ static void gst_zmq_query_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_RECV_HWM:
       g_value_set_int(value, self->recv_hwm);
       break;
+    case PROP_MAX_MESSAGE_BYTES:
+      g_value_set_uint64(value, self->max_message_bytes);
+      break;
     case PROP_MAX_IMAGE_BYTES:
       g_value_set_uint64(value, self->max_image_bytes);
       break;
@@ -413,6 +439,8 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
   const std::string endpoint = self->endpoint ? self->endpoint : "";
   const bool bind = self->bind;
   const int hwm = self->recv_hwm;
+  const guint64 max_message = self->max_message_bytes;
+  const guint64 max_image = self->max_image_bytes;
   const std::string root = self->image_root ? self->image_root : "";
   self->router = self->socket_type == GST_ZMQ_QUERY_SOCKET_ROUTER;
   self->received = self->rejected = 0;
@@ -433,9 +461,22 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
     root_path = real;
     free(real);
   }
+  if (max_message != 0 && max_message < base64_request_bytes(max_image))
+    GST_ELEMENT_WARNING(self, RESOURCE, SETTINGS,
+                        ("max-message-bytes (%" G_GUINT64_FORMAT ") is smaller than the largest image_base64 "
+                         "request that max-image-bytes (%" G_GUINT64_FORMAT ") allows (%" G_GUINT64_FORMAT
+                         " bytes): ZeroMQ drops larger messages unanswered",
+                         max_message, max_image, base64_request_bytes(max_image)),
+                        (nullptr));
+
+  // ZeroMQ's "no limit" is -1.
+  const int64_t max_msgsize = max_message == 0 ? -1 : static_cast<int64_t>(max_message);
   try {
     self->zmq = new gstmoe::ZmqSocket(self->router ? zmq::socket_type::router : zmq::socket_type::pull, endpoint,
-                                      bind, [hwm](zmq::socket_t& s) { s.set(zmq::sockopt::rcvhwm, hwm); });
+                                      bind, [hwm, max_msgsize](zmq::socket_t& s) {
+                                        s.set(zmq::sockopt::rcvhwm, hwm);
+                                        s.set(zmq::sockopt::maxmsgsize, max_msgsize);
+                                      });
   } catch (const std::exception& e) {
     GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()), (nullptr));
     return FALSE;
@@ -610,9 +651,20 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
                        "client then waits); 0: unlimited",
                        0, MAX_RECV_HWM, DEFAULT_RECV_HWM, rw_ready));
   g_object_class_install_property(
+      gobject_class, PROP_MAX_MESSAGE_BYTES,
+      g_param_spec_uint64("max-message-bytes", "Maximum message bytes",
+                          "Largest request frame accepted, in bytes (ZMQ_MAXMSGSIZE). ZeroMQ disconnects a client "
+                          "that sends a larger one and discards the message before it is read in full, so that "
+                          "request gets no error document and no router reply. An image_base64 request takes 4/3 x "
+                          "max-image-bytes plus a line break per 76 characters and the JSON around it (45328942 "
+                          "bytes for the default 32 MiB, hence the default 48 MiB); start warns when this is "
+                          "smaller than that. 0: unlimited",
+                          0, MAX_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, rw_ready));
+  g_object_class_install_property(
       gobject_class, PROP_MAX_IMAGE_BYTES,
       g_param_spec_uint64("max-image-bytes", "Maximum image bytes",
-                          "Largest image (file or decoded image_base64) accepted; larger ones are rejected", 1,
+                          "Largest image (file or decoded image_base64) accepted; larger ones are rejected. Keep "
+                          "max-message-bytes large enough for an image_base64 request of this size", 1,
                           G_MAXUINT64, DEFAULT_MAX_IMAGE_BYTES, rw_playing));
   g_object_class_install_property(
       gobject_class, PROP_IMAGE_ROOT,
@@ -665,6 +717,7 @@ static void gst_zmq_query_init(GstZmqQuery* self) {
   self->bind = DEFAULT_BIND;
   self->socket_type = DEFAULT_SOCKET_TYPE;
   self->recv_hwm = DEFAULT_RECV_HWM;
+  self->max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES;
   self->max_image_bytes = DEFAULT_MAX_IMAGE_BYTES;
   self->image_root = g_strdup(DEFAULT_IMAGE_ROOT);
   self->num_requests = DEFAULT_NUM_REQUESTS;

@@ -11,6 +11,7 @@
 #include <glib/gstdio.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -118,12 +119,15 @@ guint64 stat(GstElement* element, const char* field) {
   return value;
 }
 
-// The message of the first error on `bus`, "" if none.
-std::string bus_error(GstBus* bus) {
-  GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR);
+// The message of the first error (or warning) on `bus`, "" if none.
+std::string bus_message(GstBus* bus, GstMessageType type = GST_MESSAGE_ERROR) {
+  GstMessage* msg = gst_bus_pop_filtered(bus, type);
   if (!msg) return "";
   GError* error = nullptr;
-  gst_message_parse_error(msg, &error, nullptr);
+  if (type == GST_MESSAGE_WARNING)
+    gst_message_parse_warning(msg, &error, nullptr);
+  else
+    gst_message_parse_error(msg, &error, nullptr);
   std::string text = error->message;
   g_error_free(error);
   gst_message_unref(msg);
@@ -344,7 +348,7 @@ class StartFailure : public ZmqTest, public ::testing::WithParamInterface<StartC
     GstBus* bus = gst_bus_new();
     gst_element_set_bus(e, bus);
     const GstStateChangeReturn ret = gst_element_set_state(e, GST_STATE_PAUSED);
-    std::string error = bus_error(bus);
+    std::string error = bus_message(bus);
     EXPECT_EQ(ret == GST_STATE_CHANGE_FAILURE, !error.empty()) << error;
     gst_element_set_state(e, GST_STATE_NULL);
     gst_element_set_bus(e, nullptr);
@@ -490,15 +494,17 @@ TEST_F(ZmqTest, QueryDefaults) {
   GstElement* e = gst_element_factory_make("zmq-query", nullptr);
   gchar *endpoint = nullptr, *root = nullptr;
   gint type = -1, hwm = 0;
-  guint64 max_image = 0;
+  guint64 max_image = 0, max_message = 0;
   gint64 num = 0;
   gboolean live = FALSE;
   g_object_get(e, "endpoint", &endpoint, "socket-type", &type, "recv-hwm", &hwm, "max-image-bytes", &max_image,
-               "image-root", &root, "num-requests", &num, "do-timestamp", &live, nullptr);
+               "max-message-bytes", &max_message, "image-root", &root, "num-requests", &num, "do-timestamp", &live,
+               nullptr);
   EXPECT_STREQ(endpoint, "tcp://127.0.0.1:5555");
   EXPECT_EQ(type, GST_ZMQ_QUERY_SOCKET_PULL);
   EXPECT_EQ(hwm, 1000);
   EXPECT_EQ(max_image, 32u * 1024 * 1024);
+  EXPECT_EQ(max_message, 48u * 1024 * 1024);
   EXPECT_EQ(root, nullptr);  // image paths are refused until the operator names a folder
   EXPECT_EQ(num, -1);
   EXPECT_TRUE(live);
@@ -810,14 +816,18 @@ TEST_F(ZmqTest, QueryWithoutImageRootRefusesImagePathsButTakesImageBase64) {
   gst_harness_teardown(h);
 }
 
-// Starts `e` (to PAUSED) and stops it again; returns the message of the error it posted, "" if
-// none.
-std::string start_error(GstElement* e) {
+// Starts `e` (to PAUSED) and stops it again; returns the message of the first error or warning
+// (`type`) it posted, "" if none.
+std::string start_message(GstElement* e, GstMessageType type) {
   GstBus* bus = gst_bus_new();
   gst_element_set_bus(e, bus);
   const GstStateChangeReturn ret = gst_element_set_state(e, GST_STATE_PAUSED);
-  const std::string message = bus_error(bus);
-  EXPECT_EQ(ret == GST_STATE_CHANGE_FAILURE, !message.empty()) << message;
+  const std::string message = bus_message(bus, type);
+  if (type == GST_MESSAGE_ERROR) {
+    EXPECT_EQ(ret == GST_STATE_CHANGE_FAILURE, !message.empty()) << message;
+  } else {
+    EXPECT_NE(ret, GST_STATE_CHANGE_FAILURE);
+  }
   gst_element_set_state(e, GST_STATE_NULL);
   gst_element_set_bus(e, nullptr);
   gst_object_unref(bus);
@@ -833,9 +843,76 @@ TEST_F(ZmqTest, QueryImageRootMustBeAnExistingFolder) {
   for (const auto& [root, error] : cases) {
     GstElement* e = make_query(ipc("root-check.ipc"));
     g_object_set(e, "image-root", root.c_str(), nullptr);
-    EXPECT_EQ(start_error(e), error);
+    EXPECT_EQ(start_message(e, GST_MESSAGE_ERROR), error);
     gst_object_unref(e);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// max-message-bytes: ZeroMQ's limit on what a client may send.
+
+// A text request of exactly `size` bytes; `text` receives its text.
+std::string request_of_size(const std::string& id, size_t size, std::string* text) {
+  const std::string head = R"({"id":")" + id + R"(","text":")", tail = "\"}";
+  *text = std::string(size - head.size() - tail.size(), 't');
+  return head + *text + tail;
+}
+
+TEST_F(ZmqTest, QueryOversizedMessageIsDroppedByZeroMQ) {
+  const std::string endpoint = ipc("limit.ipc");
+  GstElement* e = make_query(endpoint, 1);
+  g_object_set(e, "max-message-bytes", G_GUINT64_CONSTANT(1000), nullptr);
+  GstHarness* h = query_harness(e);
+
+  // A valid request one byte over the limit: only ZeroMQ's limit keeps it out. The service hangs
+  // up on its sender, which the sender's socket monitor reports.
+  zmq::socket_t big = client(ctx_, zmq::socket_type::push, endpoint);
+  ASSERT_EQ(zmq_socket_monitor(big.handle(), "inproc://big-monitor", ZMQ_EVENT_DISCONNECTED), 0);
+  zmq::socket_t monitor(ctx_, zmq::socket_type::pair);
+  monitor.set(zmq::sockopt::linger, 0);
+  monitor.set(zmq::sockopt::rcvtimeo, kReceiveTimeoutMs);
+  monitor.connect("inproc://big-monitor");
+  std::string text;
+  ASSERT_TRUE(big.send(zmq::buffer(request_of_size("too-big", 1001, &text))));
+  std::vector<zmq::message_t> event;  // [event id (16 bits) + value (32 bits), endpoint]
+  ASSERT_TRUE(zmq::recv_multipart(monitor, std::back_inserter(event))) << "the oversized sender was not disconnected";
+  uint16_t id = 0;
+  ASSERT_GE(event[0].size(), sizeof id);
+  memcpy(&id, event[0].data(), sizeof id);
+  EXPECT_EQ(id, ZMQ_EVENT_DISCONNECTED);
+
+  // Another client's request of exactly the limit is the first (and, with num-requests=1, only)
+  // request the element sees.
+  zmq::socket_t fits = client(ctx_, zmq::socket_type::push, endpoint);
+  ASSERT_TRUE(fits.send(zmq::buffer(request_of_size("fits", 1000, &text))));
+  GstBuffer* buf = gst_harness_pull(h);
+  expect_request(buf, {"fits", gstmoe::Modality::Text, text, "", 0, ""});
+  if (buf) gst_buffer_unref(buf);
+  EXPECT_TRUE(wait_eos(h));
+  EXPECT_EQ(stat(h->element, "received"), 1u);
+  zmq_socket_monitor(big.handle(), nullptr, 0);
+  gst_harness_teardown(h);
+}
+
+// An image_base64 request of max-image-bytes must fit in max-message-bytes, else ZeroMQ would
+// drop it unanswered: start warns. 1000 image bytes make 1336 base64 characters, 17 line breaks
+// and up to 1 KiB of JSON: 2377 bytes.
+TEST_F(ZmqTest, QueryWarnsWhenMaxMessageBytesCannotHoldAMaxImage) {
+  const std::vector<std::pair<guint64, std::string>> cases = {
+      {2376,
+       "max-message-bytes (2376) is smaller than the largest image_base64 request that max-image-bytes (1000) "
+       "allows (2377 bytes): ZeroMQ drops larger messages unanswered"},
+      {2377, ""},
+      {0, ""}};  // unlimited
+  for (const auto& [max_message, warning] : cases) {
+    GstElement* e = make_query(ipc("warn.ipc"));
+    g_object_set(e, "max-image-bytes", G_GUINT64_CONSTANT(1000), "max-message-bytes", max_message, nullptr);
+    EXPECT_EQ(start_message(e, GST_MESSAGE_WARNING), warning) << max_message;
+    gst_object_unref(e);
+  }
+  GstElement* e = make_query(ipc("warn.ipc"));  // the defaults agree
+  EXPECT_EQ(start_message(e, GST_MESSAGE_WARNING), "");
+  gst_object_unref(e);
 }
 
 // ---------------------------------------------------------------------------------------------
