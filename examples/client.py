@@ -5,11 +5,12 @@
         [--requests tcp://127.0.0.1:5555] [--results tcp://127.0.0.1:5556] [--k 5]
 
 Requests are PUSHed to the service's zmq-query; results are read from its zmq-publish stream
-and matched to the requests by id (docs/zmq-schema.md). Needs python3-zmq (Debian).
+and matched to the requests by id (docs/zmq-schema.md). Image files are sent as image_base64, so
+they need not be on the service's machine nor under its image-root. Needs python3-zmq (Debian).
 """
 import argparse
+import base64
 import json
-import os
 import sys
 import time
 import uuid
@@ -40,9 +41,11 @@ def main():
     pending = {}
     for i, text in enumerate(args.texts):
         pending[f"{session}-t{i}"] = {"text": text}
+    shown = {}
     for i, path in enumerate(args.image):
-        # The service reads the file itself, from its own working directory: send an absolute path.
-        pending[f"{session}-i{i}"] = {"image": path if "://" in path else os.path.abspath(path)}
+        with open(path, "rb") as f:
+            pending[f"{session}-i{i}"] = {"image_base64": base64.b64encode(f.read()).decode("ascii")}
+        shown[f"{session}-i{i}"] = path
     for rid, body in pending.items():
         push.send_string(json.dumps({"id": rid, "k": args.k, **body}))
 
@@ -54,7 +57,7 @@ def main():
         req = pending.pop(doc.get("id"), None)
         if req is None:
             continue  # someone else's result
-        print(f'\n{doc["id"]}: {req.get("text") or req.get("image")}')
+        print(f'\n{doc["id"]}: {req.get("text") or shown[doc["id"]]}')
         if doc["type"] == "error":
             print(f'  error in {doc["error"]["stage"]}: {doc["error"]["reason"]}')
             continue

@@ -7,6 +7,10 @@
  * is not an element error: it becomes an empty buffer whose meta carries it as a failed request,
  * so that it is answered with an error document at the end of the pipeline like every other
  * request. With a ROUTER socket each client also gets an immediate accepted/rejected reply.
+ *
+ * The service reads image files only under image-root, so that a client cannot make it read any
+ * file of the machine or learn which files exist outside that folder; and ZeroMQ itself drops
+ * messages larger than max-message-bytes, so that a huge message is never received in full.
  */
 #include "gstzmqquery.h"
 
@@ -16,6 +20,7 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,13 +43,16 @@ struct _GstZmqQuery {
   gboolean bind;
   GstZmqQuerySocketType socket_type;
   gint recv_hwm;
+  guint64 max_message_bytes;
   guint64 max_image_bytes;
+  gchar* image_root;
   gint64 num_requests;
 
   // Streaming state: used by start/stop and the streaming thread (create) only.
   gstmoe::ZmqSocket* zmq;
-  gboolean router;  // socket-type at start
-  gint flushing;    // atomic: set by unlock() to interrupt create()
+  gboolean router;   // socket-type at start
+  gchar* root_path;  // image-root at start, canonical (realpath); nullptr: image paths are refused
+  gint flushing;     // atomic: set by unlock() to interrupt create()
 
   // Statistics (object lock), reset at start.
   guint64 received;
@@ -57,7 +65,9 @@ enum {
   PROP_BIND,
   PROP_SOCKET_TYPE,
   PROP_RECV_HWM,
+  PROP_MAX_MESSAGE_BYTES,
   PROP_MAX_IMAGE_BYTES,
+  PROP_IMAGE_ROOT,
   PROP_NUM_REQUESTS,
   PROP_STATS
 };
@@ -68,6 +78,12 @@ enum {
 #define DEFAULT_RECV_HWM 1000
 #define MAX_RECV_HWM 10000000
 #define DEFAULT_MAX_IMAGE_BYTES (G_GUINT64_CONSTANT(32) * 1024 * 1024)
+// Fits an image_base64 request of DEFAULT_MAX_IMAGE_BYTES (45328942 bytes, base64_request_bytes)
+// with room to spare.
+#define DEFAULT_MAX_MESSAGE_BYTES (G_GUINT64_CONSTANT(48) * 1024 * 1024)
+// ZMQ_MAXMSGSIZE is an int64_t.
+#define MAX_MAX_MESSAGE_BYTES static_cast<guint64>(G_MAXINT64)
+#define DEFAULT_IMAGE_ROOT nullptr
 #define DEFAULT_NUM_REQUESTS (-1)
 #define MIN_K 1
 #define MAX_K 1024
@@ -110,6 +126,57 @@ struct Rejection {
 [[noreturn]] void reject(std::string reason) { throw Rejection{std::move(reason)}; }
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+// The size of the largest image_base64 request for an image of `image_bytes` bytes: 4 characters
+// per 3 bytes, a line break every 76 characters (as base64(1) writes them), and 1 KiB for the rest
+// of the JSON (id, k, member names). Saturates at G_MAXUINT64.
+constexpr guint64 base64_request_bytes(guint64 image_bytes) {
+  const guint64 groups = image_bytes / 3 + (image_bytes % 3 ? 1 : 0);
+  if (groups > (G_MAXUINT64 - 1024) / 5) return G_MAXUINT64;
+  return 4 * groups + 4 * groups / 76 + 1024;
+}
+static_assert(base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES) == 45328942 &&
+                  DEFAULT_MAX_MESSAGE_BYTES >= base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES),
+              "the defaults of max-message-bytes, max-image-bytes and their blurbs agree");
+
+// True if the canonical `path` is `root` (canonical) or lies under it.
+bool is_within(const std::string& path, const std::string& root) {
+  return path.compare(0, root.size(), root) == 0 &&
+         (path.size() == root.size() || root.back() == '/' || path[root.size()] == '/');
+}
+
+// The canonical path of the file `path` names (the "image" value `image` as a local path),
+// refused unless it lies inside `root` (canonical). Relative paths are taken from the root, and
+// resolving ".." and symlinks before the check means neither can lead out of it. A path that
+// leads out is refused with one reason whether or not its target exists, so that clients learn
+// nothing about files outside the root.
+std::string confine_to_root(const std::string& image, const std::string& path, const std::string& root) {
+  const std::string outside = "image " + quote(image) + " is outside image-root";
+  const std::string full = g_path_is_absolute(path.c_str()) ? path : root + G_DIR_SEPARATOR_S + path;
+  if (char* real = realpath(full.c_str(), nullptr)) {
+    const std::string resolved = real;
+    free(real);
+    if (!is_within(resolved, root)) reject(outside);
+    return resolved;
+  }
+  const int error = errno;
+  // It does not resolve (a missing file or folder, a broken symlink, no permission): its nearest
+  // ancestor that exists (a symlink counts as existing) tells whether the failure happened inside
+  // the root. That ancestor must resolve inside the root for the real reason to be given; one that
+  // does not resolve is a broken symlink whose target is unknown, so it counts as outside.
+  std::string existing = full;
+  GStatBuf st;
+  while (g_lstat(existing.c_str(), &st) != 0) {
+    gchar* parent = g_path_get_dirname(existing.c_str());
+    existing = parent;
+    g_free(parent);
+  }
+  char* real = realpath(existing.c_str(), nullptr);
+  const bool inside = real && is_within(real, root);
+  free(real);
+  if (!inside) reject(outside);
+  reject("image " + quote(image) + " cannot be read: " + g_strerror(error));
+}
 
 // The bytes of the image file at `path`, read by the engine as moe-catalog-src reads catalog
 // images, refused unless it is a regular file of 1..max_bytes bytes. The size is checked before
@@ -196,8 +263,10 @@ std::string string_member(JsonObject* object, const char* name, const char* expe
 }
 
 // Parses one request message into `record` (filled as far as parsing got, so that a rejection
-// can still report the id and modality) and returns its payload. Throws Rejection.
-GstBuffer* parse_request(const zmq::message_t& message, guint64 max_image_bytes, gstmoe::RequestRecord& record) {
+// can still report the id and modality) and returns its payload. `image_root` is the canonical
+// image-root, nullptr if none. Throws Rejection.
+GstBuffer* parse_request(const zmq::message_t& message, guint64 max_image_bytes, const char* image_root,
+                         gstmoe::RequestRecord& record) {
   const char* data = message.data<char>();
   const gssize size = static_cast<gssize>(message.size());
   if (size == 0) reject("request is empty");
@@ -247,7 +316,10 @@ GstBuffer* parse_request(const zmq::message_t& message, guint64 max_image_bytes,
   }
   if (json_object_has_member(object, "image")) {
     record.uri = string_member(object, "image", "a string (a path or a file:// uri)");
-    return read_image_file(image_path(record.uri), max_image_bytes);
+    if (!image_root)
+      reject("image paths are not served: zmq-query has no image-root (the operator sets image-root=DIR to serve "
+             "the image files under DIR); send the image itself as image_base64");
+    return read_image_file(confine_to_root(record.uri, image_path(record.uri), image_root), max_image_bytes);
   }
   GstBuffer* payload = decode_base64_image(string_member(object, "image_base64", "a string"), max_image_bytes);
   record.uri = "base64:" + std::to_string(gst_buffer_get_size(payload)) + " bytes";
@@ -302,8 +374,15 @@ static void gst_zmq_query_set_property(GObject* object, guint prop_id, const GVa
     case PROP_RECV_HWM:
       self->recv_hwm = g_value_get_int(value);
       break;
+    case PROP_MAX_MESSAGE_BYTES:
+      self->max_message_bytes = g_value_get_uint64(value);
+      break;
     case PROP_MAX_IMAGE_BYTES:
       self->max_image_bytes = g_value_get_uint64(value);
+      break;
+    case PROP_IMAGE_ROOT:
+      g_free(self->image_root);
+      self->image_root = g_value_dup_string(value);
       break;
     case PROP_NUM_REQUESTS:
       self->num_requests = g_value_get_int64(value);
@@ -331,8 +410,14 @@ static void gst_zmq_query_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_RECV_HWM:
       g_value_set_int(value, self->recv_hwm);
       break;
+    case PROP_MAX_MESSAGE_BYTES:
+      g_value_set_uint64(value, self->max_message_bytes);
+      break;
     case PROP_MAX_IMAGE_BYTES:
       g_value_set_uint64(value, self->max_image_bytes);
+      break;
+    case PROP_IMAGE_ROOT:
+      g_value_set_string(value, self->image_root);
       break;
     case PROP_NUM_REQUESTS:
       g_value_set_int64(value, self->num_requests);
@@ -354,20 +439,51 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
   const std::string endpoint = self->endpoint ? self->endpoint : "";
   const bool bind = self->bind;
   const int hwm = self->recv_hwm;
+  const guint64 max_message = self->max_message_bytes;
+  const guint64 max_image = self->max_image_bytes;
+  const std::string root = self->image_root ? self->image_root : "";
   self->router = self->socket_type == GST_ZMQ_QUERY_SOCKET_ROUTER;
   self->received = self->rejected = 0;
   GST_OBJECT_UNLOCK(self);
   g_atomic_int_set(&self->flushing, 0);
 
+  // Canonical once, so that each request's canonical path can be compared with it.
+  std::string root_path;
+  if (!root.empty()) {
+    char* real = realpath(root.c_str(), nullptr);
+    if (!real || !g_file_test(real, G_FILE_TEST_IS_DIR)) {
+      const std::string reason = real ? "not a folder" : g_strerror(errno);
+      free(real);
+      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("image-root '%s' cannot be used: %s", root.c_str(), reason.c_str()),
+                        (nullptr));
+      return FALSE;
+    }
+    root_path = real;
+    free(real);
+  }
+  if (max_message != 0 && max_message < base64_request_bytes(max_image))
+    GST_ELEMENT_WARNING(self, RESOURCE, SETTINGS,
+                        ("max-message-bytes (%" G_GUINT64_FORMAT ") is smaller than the largest image_base64 "
+                         "request that max-image-bytes (%" G_GUINT64_FORMAT ") allows (%" G_GUINT64_FORMAT
+                         " bytes): ZeroMQ drops larger messages unanswered",
+                         max_message, max_image, base64_request_bytes(max_image)),
+                        (nullptr));
+
+  // ZeroMQ's "no limit" is -1.
+  const int64_t max_msgsize = max_message == 0 ? -1 : static_cast<int64_t>(max_message);
   try {
     self->zmq = new gstmoe::ZmqSocket(self->router ? zmq::socket_type::router : zmq::socket_type::pull, endpoint,
-                                      bind, [hwm](zmq::socket_t& s) { s.set(zmq::sockopt::rcvhwm, hwm); });
+                                      bind, [hwm, max_msgsize](zmq::socket_t& s) {
+                                        s.set(zmq::sockopt::rcvhwm, hwm);
+                                        s.set(zmq::sockopt::maxmsgsize, max_msgsize);
+                                      });
   } catch (const std::exception& e) {
     GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()), (nullptr));
     return FALSE;
   }
-  GST_INFO_OBJECT(self, "%s %s (%s)", bind ? "bound to" : "connected to", endpoint.c_str(),
-                  self->router ? "router" : "pull");
+  if (!root_path.empty()) self->root_path = g_strdup(root_path.c_str());
+  GST_INFO_OBJECT(self, "%s %s (%s), image-root %s", bind ? "bound to" : "connected to", endpoint.c_str(),
+                  self->router ? "router" : "pull", self->root_path ? self->root_path : "none");
   return TRUE;
 }
 
@@ -375,6 +491,7 @@ static gboolean gst_zmq_query_stop(GstBaseSrc* src) {
   GstZmqQuery* self = GST_ZMQ_QUERY(src);
   delete self->zmq;
   self->zmq = nullptr;
+  g_clear_pointer(&self->root_path, g_free);
   return TRUE;
 }
 
@@ -462,7 +579,7 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
     if (frames.size() != envelope + 1)
       reject("request has " + std::to_string(frames.size() - envelope) +
              " frames; expected one frame holding the JSON request");
-    buffer = parse_request(frames[envelope], max_image_bytes, record);
+    buffer = parse_request(frames[envelope], max_image_bytes, self->root_path, record);
     records.rows.push_back(record);
   } catch (const Rejection& r) {
     reason = r.reason;
@@ -488,6 +605,7 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
 
 static void gst_zmq_query_finalize(GObject* object) {
   g_free(GST_ZMQ_QUERY(object)->endpoint);
+  g_free(GST_ZMQ_QUERY(object)->image_root);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -533,10 +651,30 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
                        "client then waits); 0: unlimited",
                        0, MAX_RECV_HWM, DEFAULT_RECV_HWM, rw_ready));
   g_object_class_install_property(
+      gobject_class, PROP_MAX_MESSAGE_BYTES,
+      g_param_spec_uint64("max-message-bytes", "Maximum message bytes",
+                          "Largest request frame accepted, in bytes (ZMQ_MAXMSGSIZE). ZeroMQ disconnects a client "
+                          "that sends a larger one and discards the message before it is read in full, so that "
+                          "request gets no error document and no router reply. An image_base64 request takes 4/3 x "
+                          "max-image-bytes plus a line break per 76 characters and the JSON around it (45328942 "
+                          "bytes for the default 32 MiB, hence the default 48 MiB); start warns when this is "
+                          "smaller than that. 0: unlimited",
+                          0, MAX_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, rw_ready));
+  g_object_class_install_property(
       gobject_class, PROP_MAX_IMAGE_BYTES,
       g_param_spec_uint64("max-image-bytes", "Maximum image bytes",
-                          "Largest image (file or decoded image_base64) accepted; larger ones are rejected", 1,
+                          "Largest image (file or decoded image_base64) accepted; larger ones are rejected. Keep "
+                          "max-message-bytes large enough for an image_base64 request of this size", 1,
                           G_MAXUINT64, DEFAULT_MAX_IMAGE_BYTES, rw_playing));
+  g_object_class_install_property(
+      gobject_class, PROP_IMAGE_ROOT,
+      g_param_spec_string("image-root", "Image root",
+                          "Folder whose image files \"image\" requests may name: a relative path is taken from "
+                          "it, and a path or file:// uri that leads outside it (after resolving \"..\" and "
+                          "symlinks) is rejected as \"image '<value>' is outside image-root\", whether or not the "
+                          "file exists. NULL or empty (the default): every \"image\" request is rejected, so that "
+                          "clients cannot make the service read files of its machine (image_base64 always works)",
+                          DEFAULT_IMAGE_ROOT, rw_ready));
   g_object_class_install_property(
       gobject_class, PROP_NUM_REQUESTS,
       g_param_spec_int64("num-requests", "Number of requests",
@@ -553,12 +691,12 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
   gst_element_class_set_static_metadata(
       element_class, "ZeroMQ request source", "Source/Network",
       "Receives search requests, one JSON object per ZeroMQ message: {\"id\": \"q1\", \"text\": \"red mug\"}, "
-      "{\"id\": \"q2\", \"image\": \"/path/or/file/uri.jpg\"} (the file is read here) or {\"id\": \"q3\", "
-      "\"image_base64\": \"...\"}, with an optional \"k\" (1..1024). id is a string or an integer. Each request "
-      "becomes one application/x-moe-request buffer (the text, or the image file bytes) with a GstMoeBatchMeta "
-      "row. An invalid request becomes an empty buffer whose meta lists it as failed (stage zmq-query, with the "
-      "reason), so that it is answered by an error document downstream. With socket-type=router each client "
-      "also gets an immediate accepted/rejected reply.\n"
+      "{\"id\": \"q2\", \"image\": \"/path/or/file/uri.jpg\"} (the file is read here, only under image-root) or "
+      "{\"id\": \"q3\", \"image_base64\": \"...\"}, with an optional \"k\" (1..1024). id is a string or an integer. "
+      "Each request becomes one application/x-moe-request buffer (the text, or the image file bytes) with a "
+      "GstMoeBatchMeta row. An invalid request becomes an empty buffer whose meta lists it as failed (stage "
+      "zmq-query, with the reason), so that it is answered by an error document downstream. With "
+      "socket-type=router each client also gets an immediate accepted/rejected reply.\n"
       "Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! queue ! moe-encode model=clip ! "
       "moe-route model=adapter ! moe-expert model=adapter ! ann-query index=catalog.faiss ! "
       "zmq-publish endpoint=tcp://127.0.0.1:5556",
@@ -579,7 +717,9 @@ static void gst_zmq_query_init(GstZmqQuery* self) {
   self->bind = DEFAULT_BIND;
   self->socket_type = DEFAULT_SOCKET_TYPE;
   self->recv_hwm = DEFAULT_RECV_HWM;
+  self->max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES;
   self->max_image_bytes = DEFAULT_MAX_IMAGE_BYTES;
+  self->image_root = g_strdup(DEFAULT_IMAGE_ROOT);
   self->num_requests = DEFAULT_NUM_REQUESTS;
   GstBaseSrc* src = GST_BASE_SRC(self);
   gst_base_src_set_live(src, TRUE);

@@ -4,24 +4,28 @@
 #   pipelines/serve.sh [INDEX]
 #
 # Clients PUSH requests to tcp://127.0.0.1:5555 ({"id": "q1", "text": "red mug"} or
-# {"id": "q2", "image": "/path/photo.png"}) and SUBscribe to tcp://127.0.0.1:5556 for the
+# {"id": "q2", "image_base64": "iVBORw0..."}) and SUBscribe to tcp://127.0.0.1:5556 for the
 # results (docs/zmq-schema.md). QUERY_ENDPOINT / RESULT_ENDPOINT override the endpoints;
 # NUM_REQUESTS=n makes the service stop after n requests (-1: run until interrupted).
+# IMAGE_ROOT=DIR also serves {"id": "q3", "image": "photo.png"} requests naming files under DIR
+# (relative to it, or absolute paths inside it); without it such requests are refused.
 set -euo pipefail
 . "$(dirname "$0")/env.sh"
 INDEX=${1:-$INDEX}
 QUERY_ENDPOINT=${QUERY_ENDPOINT:-tcp://127.0.0.1:5555}
 RESULT_ENDPOINT=${RESULT_ENDPOINT:-tcp://127.0.0.1:5556}
 NUM_REQUESTS=${NUM_REQUESTS:--1}
+IMAGE_ROOT=${IMAGE_ROOT:-}
 
-# zmq-query     PULL socket: one buffer per request (text, or image bytes), request id in the meta
+# zmq-query     PULL socket: one buffer per request (text, or image bytes), request id in the meta;
+#               image-root is set only when IMAGE_ROOT is (gst-launch cannot take an empty value)
 # moe-encode    CLIP text/image towers; batches up to 16 requests, waits at most 5 ms for a batch
 # moe-route     router: top-k experts per query
 # moe-expert    runs the experts, L2-normalises
 # ann-query     searches the index: one JSON result (or error) document per request
 # zmq-publish   PUB socket; never blocks on slow or absent subscribers
 exec gst-launch-1.0 -e \
-  zmq-query endpoint="$QUERY_ENDPOINT" num-requests="$NUM_REQUESTS" \
+  zmq-query endpoint="$QUERY_ENDPOINT" num-requests="$NUM_REQUESTS" ${IMAGE_ROOT:+image-root="$IMAGE_ROOT"} \
   ! queue \
   ! moe-encode model="$MODEL" max-batch=16 max-latency=5000000 \
   ! moe-route model="$ADAPTER" \

@@ -204,7 +204,8 @@ TEST_F(E2E, BuildPipelineWritesIndexAndItems) {
 
 TEST_F(E2E, ServingPipelineAnswersEveryRequestOnce) {
   const std::string req = endpoint(1), res = endpoint(2);
-  const std::string desc = "zmq-query endpoint=" + req + " ! queue ! moe-encode model=\"" + kModel +
+  const std::string desc = "zmq-query endpoint=" + req + " image-root=\"" + catalog().dir +
+                           "\" ! queue ! moe-encode model=\"" + kModel +
                            "\" max-batch=4 max-latency=2000000 ! moe-route model=\"" + kAdapter +
                            "\" ! moe-expert model=\"" + kAdapter + "\" ! ann-query index=\"" + catalog().index +
                            "\" k=5 ! zmq-publish endpoint=" + res;
@@ -255,7 +256,8 @@ TEST_F(E2E, ServingPipelineAnswersEveryRequestOnce) {
       ASSERT_NE(e, nullptr);
       EXPECT_EQ(std::string(json_object_get_string_member(e, "stage")), "zmq-query");
       if (!id.empty()) {
-        EXPECT_NE(std::string(json_object_get_string_member(e, "reason")).find("/nonexistent/photo.png"), std::string::npos);
+        EXPECT_EQ(std::string(json_object_get_string_member(e, "reason")),
+                  "image '/nonexistent/photo.png' is outside image-root");
       }
       continue;
     }
@@ -295,7 +297,7 @@ TEST_F(E2E, ServeScriptWorksAsWritten) {
   std::thread service([&] {
     rc = run({kSource + "/pipelines/serve.sh", catalog().index},
              {"MODEL=" + kModel, "ADAPTER=" + kAdapter, "QUERY_ENDPOINT=" + req, "RESULT_ENDPOINT=" + res,
-              "NUM_REQUESTS=" + std::to_string(kRequests)},
+              "NUM_REQUESTS=" + std::to_string(kRequests), "IMAGE_ROOT=" + catalog().dir},
              &out);
   });
   {
@@ -303,9 +305,10 @@ TEST_F(E2E, ServeScriptWorksAsWritten) {
     const bool connected = client.wait_until_connected();
     if (connected) {
       client.send(R"({"id": "s1", "text": "plain red square"})");
-      client.send(R"({"id": "s2", "image": ")" + catalog().paths[0] + "\"}");
+      client.send(R"({"id": "s2", "image": "item0.png"})");  // relative to IMAGE_ROOT
       auto docs = client.collect({"s1", "s2"});
       EXPECT_EQ(docs.size(), 2u);
+      for (const Doc& d : docs) EXPECT_EQ(d.str("type"), "result") << d.str("id");
     }
     EXPECT_TRUE(connected) << out;
     EXPECT_LE(client.sent(), kRequests);

@@ -9,7 +9,9 @@
 #include <json-glib/json-glib.h>
 
 #include <glib/gstdio.h>
+#include <unistd.h>
 
+#include <cstring>
 #include <string>
 #include <thread>
 #include <vector>
@@ -47,7 +49,8 @@ class ZmqTest : public ::testing::Test {
     if (GDir* d = g_dir_open(path.c_str(), 0, nullptr)) {
       while (const gchar* name = g_dir_read_name(d)) {
         const std::string child = path + "/" + name;
-        if (g_file_test(child.c_str(), G_FILE_TEST_IS_DIR))
+        // A symlink to a folder is removed, not followed.
+        if (g_file_test(child.c_str(), G_FILE_TEST_IS_DIR) && !g_file_test(child.c_str(), G_FILE_TEST_IS_SYMLINK))
           remove_tree(child);
         else
           g_remove(child.c_str());
@@ -116,12 +119,15 @@ guint64 stat(GstElement* element, const char* field) {
   return value;
 }
 
-// The message of the first error on `bus`, "" if none.
-std::string bus_error(GstBus* bus) {
-  GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR);
+// The message of the first error (or warning) on `bus`, "" if none.
+std::string bus_message(GstBus* bus, GstMessageType type = GST_MESSAGE_ERROR) {
+  GstMessage* msg = gst_bus_pop_filtered(bus, type);
   if (!msg) return "";
   GError* error = nullptr;
-  gst_message_parse_error(msg, &error, nullptr);
+  if (type == GST_MESSAGE_WARNING)
+    gst_message_parse_warning(msg, &error, nullptr);
+  else
+    gst_message_parse_error(msg, &error, nullptr);
   std::string text = error->message;
   g_error_free(error);
   gst_message_unref(msg);
@@ -342,7 +348,7 @@ class StartFailure : public ZmqTest, public ::testing::WithParamInterface<StartC
     GstBus* bus = gst_bus_new();
     gst_element_set_bus(e, bus);
     const GstStateChangeReturn ret = gst_element_set_state(e, GST_STATE_PAUSED);
-    std::string error = bus_error(bus);
+    std::string error = bus_message(bus);
     EXPECT_EQ(ret == GST_STATE_CHANGE_FAILURE, !error.empty()) << error;
     gst_element_set_state(e, GST_STATE_NULL);
     gst_element_set_bus(e, nullptr);
@@ -486,17 +492,20 @@ bool wait_eos(GstHarness* h) {
 
 TEST_F(ZmqTest, QueryDefaults) {
   GstElement* e = gst_element_factory_make("zmq-query", nullptr);
-  gchar* endpoint = nullptr;
+  gchar *endpoint = nullptr, *root = nullptr;
   gint type = -1, hwm = 0;
-  guint64 max_image = 0;
+  guint64 max_image = 0, max_message = 0;
   gint64 num = 0;
   gboolean live = FALSE;
   g_object_get(e, "endpoint", &endpoint, "socket-type", &type, "recv-hwm", &hwm, "max-image-bytes", &max_image,
-               "num-requests", &num, "do-timestamp", &live, nullptr);
+               "max-message-bytes", &max_message, "image-root", &root, "num-requests", &num, "do-timestamp", &live,
+               nullptr);
   EXPECT_STREQ(endpoint, "tcp://127.0.0.1:5555");
   EXPECT_EQ(type, GST_ZMQ_QUERY_SOCKET_PULL);
   EXPECT_EQ(hwm, 1000);
   EXPECT_EQ(max_image, 32u * 1024 * 1024);
+  EXPECT_EQ(max_message, 48u * 1024 * 1024);
+  EXPECT_EQ(root, nullptr);  // image paths are refused until the operator names a folder
   EXPECT_EQ(num, -1);
   EXPECT_TRUE(live);
   EXPECT_TRUE(gst_base_src_is_live(GST_BASE_SRC(e)));
@@ -504,6 +513,7 @@ TEST_F(ZmqTest, QueryDefaults) {
   EXPECT_EQ(g_enum_get_value_by_nick(cls, "router")->value, GST_ZMQ_QUERY_SOCKET_ROUTER);
   g_type_class_unref(cls);
   g_free(endpoint);
+  g_free(root);
   gst_object_unref(e);
 }
 
@@ -551,7 +561,7 @@ TEST_F(ZmqTest, QueryPullTurnsEachMessageIntoOneRequestBuffer) {
       {{R"({"id":"none"})"}, {"none", Modality::Text, "", "", 0, "it has none"}},
       {{R"({"id":"both","text":"x","image":"/p.png"})"}, {"both", Modality::Text, "", "", 0, "it has text and image"}},
       {{R"({"id":"missing","image":)" + json_str(missing) + "}"},
-       {"missing", Modality::Image, "", missing, 0, "image file '" + missing + "' cannot be read: No such file or directory"}},
+       {"missing", Modality::Image, "", missing, 0, "image '" + missing + "' cannot be read: No such file or directory"}},
       {{R"({"id":"dir","image":)" + json_str(dir_) + "}"}, {"dir", Modality::Image, "", dir_, 0, "not a regular file"}},
       {{R"({"id":"web","image":"http://example.com/a.png"})"},
        {"web", Modality::Image, "", "http://example.com/a.png", 0, "neither a local path nor a file:// uri"}},
@@ -572,7 +582,7 @@ TEST_F(ZmqTest, QueryPullTurnsEachMessageIntoOneRequestBuffer) {
 
   const std::string endpoint = ipc("query.ipc");
   GstElement* e = make_query(endpoint, static_cast<gint64>(cases.size()));
-  g_object_set(e, "max-image-bytes", G_GUINT64_CONSTANT(1000), nullptr);
+  g_object_set(e, "max-image-bytes", G_GUINT64_CONSTANT(1000), "image-root", dir_.c_str(), nullptr);
   GstHarness* h = query_harness(e);
   zmq::socket_t push = client(ctx_, zmq::socket_type::push, endpoint);
   for (const Case& c : cases) {
@@ -657,12 +667,13 @@ TEST_F(ZmqTest, QueryRouterAcknowledgesDealerAndReqClients) {
   EXPECT_FALSE(reply.more());  // DEALER: no envelope comes back
   EXPECT_EQ(parse_reply(to_string(reply)), std::make_tuple(std::string("d1"), std::string("accepted"), std::string()));
 
+  // No image-root (the default): image paths are refused, telling the operator what to set.
   ASSERT_TRUE(req.send(zmq::str_buffer(R"({"id":"r1","image":"/no/such/file.png"})")));
   ASSERT_TRUE(req.recv(reply));
   auto [id, status, error] = parse_reply(to_string(reply));
   EXPECT_EQ(id, "r1");
   EXPECT_EQ(status, "rejected");
-  EXPECT_NE(error.find("image file '/no/such/file.png' cannot be read"), std::string::npos) << error;
+  EXPECT_NE(error.find("no image-root (the operator sets image-root=DIR"), std::string::npos) << error;
 
   ASSERT_TRUE(req.send(zmq::str_buffer("not json")));  // REQ needs the reply before its next request
   ASSERT_TRUE(req.recv(reply));
@@ -673,7 +684,7 @@ TEST_F(ZmqTest, QueryRouterAcknowledgesDealerAndReqClients) {
   EXPECT_EQ(parse_reply(to_string(reply)), std::make_tuple(std::string("7"), std::string("accepted"), std::string()));
 
   const std::vector<Expect> expected = {{"d1", gstmoe::Modality::Text, "red mug", "", 0, ""},
-                                        {"r1", gstmoe::Modality::Image, "", "/no/such/file.png", 0, "cannot be read"},
+                                        {"r1", gstmoe::Modality::Image, "", "/no/such/file.png", 0, "no image-root"},
                                         {"", gstmoe::Modality::Text, "", "", 0, "not valid JSON"},
                                         {"7", gstmoe::Modality::Text, "last", "", 0, ""}};
   for (const Expect& x : expected) {
@@ -684,6 +695,224 @@ TEST_F(ZmqTest, QueryRouterAcknowledgesDealerAndReqClients) {
   EXPECT_TRUE(wait_eos(h));
   EXPECT_EQ(stat(h->element, "rejected"), 2u);
   gst_harness_teardown(h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// image-root: which files "image" requests may name.
+
+std::string file_uri(const std::string& path) {
+  gchar* uri = g_filename_to_uri(path.c_str(), nullptr, nullptr);
+  std::string r = uri;
+  g_free(uri);
+  return r;
+}
+
+TEST_F(ZmqTest, QueryImageRootConfinesImagePaths) {
+  const std::string root = path("root");
+  ASSERT_EQ(g_mkdir_with_parents((root + "/sub").c_str(), 0700), 0);
+  write_file("root/a.png", "image a");
+  write_file("root/sub/b.png", "image b");
+  const std::string secret = write_file("secret.png", "secret");
+  const std::string nope = path("nope.png");  // outside the root and missing
+  ASSERT_EQ(symlink("sub/b.png", (root + "/inner").c_str()), 0);  // stays inside
+  ASSERT_EQ(symlink(secret.c_str(), (root + "/escape").c_str()), 0);
+  ASSERT_EQ(symlink(dir_.c_str(), (root + "/escape-dir").c_str()), 0);
+  ASSERT_EQ(symlink(nope.c_str(), (root + "/dangling").c_str()), 0);
+
+  struct Case {
+    std::string id, image;
+    std::string payload;  // accepted
+    std::string reason;   // rejected: the whole reason
+  };
+  auto outside = [](const std::string& image) { return "image '" + image + "' is outside image-root"; };
+  std::vector<Case> cases = {
+      {"relative", "a.png", "image a", ""},
+      {"relative-sub", "sub/b.png", "image b", ""},
+      {"absolute", root + "/sub/b.png", "image b", ""},
+      {"uri", file_uri(root + "/a.png"), "image a", ""},
+      {"dotdot-inside", "sub/../a.png", "image a", ""},
+      {"link-inside", "inner", "image b", ""},
+      {"missing-inside", "missing.png", "", "image 'missing.png' cannot be read: No such file or directory"},
+  };
+  // Each escape, to a file that exists and to one that does not: the same reason, so a client
+  // cannot probe the machine's files.
+  for (const auto& [id, image] : std::vector<std::pair<std::string, std::string>>{
+           {"dotdot-existing", "../secret.png"},
+           {"dotdot-missing", "../nope.png"},
+           {"deep-dotdot-existing", "sub/../../secret.png"},
+           {"absolute-existing", secret},
+           {"absolute-missing", nope},
+           {"uri-existing", file_uri(secret)},
+           {"uri-missing", file_uri(nope)},
+           {"symlink-existing", "escape"},
+           {"symlink-missing", "dangling"},
+           {"symlink-dir-existing", "escape-dir/secret.png"},
+           {"symlink-dir-missing", "escape-dir/nope.png"},
+       })
+    cases.push_back({id, image, "", outside(image)});
+
+  const std::string endpoint = ipc("root.ipc");
+  GstElement* e = make_query(endpoint, static_cast<gint64>(cases.size()));
+  g_object_set(e, "image-root", root.c_str(), nullptr);
+  GstHarness* h = query_harness(e);
+  zmq::socket_t push = client(ctx_, zmq::socket_type::push, endpoint);
+  for (const Case& c : cases) {
+    JsonBuilder* b = json_builder_new();
+    json_builder_begin_object(b);
+    json_builder_set_member_name(b, "id");
+    json_builder_add_string_value(b, c.id.c_str());
+    json_builder_set_member_name(b, "image");
+    json_builder_add_string_value(b, c.image.c_str());
+    json_builder_end_object(b);
+    JsonNode* node = json_builder_get_root(b);
+    gchar* text = json_to_string(node, FALSE);
+    ASSERT_TRUE(push.send(zmq::buffer(std::string(text))));
+    g_free(text);
+    json_node_unref(node);
+    g_object_unref(b);
+  }
+
+  guint64 rejected = 0;
+  for (const Case& c : cases) {
+    GstBuffer* buf = gst_harness_pull(h);
+    expect_request(buf, {c.id, gstmoe::Modality::Image, c.payload, c.image, 0, c.reason});
+    if (buf && !c.reason.empty() && records_of(buf).failed.size() == 1) {
+      EXPECT_EQ(records_of(buf).failed[0].reason, c.reason);  // nothing more than that
+    }
+    if (buf) gst_buffer_unref(buf);
+    rejected += c.reason.empty() ? 0 : 1;
+  }
+  EXPECT_TRUE(wait_eos(h));
+  EXPECT_EQ(stat(h->element, "rejected"), rejected);
+  gst_harness_teardown(h);
+}
+
+TEST_F(ZmqTest, QueryWithoutImageRootRefusesImagePathsButTakesImageBase64) {
+  const std::string photo = write_file("photo.png", "photo bytes");
+  const std::string endpoint = ipc("noroot.ipc");
+  GstElement* e = make_query(endpoint, 3);
+  g_object_set(e, "image-root", "", nullptr);  // empty means none, as NULL does
+  GstHarness* h = query_harness(e);
+  zmq::socket_t push = client(ctx_, zmq::socket_type::push, endpoint);
+  gchar* b64 = g_base64_encode(reinterpret_cast<const guchar*>("photo bytes"), 11);
+  for (const std::string& request :
+       {R"({"id":"path","image":")" + photo + "\"}", R"({"id":"uri","image":")" + file_uri(photo) + "\"}",
+        R"({"id":"b64","image_base64":")" + std::string(b64) + "\"}"})
+    ASSERT_TRUE(push.send(zmq::buffer(request)));
+  g_free(b64);
+
+  const std::string reason =
+      "image paths are not served: zmq-query has no image-root (the operator sets image-root=DIR to serve the image "
+      "files under DIR); send the image itself as image_base64";
+  const std::vector<Expect> expected = {{"path", gstmoe::Modality::Image, "", photo, 0, reason},
+                                        {"uri", gstmoe::Modality::Image, "", file_uri(photo), 0, reason},
+                                        {"b64", gstmoe::Modality::Image, "photo bytes", "base64:11 bytes", 0, ""}};
+  for (const Expect& x : expected) {
+    GstBuffer* buf = gst_harness_pull(h);
+    expect_request(buf, x);
+    if (buf) gst_buffer_unref(buf);
+  }
+  EXPECT_TRUE(wait_eos(h));
+  gst_harness_teardown(h);
+}
+
+// Starts `e` (to PAUSED) and stops it again; returns the message of the first error or warning
+// (`type`) it posted, "" if none.
+std::string start_message(GstElement* e, GstMessageType type) {
+  GstBus* bus = gst_bus_new();
+  gst_element_set_bus(e, bus);
+  const GstStateChangeReturn ret = gst_element_set_state(e, GST_STATE_PAUSED);
+  const std::string message = bus_message(bus, type);
+  if (type == GST_MESSAGE_ERROR) {
+    EXPECT_EQ(ret == GST_STATE_CHANGE_FAILURE, !message.empty()) << message;
+  } else {
+    EXPECT_NE(ret, GST_STATE_CHANGE_FAILURE);
+  }
+  gst_element_set_state(e, GST_STATE_NULL);
+  gst_element_set_bus(e, nullptr);
+  gst_object_unref(bus);
+  return message;
+}
+
+TEST_F(ZmqTest, QueryImageRootMustBeAnExistingFolder) {
+  const std::string file = write_file("file.png", "x");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {path("no-such-folder"), "image-root '" + path("no-such-folder") + "' cannot be used: No such file or directory"},
+      {file, "image-root '" + file + "' cannot be used: not a folder"},
+      {dir_, ""}};
+  for (const auto& [root, error] : cases) {
+    GstElement* e = make_query(ipc("root-check.ipc"));
+    g_object_set(e, "image-root", root.c_str(), nullptr);
+    EXPECT_EQ(start_message(e, GST_MESSAGE_ERROR), error);
+    gst_object_unref(e);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// max-message-bytes: ZeroMQ's limit on what a client may send.
+
+// A text request of exactly `size` bytes; `text` receives its text.
+std::string request_of_size(const std::string& id, size_t size, std::string* text) {
+  const std::string head = R"({"id":")" + id + R"(","text":")", tail = "\"}";
+  *text = std::string(size - head.size() - tail.size(), 't');
+  return head + *text + tail;
+}
+
+TEST_F(ZmqTest, QueryOversizedMessageIsDroppedByZeroMQ) {
+  const std::string endpoint = ipc("limit.ipc");
+  GstElement* e = make_query(endpoint, 1);
+  g_object_set(e, "max-message-bytes", G_GUINT64_CONSTANT(1000), nullptr);
+  GstHarness* h = query_harness(e);
+
+  // A valid request one byte over the limit: only ZeroMQ's limit keeps it out. The service hangs
+  // up on its sender, which the sender's socket monitor reports.
+  zmq::socket_t big = client(ctx_, zmq::socket_type::push, endpoint);
+  ASSERT_EQ(zmq_socket_monitor(big.handle(), "inproc://big-monitor", ZMQ_EVENT_DISCONNECTED), 0);
+  zmq::socket_t monitor(ctx_, zmq::socket_type::pair);
+  monitor.set(zmq::sockopt::linger, 0);
+  monitor.set(zmq::sockopt::rcvtimeo, kReceiveTimeoutMs);
+  monitor.connect("inproc://big-monitor");
+  std::string text;
+  ASSERT_TRUE(big.send(zmq::buffer(request_of_size("too-big", 1001, &text))));
+  std::vector<zmq::message_t> event;  // [event id (16 bits) + value (32 bits), endpoint]
+  ASSERT_TRUE(zmq::recv_multipart(monitor, std::back_inserter(event))) << "the oversized sender was not disconnected";
+  uint16_t id = 0;
+  ASSERT_GE(event[0].size(), sizeof id);
+  memcpy(&id, event[0].data(), sizeof id);
+  EXPECT_EQ(id, ZMQ_EVENT_DISCONNECTED);
+
+  // Another client's request of exactly the limit is the first (and, with num-requests=1, only)
+  // request the element sees.
+  zmq::socket_t fits = client(ctx_, zmq::socket_type::push, endpoint);
+  ASSERT_TRUE(fits.send(zmq::buffer(request_of_size("fits", 1000, &text))));
+  GstBuffer* buf = gst_harness_pull(h);
+  expect_request(buf, {"fits", gstmoe::Modality::Text, text, "", 0, ""});
+  if (buf) gst_buffer_unref(buf);
+  EXPECT_TRUE(wait_eos(h));
+  EXPECT_EQ(stat(h->element, "received"), 1u);
+  zmq_socket_monitor(big.handle(), nullptr, 0);
+  gst_harness_teardown(h);
+}
+
+// An image_base64 request of max-image-bytes must fit in max-message-bytes, else ZeroMQ would
+// drop it unanswered: start warns. 1000 image bytes make 1336 base64 characters, 17 line breaks
+// and up to 1 KiB of JSON: 2377 bytes.
+TEST_F(ZmqTest, QueryWarnsWhenMaxMessageBytesCannotHoldAMaxImage) {
+  const std::vector<std::pair<guint64, std::string>> cases = {
+      {2376,
+       "max-message-bytes (2376) is smaller than the largest image_base64 request that max-image-bytes (1000) "
+       "allows (2377 bytes): ZeroMQ drops larger messages unanswered"},
+      {2377, ""},
+      {0, ""}};  // unlimited
+  for (const auto& [max_message, warning] : cases) {
+    GstElement* e = make_query(ipc("warn.ipc"));
+    g_object_set(e, "max-image-bytes", G_GUINT64_CONSTANT(1000), "max-message-bytes", max_message, nullptr);
+    EXPECT_EQ(start_message(e, GST_MESSAGE_WARNING), warning) << max_message;
+    gst_object_unref(e);
+  }
+  GstElement* e = make_query(ipc("warn.ipc"));  // the defaults agree
+  EXPECT_EQ(start_message(e, GST_MESSAGE_WARNING), "");
+  gst_object_unref(e);
 }
 
 // ---------------------------------------------------------------------------------------------

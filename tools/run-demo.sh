@@ -8,7 +8,8 @@
 #
 # QUERY arguments replace the default text queries. --quick (used by CI) sends fewer queries.
 # Environment: MOE_BUILD_DIR (default build), MODEL / ADAPTER / CATALOG (default: the shipped
-# model in models/default), QUERY_ENDPOINT / RESULT_ENDPOINT (default tcp://127.0.0.1:5555/5556).
+# model in models/default), QUERY_ENDPOINT / RESULT_ENDPOINT (default tcp://127.0.0.1:5555/5556),
+# IMAGE_ROOT (default CATALOG: the folder image queries may name, zmq-query's image-root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -32,6 +33,8 @@ ADAPTER=${ADAPTER:-$repo/models/default/adapter}
 CATALOG=${CATALOG:-$repo/models/default/catalog}
 export QUERY_ENDPOINT=${QUERY_ENDPOINT:-tcp://127.0.0.1:5555}
 export RESULT_ENDPOINT=${RESULT_ENDPOINT:-tcp://127.0.0.1:5556}
+# The image query names a catalog photo by its path: the service reads files under this folder only.
+export IMAGE_ROOT=${IMAGE_ROOT:-$CATALOG}
 out="$repo/$build/demo"
 
 tools/install-deps.sh
