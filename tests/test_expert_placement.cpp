@@ -98,6 +98,26 @@ TEST(ExpertPlacement, ReplicatesHotExpertsWhileMemoryAllows) {
   for (int e = 0; e < 4; ++e) EXPECT_EQ(cold.devices_of(e).size(), 1u);
 }
 
+TEST(ExpertPlacement, GivenPrimariesStayAndOnlyReplicasFollowTheLoad) {
+  PlacementOptions o = no_headroom();
+  o.max_replicas = 2;
+  o.primary = {1, 0, 1, 0};  // not what the load order would choose for the hot expert 3
+  const ExpertPlacement p =
+      plan_expert_placement({{0, 4 * GiB}, {1, 4 * GiB}}, std::vector<size_t>(4, GiB), {1, 1, 1, 100}, o);
+  for (int e = 0; e < 4; ++e) EXPECT_EQ(p.devices_of(e)[0], o.primary[static_cast<size_t>(e)]) << e;
+  EXPECT_EQ(p.devices_of(3), (std::vector<int>{0, 1}));  // the hot one gains a replica
+  for (int e = 0; e < 3; ++e) EXPECT_EQ(p.devices_of(e).size(), 1u) << e;
+  o.primary = {0, 0, 0};
+  expect_error([&] { plan_expert_placement({{0, 4 * GiB}}, std::vector<size_t>(4, GiB), {}, o); },
+               {"3 primaries for 4 experts"});
+  o.primary = {0, 5};
+  expect_error([&] { plan_expert_placement({{0, 4 * GiB}}, std::vector<size_t>(2, GiB), {}, o); },
+               {"primary of expert 1 is device 5", "not listed"});
+  o.primary = {0, 0, 0};
+  expect_error([&] { plan_expert_placement({{0, 2 * GiB}, {1, 2 * GiB}}, std::vector<size_t>(3, GiB), {}, o); },
+               {"primaries given for device 0 exceed"});
+}
+
 TEST(ExpertPlacement, RejectsBadInput) {
   expect_error([] { plan_expert_placement({}, {GiB}, {}); }, {"no devices"});
   expect_error([] { plan_expert_placement({{1, GiB}, {1, GiB}}, {1}, {}); }, {"device 1 is listed twice"});

@@ -26,7 +26,8 @@ struct ExpertExecutor::State {
   MoeConfig config;
   kernels::WeightType precision = kernels::WeightType::F32;
   size_t slot_bytes = 0;
-  // What rebalance() plans over: each device's share of memory, and the options.
+  // What rebalance() plans over: each device's share of memory, and the options (with the
+  // primaries of the first placement).
   std::vector<DeviceMemory> placement_memory;
   PlacementOptions placement_options;
   // Destroyed in reverse order: the caches (they wait for their copies), the store, the backends.
@@ -223,6 +224,9 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   }
   st->placement = std::make_shared<const ExpertPlacement>(plan_expert_placement(
       st->placement_memory, std::vector<size_t>(static_cast<size_t>(E), slot), options.expert_load, po));
+  // Rebalancing keeps these primaries and re-plans only the replicas: a shift in load then never
+  // moves an expert's only copy, so caches do not churn on noise.
+  for (int e = 0; e < E; ++e) po.primary.push_back(st->placement->devices_of(e)[0]);
 
   // One staging copy of the experts; a cache per device.
   st->store = std::make_unique<HostExpertStore>(HostExpertStore::from_layer(*st->backends[0], layer, options.precision));

@@ -124,7 +124,24 @@ ExpertPlacement plan_expert_placement(const std::vector<DeviceMemory>& devices, 
     devs[static_cast<size_t>(d)].experts.push_back(e);
     holders[static_cast<size_t>(e)].push_back(devs[static_cast<size_t>(d)].index);
   };
+  if (!options.primary.empty()) {
+    if (options.primary.size() != static_cast<size_t>(E))
+      throw Error(who + ": " + std::to_string(options.primary.size()) + " primaries for " + std::to_string(E) +
+                  " experts");
+    for (int e = 0; e < E; ++e) {
+      const int index = options.primary[static_cast<size_t>(e)];
+      const auto it = std::find_if(devs.begin(), devs.end(), [&](const auto& dev) { return dev.index == index; });
+      if (it == devs.end())
+        throw Error(who + ": the primary of expert " + std::to_string(e) + " is device " + std::to_string(index) +
+                    ", which is not listed");
+      if (it->used + expert_bytes[static_cast<size_t>(e)] > it->capacity)
+        throw Error(who + ": the primaries given for device " + std::to_string(index) + " exceed its " +
+                    bytes_str(it->capacity));
+      place(e, static_cast<int>(it - devs.begin()));
+    }
+  }
   for (int e : order) {
+    if (!holders[static_cast<size_t>(e)].empty()) continue;  // a given primary
     const int d = roomiest(devs, holders[static_cast<size_t>(e)], expert_bytes[static_cast<size_t>(e)]);
     if (d < 0) {
       std::ostringstream s;

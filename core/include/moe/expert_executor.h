@@ -19,7 +19,8 @@
 //    expert (the roomiest device first, hot experts replicated when a load is known). When the
 //    experts do not all fit in the budgets, every device serves a share of the experts in
 //    proportion to its budget and its cache keeps the working set (oversubscription; no replicas).
-//    rebalance(load) re-plans with a measured load; since any cache can hold any expert, a new
+//    rebalance(load) re-plans the replicas with a measured load (primaries stay where they are,
+//    so load noise never moves an expert's only copy); since any cache can hold any expert, a new
 //    placement takes effect at the next prefetch, with nothing to rebuild (the caches fill and
 //    evict as batches come).
 //  - A batch slot (row, j) runs on placement.choose_replica(expert, row), decided at prefetch and
@@ -122,9 +123,9 @@ class ExpertExecutor {
   // moe::Error for a wrong shape or routing, or when a device fails.
   Tensor run(const Tensor& x, const Routing& routing, const std::shared_ptr<void>& handle);
 
-  // Re-plans the placement with `expert_load` (rows routed to each expert recently, one entry
-  // per expert), the budgets and replication options of construction (run() calls it itself
-  // every rebalance_interval batches). Returns true when the
+  // Re-plans the replicas with `expert_load` (rows routed to each expert recently, one entry per
+  // expert), over the budgets and replication options of construction; every expert keeps the
+  // primary device construction gave it (run() calls this every rebalance_interval batches). Returns true when the
   // placement changed; it applies from the next prefetch(). Throws moe::Error for a wrong length.
   bool rebalance(const std::vector<int64_t>& expert_load);
 

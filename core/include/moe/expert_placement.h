@@ -6,13 +6,15 @@
 //  2. Primary copies: experts in order of load (descending; then bytes descending, then id) go
 //     each to the device with the most capacity left on which it fits (ties: the device listed
 //     first). Hot experts come first, so they land on the roomiest devices, and experts spread
-//     over devices in proportion to their memory.
+//     over devices in proportion to their memory. With PlacementOptions::primary, the primaries
+//     are given instead (re-planning replicas for a new load without moving any primary).
 //  3. Replicas: an expert is hot when its load ≥ hot_load_factor × the mean load (and > 0).
 //     Rounds over the hot experts (hottest first) add one replica each on the device, not yet
 //     holding it, with the most capacity left where it fits, until max_replicas copies or no
 //     device has room.
 // Errors (moe::Error): no devices, a duplicate device, an expert of 0 bytes, too little memory
-// overall (the message gives the need and the capacity), or one expert that fits nowhere.
+// overall (the message gives the need and the capacity), one expert that fits nowhere, or a
+// given primary on an unknown device or beyond its capacity.
 #pragma once
 
 #include <cstddef>
@@ -34,6 +36,8 @@ struct PlacementOptions {
   double headroom = 0.10;        // fraction of each device's free memory left unused
   double hot_load_factor = 2.0;  // hot: load ≥ factor × mean load over all experts
   int max_replicas = 1;          // copies of a hot expert at most (1: no replication)
+  // Per expert, the device (DeviceMemory::index) of its primary copy; empty: planned (step 2).
+  std::vector<int> primary;
 };
 
 class ExpertPlacement {
