@@ -13,8 +13,11 @@
  *
  * Where the experts run ('device', 'precision'): device=cpu with fp32 weights is the engine's CPU
  * path (MoeAdapter::apply_experts). Every other setting - CUDA devices, or reduced precision on
- * the CPU - runs on a moe::ExpertExecutor built when the element starts: per device a cache of
- * experts in 'cache-budget' of its free memory, filled asynchronously. The moe-route upstream
+ * the CPU - runs on a moe::ExpertExecutor: per device a cache of experts in 'cache-budget' of its
+ * free memory, filled asynchronously. The device list is checked when the element starts, but
+ * the executor is built when it is first needed (moe-route's executor query, or the caps):
+ * elements start from the sink up, so only then have the encoders upstream loaded their
+ * weights, and the budget is taken from the memory they left free. The moe-route upstream
  * finds the executor through a custom query and prefetches each batch's experts on its own
  * streaming thread as soon as it has routed the batch; the handle arrives in the meta, this
  * element's streaming thread computes with it and drops it, which unpins the batch's experts.
@@ -24,6 +27,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <mutex>
 #include <utility>
 
 #include "gstmoeadapter.h"
@@ -48,9 +52,17 @@ struct ExpertState {
   double cache_budget = DEFAULT_CACHE_BUDGET;
   guint rebalance_interval = DEFAULT_REBALANCE_INTERVAL;
 
-  // The executor (null on the CPU path): set by start(), cleared by stop(), under the object
-  // lock because the executor query and the 'stats' property read it from other threads.
+  // The executor (null on the CPU path, and until first needed): cleared by stop(), under the
+  // object lock because the executor query and the 'stats' property read it from other threads.
   std::shared_ptr<moe::ExpertExecutor> executor;
+  // What building it needs, set by start() and cleared by stop() under build_mu, which also
+  // serialises the build (moe-route's thread and this element's may both ask first).
+  // executor_device is empty on the CPU path and after stop().
+  std::mutex build_mu;
+  std::string executor_device;
+  moe::ExpertExecutorOptions executor_options;
+  std::shared_ptr<const moe::MoeAdapter> executor_adapter;
+  bool executor_failed = false;  // its error was posted; not tried again until the next start
 
   // The running configuration: set by start(), cleared by stop(); between the two only the
   // streaming thread uses it.
@@ -204,27 +216,24 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   if (!adapter) return FALSE;
   const moe::MoeConfig& cfg = adapter->layer().config();
 
-  std::shared_ptr<moe::ExpertExecutor> executor;
   if (device != "cpu" || precision != GST_MOE_PRECISION_FP32) {  // else: the engine's CPU path
-    moe::ExpertExecutorOptions options;
-    options.precision = gstmoe::weight_type(precision);
-    options.budget_fraction = cache_budget;
-    options.rebalance_interval = static_cast<int>(rebalance_interval);
     try {
-      executor = std::make_shared<moe::ExpertExecutor>(adapter->layer(), device, options);
+      moe::ExpertExecutor::check_devices(device);
     } catch (const std::exception& e) {  // moe::Error names the device and the reason
       GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
                         ("cannot run the experts of the MoE adapter '%s': %s", dir.c_str(), e.what()),
                         (nullptr));
       return FALSE;
     }
-    for (const moe::ExpertDeviceStats& d : executor->stats())
-      GST_INFO_OBJECT(self, "%s: %zu experts, cache of %d slots (%zu bytes)", d.device.c_str(), d.experts.size(),
-                      d.slots, d.budget_bytes);
+    std::lock_guard<std::mutex> lock(st->build_mu);
+    st->executor_device = device;
+    st->executor_options = moe::ExpertExecutorOptions();
+    st->executor_options.precision = gstmoe::weight_type(precision);
+    st->executor_options.budget_fraction = cache_budget;
+    st->executor_options.rebalance_interval = static_cast<int>(rebalance_interval);
+    st->executor_adapter = adapter;
+    st->executor_failed = false;
   }
-  GST_OBJECT_LOCK(self);
-  st->executor = std::move(executor);
-  GST_OBJECT_UNLOCK(self);
 
   st->adapter = std::move(adapter);
   st->adapter_dir = dir;
@@ -240,6 +249,11 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
 
 static gboolean gst_moe_expert_stop(GstBaseTransform* trans) {
   GstMoeExpert* self = GST_MOE_EXPERT(trans);
+  {
+    std::lock_guard<std::mutex> lock(self->st->build_mu);  // no build after this
+    self->st->executor_device.clear();
+    self->st->executor_adapter.reset();
+  }
   self->st->adapter.reset();  // the cache frees the adapter when its last user lets go
   GST_OBJECT_LOCK(self);
   // Buffers still in flight keep what their prefetch handles need; the rest goes now.
@@ -248,9 +262,41 @@ static gboolean gst_moe_expert_stop(GstBaseTransform* trans) {
   return TRUE;
 }
 
+// Builds the executor the first time it is needed after a start (see the top comment); false
+// after posting an error, or once one was posted.
+static bool gst_moe_expert_build_executor(GstMoeExpert* self) {
+  ExpertState* st = self->st;
+  std::lock_guard<std::mutex> lock(st->build_mu);
+  if (st->executor_failed) return false;
+  GST_OBJECT_LOCK(self);
+  const bool needed = !st->executor_device.empty() && !st->executor;
+  GST_OBJECT_UNLOCK(self);
+  if (!needed) return true;
+  std::shared_ptr<moe::ExpertExecutor> executor;
+  try {
+    executor = std::make_shared<moe::ExpertExecutor>(st->executor_adapter->layer(), st->executor_device,
+                                                     st->executor_options);
+  } catch (const std::exception& e) {  // moe::Error names the device and the reason
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
+                      ("cannot run the experts of the MoE adapter '%s': %s",
+                       st->executor_adapter->layer().config().source.c_str(), e.what()),
+                      (nullptr));
+    st->executor_failed = true;
+    return false;
+  }
+  for (const moe::ExpertDeviceStats& d : executor->stats())
+    GST_INFO_OBJECT(self, "%s: %zu experts, cache of %d slots (%zu bytes)", d.device.c_str(), d.experts.size(),
+                    d.slots, d.budget_bytes);
+  GST_OBJECT_LOCK(self);
+  st->executor = std::move(executor);
+  GST_OBJECT_UNLOCK(self);
+  return true;
+}
+
 static gboolean gst_moe_expert_query(GstBaseTransform* trans, GstPadDirection direction, GstQuery* query) {
   GstMoeExpert* self = GST_MOE_EXPERT(trans);
   if (direction == GST_PAD_SINK && gstmoe::adapter::is_executor_query(query)) {
+    if (!gst_moe_expert_build_executor(self)) return FALSE;
     GST_OBJECT_LOCK(self);
     std::shared_ptr<moe::ExpertExecutor> executor = self->st->executor;
     GST_OBJECT_UNLOCK(self);
@@ -267,6 +313,7 @@ static gboolean gst_moe_expert_set_caps(GstBaseTransform* trans, GstCaps* incaps
   ExpertState* st = self->st;
   st->width = gstmoe::adapter::caps_width(GST_ELEMENT(self), incaps, *st->adapter, st->adapter_dir);
   if (st->width == 0) return FALSE;
+  if (!gst_moe_expert_build_executor(self)) return FALSE;
 
   // Routing from another adapter directory is fine when it addresses the same experts.
   gstmoe::adapter::RouteInfo route;
@@ -433,7 +480,8 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
   g_object_class_install_property(
       gobject_class, PROP_CACHE_BUDGET,
       g_param_spec_double("cache-budget", "Expert cache budget",
-                          "Fraction of each device's free memory (at start) that holds experts; when the experts do "
+                          "Fraction of each device's free memory that holds experts, measured when the first "
+                          "batch's caps arrive (after the encoders upstream loaded their weights); when the experts do "
                           "not fit, the least recently used are evicted and loaded again when routed to. Not used "
                           "by the plain CPU path (device=cpu precision=fp32)",
                           0.05, 1.0, DEFAULT_CACHE_BUDGET,

@@ -578,6 +578,28 @@ TEST_F(RouteExpertTest, PlainCpuPathHasNoExecutor) {
   EXPECT_TRUE(stats.devices.empty());
 }
 
+// The executor's cache budget is a share of the memory the encoders upstream left free, so it is
+// built when first needed (here: the caps), not when moe-expert starts - which is before the
+// elements upstream of it start and load their models.
+TEST_F(RouteExpertTest, ExecutorIsBuiltWhenFirstNeededNotAtStart) {
+  GstHarness* h = gst_harness_new_parse(expert_line(adapter_dir(), "precision=fp16").c_str());
+  gst_harness_play(h);
+  GstElement* e = gst_bin_get_by_name(GST_BIN(h->element), "expert");
+  ASSERT_NE(e, nullptr);
+  auto devices = [&] {
+    GstStructure* s = nullptr;
+    g_object_get(e, "stats", &s, nullptr);
+    const guint n = gst_value_array_get_size(gst_structure_get_value(s, "devices"));
+    gst_structure_free(s);
+    return n;
+  };
+  EXPECT_EQ(devices(), 0u);  // started, no caps yet
+  gst_harness_set_src_caps(h, gstmoe::tensor_caps(kWidth));
+  EXPECT_EQ(devices(), 1u);
+  gst_object_unref(e);
+  gst_harness_teardown(h);
+}
+
 // Reduced precision on the CPU runs through the expert executor, the GPU code path: moe-route
 // preloads every batch through the meta, moe-expert computes with the handle and drops it.
 TEST_F(RouteExpertTest, ReducedPrecisionRunsOnTheExecutorWithPreload) {

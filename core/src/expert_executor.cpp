@@ -239,19 +239,22 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   return st;
 }
 
-std::vector<std::unique_ptr<kernels::Backend>> open_backends(const std::string& spec) {
+// The devices of `spec` on this machine; throws naming the spec and the reason.
+std::vector<Placement> usable_devices(const std::string& spec) {
   std::string why;
   const int available = kernels::cuda_device_count(&why);
-  std::vector<Placement> list;
   try {
-    list = parse_device_list(spec, available);
+    return parse_device_list(spec, available);
   } catch (const Error& e) {
     if (available == 0 && (spec.find("cuda") != std::string::npos || spec.find("all") != std::string::npos))
       throw Error("device '" + spec + "': no usable CUDA device: " + why);
     throw Error("device '" + spec + "': " + e.what());
   }
+}
+
+std::vector<std::unique_ptr<kernels::Backend>> open_backends(const std::string& spec) {
   std::vector<std::unique_ptr<kernels::Backend>> backends;
-  for (const Placement& p : list) {
+  for (const Placement& p : usable_devices(spec)) {
     if (p.kind == DeviceKind::Host) {
       kernels::CpuBackendOptions o;
       o.async_copies = true;  // a real copy queue: prefetch overlaps compute as on a GPU
@@ -264,6 +267,8 @@ std::vector<std::unique_ptr<kernels::Backend>> open_backends(const std::string& 
 }
 
 }  // namespace
+
+void ExpertExecutor::check_devices(const std::string& devices) { usable_devices(devices); }
 
 ExpertExecutor::ExpertExecutor(const MoeLayer& layer, const std::string& devices, const ExpertExecutorOptions& options)
     : ExpertExecutor(layer, open_backends(devices), options) {}

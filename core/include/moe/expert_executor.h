@@ -101,6 +101,9 @@ class ExpertExecutor {
   // several CPU backends with explicit budgets).
   ExpertExecutor(const MoeLayer& layer, std::vector<std::unique_ptr<kernels::Backend>> backends,
                  const ExpertExecutorOptions& options = {});
+  // Throws the error construction would give for the device list `devices` (syntax, no such
+  // device, no usable CUDA device and why) without opening anything: a cheap early check.
+  static void check_devices(const std::string& devices);
   // The experts of the adapter in `dir` (loaded through moe::shared_moe_adapter).
   static std::unique_ptr<ExpertExecutor> from_adapter_dir(const std::string& dir, const std::string& devices,
                                                           const ExpertExecutorOptions& options = {});
