@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend.h"
 #include "moe/ann_index.h"
 #include "moe/error.h"
 #include "test_util.h"
@@ -335,5 +336,65 @@ TEST_P(AnnIndexFiles, FailedSaveLeavesNoHalfIndex) {
 
 INSTANTIATE_TEST_SUITE_P(Types, AnnIndexFiles, ::testing::Values(AnnIndexType::Flat, AnnIndexType::Hnsw),
                          [](const auto& info) { return std::string(moe::ann_index_type_name(info.param)); });
+
+// ---- search through a compute backend (GPU-resident flat indexes) --------------------------------
+
+// The hits of `index` for `queries` equal FAISS's flat search on the same vectors.
+void expect_same_hits(const AnnIndex& placed, const std::vector<std::vector<AnnHit>>& faiss_hits,
+                      const std::vector<float>& queries, int k) {
+  const auto got = placed.search(queries.data(), static_cast<int64_t>(faiss_hits.size()), k);
+  ASSERT_EQ(got.size(), faiss_hits.size());
+  for (size_t q = 0; q < got.size(); ++q) {
+    ASSERT_EQ(got[q].size(), faiss_hits[q].size());
+    for (size_t j = 0; j < got[q].size(); ++j) {
+      EXPECT_EQ(got[q][j].item, faiss_hits[q][j].item) << "query " << q << " rank " << j;
+      EXPECT_NEAR(got[q][j].score, faiss_hits[q][j].score, 1e-5) << "query " << q << " rank " << j;
+    }
+  }
+}
+
+TEST(AnnIndex, BackendSearchEqualsFaissFlat) {
+  const int dim = 32;
+  const auto base = random_unit_vectors(700, dim, 11);
+  const auto queries = random_unit_vectors(37, dim, 12);
+  AnnIndex index = AnnIndex::create(dim, {});
+  index.add(base.data(), 700, numbered_items(700));
+  const auto faiss_hits = index.search(queries.data(), 37, 10);
+  const auto faiss_all = index.search(queries.data(), 37, 800);  // k above the size: every item
+
+  index.place_on(moe::kernels::make_cpu_backend(), nullptr);
+  expect_same_hits(index, faiss_hits, queries, 10);
+  expect_same_hits(index, faiss_all, queries, 800);
+  EXPECT_TRUE(index.search(queries.data(), 0, 5).empty());
+  expect_error([&] { index.add(base.data(), 1, numbered_items(1)); }, {"add after place_on(cpu)"});
+  EXPECT_EQ(index.place_on("cpu"), "cpu");  // back to FAISS
+  expect_same_hits(index, faiss_hits, queries, 10);
+
+  AnnBuildOptions hnsw;
+  hnsw.type = AnnIndexType::Hnsw;
+  AnnIndex graph = AnnIndex::create(dim, hnsw);
+  graph.add(base.data(), 50, numbered_items(50));
+  expect_error([&] { graph.place_on(moe::kernels::make_cpu_backend(), nullptr); }, {"flat indexes only", "HNSW"});
+  EXPECT_EQ(graph.place_on("auto"), "cpu");  // HNSW: FAISS is the best there is
+  expect_error([&] { index.place_on("gpu"); }, {"gpu"});
+}
+
+TEST(AnnIndexOnCuda, GpuResidentFlatSearchEqualsFaiss) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) {
+    AnnIndex index = AnnIndex::create(8, {});
+    expect_error([&] { index.place_on("cuda:0"); }, {"cuda:0"});
+    GTEST_SKIP() << why;
+  }
+  const int dim = 512;
+  const auto base = random_unit_vectors(20000, dim, 13);
+  const auto queries = random_unit_vectors(64, dim, 14);
+  AnnIndex index = AnnIndex::create(dim, {});
+  index.add(base.data(), 20000, numbered_items(20000));
+  const auto faiss_hits = index.search(queries.data(), 64, 100);
+  EXPECT_EQ(index.place_on("cuda:0"), "cuda:0");
+  expect_same_hits(index, faiss_hits, queries, 100);
+  EXPECT_EQ(index.place_on("auto"), "cuda:0");
+}
 
 }  // namespace

@@ -17,7 +17,10 @@
 #include <fstream>
 #include <utility>
 
+#include "backend.h"
+#include "device_buffer.h"
 #include "json_util.h"
+#include "moe/compute.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -145,6 +148,22 @@ void write_all(AtomicFile& file, const std::string& text) {
 
 const char* ann_index_type_name(AnnIndexType type) { return type == AnnIndexType::Hnsw ? "hnsw" : "flat"; }
 
+// The unit vectors of a flat index in a backend's memory, and what searching them needs.
+struct AnnIndex::DeviceVectors {
+  std::shared_ptr<kernels::Backend> backend;
+  std::shared_ptr<std::mutex> mutex;  // null for host-memory backends
+  void* base = nullptr;               // size() x dim f32
+
+  std::unique_lock<std::mutex> lock() const {
+    return mutex ? std::unique_lock<std::mutex>(*mutex) : std::unique_lock<std::mutex>();
+  }
+  ~DeviceVectors() {
+    if (!base) return;
+    const auto held = lock();
+    backend->deallocate(base);
+  }
+};
+
 AnnIndex::AnnIndex(std::unique_ptr<faiss::Index> index, AnnIndexType type, int dim)
     : index_(std::move(index)), type_(type), dim_(dim), search_mutex_(std::make_unique<std::mutex>()) {}
 AnnIndex::AnnIndex(AnnIndex&&) noexcept = default;
@@ -182,6 +201,9 @@ void AnnIndex::add(const float* vectors, int64_t n, const std::vector<AnnItem>& 
     throw Error("ANN index: add of " + std::to_string(n) + " vectors with " + std::to_string(items.size()) +
                 " items (they must match)");
   if (n == 0) return;
+  if (device_)
+    throw Error("ANN index: add after place_on(" + device_->backend->name() +
+                "): add every vector first, then place the index");
   const std::vector<float> unit = normalized_copy(vectors, n, dim_);
   try {
     index_->add(n, unit.data());
@@ -202,8 +224,19 @@ std::vector<std::vector<AnnHit>> AnnIndex::search(const float* queries, int64_t 
   const std::vector<float> unit = normalized_copy(queries, n, dim_);
   std::vector<float> scores(static_cast<size_t>(n * kk));
   std::vector<faiss::Index::idx_t> labels(static_cast<size_t>(n * kk));
+  static_assert(sizeof(faiss::Index::idx_t) == sizeof(int64_t), "FAISS ids are the backend's int64 ids");
   try {
-    if (type_ == AnnIndexType::Hnsw) {
+    if (device_) {
+      const auto held = device_->lock();
+      kernels::Backend& b = *device_->backend;
+      DeviceBuffer q(b, unit.size() * sizeof(float)), ids(b, labels.size() * sizeof(int64_t)),
+          best(b, scores.size() * sizeof(float));
+      b.copy_from_host(q.as<float>(), unit.data(), unit.size() * sizeof(float));
+      b.inner_product_topk(q.as<float>(), n, static_cast<const float*>(device_->base), size(), dim_, kk,
+                           ids.as<int64_t>(), best.as<float>());
+      b.copy_to_host(labels.data(), ids.as<int64_t>(), labels.size() * sizeof(int64_t));
+      b.copy_to_host(scores.data(), best.as<float>(), scores.size() * sizeof(float));
+    } else if (type_ == AnnIndexType::Hnsw) {
       // FAISS 1.7.3 reads ef only from the index (see the header); HNSW returns at most ef hits.
       auto* hnsw = static_cast<faiss::IndexHNSW*>(index_.get());
       std::lock_guard<std::mutex> lock(*search_mutex_);
@@ -224,6 +257,38 @@ std::vector<std::vector<AnnHit>> AnnIndex::search(const float* queries, int64_t 
     }
   }
   return out;
+}
+
+std::string AnnIndex::place_on(const std::string& device) {
+  std::string resolved = resolve_device(device);  // throws naming the device and the reason
+  // HNSW is searched by FAISS whatever the device: "auto" means the best there is, which is that.
+  if (type_ == AnnIndexType::Hnsw && device == "auto") resolved = "cpu";
+  if (resolved == "cpu") {
+    device_.reset();
+    return resolved;
+  }
+  std::shared_ptr<kernels::Backend> backend = open_backend(resolved);
+  place_on(backend, backend_mutex(*backend));
+  return resolved;
+}
+
+void AnnIndex::place_on(std::shared_ptr<kernels::Backend> backend, std::shared_ptr<std::mutex> mutex) {
+  if (type_ != AnnIndexType::Flat)
+    throw Error("ANN index: " + backend->name() + " searches flat indexes only; this one is HNSW, which FAISS " +
+                "searches on the CPU (device cpu)");
+  auto vectors = std::make_unique<DeviceVectors>();
+  vectors->backend = std::move(backend);
+  vectors->mutex = std::move(mutex);
+  const size_t bytes = static_cast<size_t>(size()) * static_cast<size_t>(dim_) * sizeof(float);
+  {
+    const auto held = vectors->lock();
+    kernels::Backend& b = *vectors->backend;
+    vectors->base = b.allocate(std::max<size_t>(bytes, 64));  // throws naming the backend and the size
+    // The flat index holds the unit vectors that add() gave it, row-major.
+    b.copy_from_host(vectors->base, static_cast<const faiss::IndexFlat*>(index_.get())->get_xb(), bytes);
+    b.synchronize();
+  }
+  device_ = std::move(vectors);
 }
 
 void AnnIndex::save(const std::string& path) const {

@@ -24,6 +24,9 @@
 namespace faiss {
 struct Index;
 }
+namespace moe::kernels {
+class Backend;
+}
 
 namespace moe {
 
@@ -84,6 +87,19 @@ class AnnIndex {
   // also bumps its global diagnostic counter faiss::hnsw_stats unsynchronised; nothing reads it.
   std::vector<std::vector<AnnHit>> search(const float* queries, int64_t n, int k, int ef_search = 64) const;
 
+  // Where search() runs: "cpu" (the default: FAISS), "cuda:N", or "auto" (cuda:0 when a usable
+  // CUDA device exists, else FAISS on the CPU). On a CUDA device the vectors of a flat index are
+  // copied to device memory once (a GPU-resident index) and every search is the exact
+  // inner-product top-k there (Backend::inner_product_topk: k ≤ 1024; the hits equal FAISS's
+  // flat search up to float rounding, ties to the lower item). HNSW indexes are searched by
+  // FAISS: a CUDA device is an error for them. Returns the device chosen ("cpu" or "cuda:N").
+  // Call after the last add(); add() afterwards throws. Throws moe::Error naming the device and
+  // the reason (no usable CUDA device, an HNSW index, out of device memory).
+  std::string place_on(const std::string& device);
+  // The same on a backend the caller opened (any backend: the tests run this path on the CPU
+  // backend); `mutex` is held around each search on it (null: none, for host-memory backends).
+  void place_on(std::shared_ptr<kernels::Backend> backend, std::shared_ptr<std::mutex> mutex);
+
   int dim() const { return dim_; }
   int64_t size() const;
   AnnIndexType type() const { return type_; }
@@ -98,6 +114,8 @@ class AnnIndex {
   int dim_;
   std::vector<AnnItem> items_;
   std::unique_ptr<std::mutex> search_mutex_;  // HNSW: guards hnsw.efSearch (see search())
+  struct DeviceVectors;                       // the vectors in a backend's memory (place_on)
+  std::unique_ptr<DeviceVectors> device_;
 };
 
 }  // namespace moe
