@@ -110,14 +110,14 @@ struct DeviceWork {
   size_t device = 0;
   int64_t rows = 0;  // input rows on the device
   int64_t k = 0;     // slots per input row: top_k when the device runs the whole batch, else 1
-  std::vector<int32_t> ids;     // local expert per slot
+  std::vector<int32_t> ids;     // expert per slot
   std::vector<float> weights;   // routing weight per slot
-  std::vector<int64_t> offsets;  // per local expert, from moe_permute
+  std::vector<int64_t> offsets;  // per expert, from moe_permute
   const float* x = nullptr;     // input rows
   float* y = nullptr;           // output rows
   int32_t* ids_dev = nullptr;   // ids and weights on the device
   float* weights_dev = nullptr;
-  float* x_sorted = nullptr;    // rows grouped per local expert
+  float* x_sorted = nullptr;    // rows grouped per expert
   int32_t* slot_of = nullptr;
   float* out_sorted = nullptr;  // their experts' outputs
   std::vector<DeviceBuffer> buf;
@@ -353,7 +353,7 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       device_offsets = hb.moe_permute(device_ids, N, K, static_cast<int64_t>(slots.size()), x_home, D, x_by_device,
                                       slot_of_device);
     }
-    // 2. Each device with slots gets its rows and groups them per local expert (moe_permute
+    // 2. Each device with slots gets its rows and groups them per expert (moe_permute
     //    returns the offsets on the host, so it waits for that device's queue).
     for (size_t d = 0; d < st.devices.size(); ++d) {
       if (slots[d].empty()) continue;
