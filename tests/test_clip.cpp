@@ -80,6 +80,18 @@ TEST(ClipVision, RejectsWrongPixelShape) {
   expect_error([&] { tiny().encode_pixels(px); }, {"pixel_values", "[1,3,33,32]", "expected [B,3,32,32]"});
 }
 
+TEST(ClipModelLoad, FingerprintIsTheWeightsFingerprint) {
+  const std::string fp = tiny().fingerprint();
+  EXPECT_EQ(fp.size(), 16u);
+  EXPECT_EQ(fp, moe::Checkpoint::open(fixture_path("clip_tiny")).fingerprint());
+  EXPECT_EQ(ClipModel::load(fixture_path("clip_tiny")).fingerprint(), fp);
+  moe::test::TempDir retrained;
+  std::filesystem::copy_file(fixture_path("clip_tiny/config.json"), retrained.file("config.json"));
+  moe::test::copy_with_one_value_changed(fixture_path("clip_tiny/model.safetensors"), retrained.file("model.safetensors"),
+                                         "visual_projection.weight");
+  EXPECT_NE(ClipModel::load(retrained.path()).fingerprint(), fp);
+}
+
 TEST(ClipModelLoad, ErrorsNameFileTensorAndReason) {
   expect_error([] { ClipModel::load("/nonexistent/model"); }, {"/nonexistent/model", "no config.json"});
   // Weights from another model: the first missing tensor is named.

@@ -72,6 +72,20 @@ TEST(MoeAdapter, MatchesResidualNormalisedBlock) {
   for (int64_t i = 0; i < ids.numel(); ++i) EXPECT_EQ(out.routing.expert_ids[i], ids.data<int32_t>()[i]);
 }
 
+TEST(MoeAdapter, FingerprintIsTheWeightsFingerprint) {
+  const std::string fp = moe::MoeAdapter::load(fixture_path("adapter_tiny")).fingerprint();
+  EXPECT_EQ(fp, moe::Checkpoint::open(fixture_path("adapter_tiny/adapter.safetensors")).fingerprint());
+  EXPECT_EQ(moe::MoeAdapter::load(fixture_path("adapter_tiny")).fingerprint(), fp);
+  // The same shapes with one weight changed: another adapter.
+  moe::test::TempDir retrained;
+  std::filesystem::copy_file(fixture_path("adapter_tiny/adapter_config.json"), retrained.file("adapter_config.json"));
+  moe::test::copy_with_one_value_changed(fixture_path("adapter_tiny/adapter.safetensors"),
+                                         retrained.file("adapter.safetensors"), "experts.0.w1.weight");
+  const std::string other = moe::MoeAdapter::load(retrained.path()).fingerprint();
+  EXPECT_EQ(other.size(), 16u);
+  EXPECT_NE(other, fp);
+}
+
 TEST(MoeLayer, GroupedEqualsReferenceOnManyRows) {
   for (const char* dir : {"mixtral_tiny", "qwen2_moe_tiny"}) {
     const std::string prefix = std::string(dir) == "mixtral_tiny" ? "model.layers.1.block_sparse_moe." : "model.layers.1.mlp.";

@@ -14,6 +14,7 @@ using moe::DType;
 using moe::SafetensorsFile;
 using moe::test::expect_error;
 using moe::test::fixture_path;
+using moe::test::TempDir;
 
 namespace {
 
@@ -201,4 +202,107 @@ TEST(Checkpoint, ReportsMissingShardAndBadIndex) {
   std::ofstream(dir + "/model.safetensors.index.json") << R"({"metadata":{}})";
   expect_error([&] { moe::Checkpoint::open(dir); }, {"index.json", "weight_map"});
   expect_error([] { moe::Checkpoint::open(::testing::TempDir()); }, {"no model.safetensors"});
+}
+
+// ---- fingerprints ----------------------------------------------------------------------------
+
+namespace {
+
+std::string fingerprint_of(const std::string& path) { return moe::Checkpoint::open(path).fingerprint(); }
+
+// A file with one F32 tensor "big" of `n` floats 0, 1, 2, ... (data section in the given order
+// of "big" and a 1-float tensor "small"; `metadata` is a JSON object text or empty).
+std::string big_tensor_file(size_t n, bool big_first, const std::string& metadata, size_t changed = SIZE_MAX) {
+  std::string big(n * 4, '\0');
+  for (size_t i = 0; i < n; ++i) {
+    const float v = i == changed ? -1.0f : static_cast<float>(i);
+    std::memcpy(&big[i * 4], &v, 4);
+  }
+  const std::string small = floats({42});
+  const std::string nb = std::to_string(big.size());
+  const std::string big_entry = R"("big":{"dtype":"F32","shape":[)" + std::to_string(n) + R"(],"data_offsets":[)";
+  const std::string small_entry = R"("small":{"dtype":"F32","shape":[1],"data_offsets":[)";
+  const std::string meta = metadata.empty() ? "" : R"("__metadata__":)" + metadata + ",";
+  if (big_first)
+    return make_file("{" + meta + big_entry + "0," + nb + "]}," + small_entry + nb + "," + std::to_string(big.size() + 4) + "]}}",
+                     big + small);
+  return make_file("{" + meta + small_entry + "0,4]}," + big_entry + "4," + std::to_string(big.size() + 4) + "]}}",
+                   small + big);
+}
+
+}  // namespace
+
+TEST(Fingerprint, StableAcrossLoadsAndIndependentOfThePath) {
+  const std::string path = fixture_path("adapter_tiny/adapter.safetensors");
+  const std::string fp = fingerprint_of(path);
+  ASSERT_EQ(fp.size(), 16u) << fp;
+  EXPECT_EQ(fp.find_first_not_of("0123456789abcdef"), std::string::npos) << fp;
+  EXPECT_EQ(fingerprint_of(path), fp);
+  EXPECT_EQ(fingerprint_of(fixture_path("adapter_tiny") + "/../adapter_tiny/adapter.safetensors"), fp);
+
+  TempDir dir;
+  std::ifstream in(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(fingerprint_of(dir.write("renamed.safetensors", bytes)), fp);
+  // A directory holding model.safetensors is the same checkpoint.
+  dir.write("model.safetensors", bytes);
+  EXPECT_EQ(fingerprint_of(dir.path()), fp);
+}
+
+TEST(Fingerprint, ChangesWhenOneValueChanges) {
+  const std::string path = fixture_path("adapter_tiny/adapter.safetensors");
+  const std::string fp = fingerprint_of(path);
+  TempDir dir;
+  for (const std::string name : {"gate.weight", "experts.5.w2.weight"}) {
+    const std::string copy = dir.file(name + ".safetensors");
+    moe::test::copy_with_one_value_changed(path, copy, name);
+    EXPECT_NE(fingerprint_of(copy), fp) << name;
+  }
+  // Models differ from each other.
+  EXPECT_NE(fingerprint_of(fixture_path("clip_tiny")), fp);
+  EXPECT_NE(fingerprint_of(fixture_path("clip_tiny")), fingerprint_of(fixture_path("clip_tiny_bpe")));
+}
+
+TEST(Fingerprint, WeightsOnlyNotLayoutOrMetadata) {
+  TempDir dir;
+  const size_t n = 1000;
+  const std::string fp = fingerprint_of(dir.write("a.safetensors", big_tensor_file(n, true, "")));
+  EXPECT_EQ(fingerprint_of(dir.write("b.safetensors", big_tensor_file(n, false, R"({"format":"pt"})"))), fp);
+  EXPECT_NE(fingerprint_of(dir.write("c.safetensors", big_tensor_file(n, true, "", n - 1))), fp);
+}
+
+TEST(Fingerprint, LargeTensorsAreSampledAtStartMiddleAndEnd) {
+  constexpr size_t kSampleFloats = moe::Checkpoint::kFingerprintSampleBytes / 4;
+  const size_t n = 64 * 1024;  // 256 KiB: sampled
+  const size_t slice = kSampleFloats / 3;
+  TempDir dir;
+  const std::string fp = fingerprint_of(dir.write("base.safetensors", big_tensor_file(n, true, "")));
+  const size_t middle = (n - slice) / 2 + slice / 2;
+  for (size_t changed : {size_t{0}, slice - 1, middle, n - slice, n - 1})
+    EXPECT_NE(fingerprint_of(dir.write("x.safetensors", big_tensor_file(n, true, "", changed))), fp) << changed;
+  // Between the samples a change goes unseen: the price of not reading a large model in full.
+  EXPECT_EQ(fingerprint_of(dir.write("y.safetensors", big_tensor_file(n, true, "", slice + 10))), fp);
+}
+
+TEST(Fingerprint, ShardedCheckpointCoversEveryShard) {
+  const std::string fp = fingerprint_of(fixture_path("mixtral_tiny"));
+  ASSERT_EQ(fp.size(), 16u);
+  EXPECT_EQ(fingerprint_of(fixture_path("mixtral_tiny/model.safetensors.index.json")), fp);
+  // Changing a tensor in the last shard changes it.
+  TempDir dir;
+  const moe::Checkpoint ck = moe::Checkpoint::open(fixture_path("mixtral_tiny"));
+  std::string last_tensor;
+  for (const std::string& name : ck.names())
+    if (ck.file_of(name).find("00004-of-00004") != std::string::npos) last_tensor = name;
+  ASSERT_FALSE(last_tensor.empty());
+  for (int i = 1; i <= 4; ++i) {
+    const std::string shard = "model-0000" + std::to_string(i) + "-of-00004.safetensors";
+    if (i == 4)
+      moe::test::copy_with_one_value_changed(fixture_path("mixtral_tiny/" + shard), dir.file(shard), last_tensor);
+    else
+      std::filesystem::copy_file(fixture_path("mixtral_tiny/" + shard), dir.file(shard));
+  }
+  std::filesystem::copy_file(fixture_path("mixtral_tiny/model.safetensors.index.json"),
+                             dir.file("model.safetensors.index.json"));
+  EXPECT_NE(fingerprint_of(dir.path()), fp);
 }

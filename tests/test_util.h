@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -102,6 +103,20 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// Writes a copy of the safetensors file `from` to `to` with the lowest byte of tensor `name`'s
+// first element flipped: the same names and shapes, weights that differ (a "retrained" model).
+inline void copy_with_one_value_changed(const std::string& from, const std::string& to, const std::string& name) {
+  std::ifstream in(from, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_GE(bytes.size(), 8u) << from;
+  uint64_t header_len = 0;
+  for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | static_cast<uint8_t>(bytes[static_cast<size_t>(i)]);
+  const size_t at = 8 + header_len + SafetensorsFile::open(from).info(name).begin;
+  ASSERT_LT(at, bytes.size()) << name;
+  bytes[at] = static_cast<char>(bytes[at] ^ 0x01);
+  std::ofstream(to, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
 
 // n x dim Gaussian vectors, each scaled to unit length; the same for the same seed.
 inline std::vector<float> random_unit_vectors(int64_t n, int dim, unsigned seed) {

@@ -99,6 +99,7 @@ struct Encoder {
 struct ClipModel::Impl {
   ClipConfig cfg;
   std::string dir;
+  std::string fingerprint;
   std::optional<ClipTokenizer> tokenizer;
   ImagePreprocessConfig preprocess;
   ModelBackend be;
@@ -182,6 +183,7 @@ ClipModel ClipModel::load(const ClipConfig& config, const Checkpoint& weights, c
   m.impl_->cfg = config;
   m.impl_->be = ModelBackend::open(options);
   m.impl_->load_weights(weights);
+  m.impl_->fingerprint = weights.fingerprint();
   return m;
 }
 
@@ -198,6 +200,7 @@ ClipModel ClipModel::load(const std::string& model_dir, const ComputeOptions& op
 
 const ClipConfig& ClipModel::config() const { return impl_->cfg; }
 const std::string& ClipModel::model_dir() const { return impl_->dir; }
+const std::string& ClipModel::fingerprint() const { return impl_->fingerprint; }
 bool ClipModel::has_tokenizer() const { return impl_->tokenizer.has_value(); }
 const ClipTokenizer& ClipModel::tokenizer() const {
   if (!impl_->tokenizer)

@@ -356,11 +356,13 @@ Tensor MoeLayer::run_experts_reference(const Tensor& x, const Routing& r) const 
 
 // ---------------------------------------------------------------------------------------------
 
-MoeAdapter::MoeAdapter(MoeLayer layer) : layer_(std::move(layer)) {}
+MoeAdapter::MoeAdapter(MoeLayer layer, std::string fingerprint)
+    : layer_(std::move(layer)), fingerprint_(std::move(fingerprint)) {}
 
 MoeAdapter MoeAdapter::load(const std::string& dir, const ComputeOptions& options) {
   const MoeConfig cfg = MoeConfig::from_adapter_config(dir + "/adapter_config.json");
-  return MoeAdapter(MoeLayer::load(cfg, Checkpoint::open(dir + "/adapter.safetensors"), "", options));
+  const Checkpoint weights = Checkpoint::open(dir + "/adapter.safetensors");
+  return MoeAdapter(MoeLayer::load(cfg, weights, "", options), weights.fingerprint());
 }
 
 Tensor MoeAdapter::apply_experts(const Tensor& x, const Routing& routing) const {

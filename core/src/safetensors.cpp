@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -58,6 +59,35 @@ std::string dirname_of(const std::string& path) {
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
+
+// 64-bit FNV-1a: tiny, dependency-free and well spread; the fingerprint needs no cryptographic
+// strength, only that different weights give different values.
+class Fnv1a64 {
+ public:
+  void bytes(const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    for (size_t i = 0; i < n; ++i) h_ = (h_ ^ p[i]) * 0x100000001b3ull;
+  }
+  // Fixed-width little-endian, so that the value is the same on every machine.
+  void u64(uint64_t v) {
+    uint8_t le[8];
+    for (int i = 0; i < 8; ++i) le[i] = static_cast<uint8_t>(v >> (8 * i));
+    bytes(le, sizeof le);
+  }
+  // Length first, so that adjacent strings cannot trade characters.
+  void str(const std::string& s) {
+    u64(s.size());
+    bytes(s.data(), s.size());
+  }
+  std::string hex() const {
+    char out[17];
+    std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(h_));
+    return out;
+  }
+
+ private:
+  uint64_t h_ = 0xcbf29ce484222325ull;
+};
 
 }  // namespace
 
@@ -238,6 +268,8 @@ Tensor SafetensorsFile::get(const std::string& name) const {
   return view;
 }
 
+const uint8_t* SafetensorsFile::bytes(const std::string& name) const { return data_section_ + info(name).begin; }
+
 // ---------------------------------------------------------------------------------------------
 
 struct Checkpoint::Shard {
@@ -315,14 +347,16 @@ std::string Checkpoint::file_of(const std::string& name) const {
   return shards_[it->second]->path;
 }
 
-Tensor Checkpoint::get(const std::string& name) const {
+const SafetensorsFile& Checkpoint::shard_of(const std::string& name) const {
   auto it = weight_map_.find(name);
   if (it == weight_map_.end()) throw Error(path_ + ": no tensor named '" + name + "'");
   const SafetensorsFile& f = shards_[it->second]->get();
   if (!f.contains(name))
     throw Error(f.path() + ": tensor '" + name + "' listed in the index but missing from the shard");
-  return f.get(name);
+  return f;
 }
+
+Tensor Checkpoint::get(const std::string& name) const { return shard_of(name).get(name); }
 
 Tensor Checkpoint::get_f32(const std::string& name, const Shape& expected) const {
   Tensor t = get(name);
@@ -334,6 +368,29 @@ Tensor Checkpoint::get_f32(const std::string& name, const Shape& expected) const
     throw Error(file_of(name) + ": tensor '" + name + "' has integer dtype " +
                 dtype_name(t.dtype()) + ", expected a floating-point weight");
   return t.to_f32();
+}
+
+std::string Checkpoint::fingerprint() const {
+  constexpr size_t kSlice = kFingerprintSampleBytes / 3;
+  Fnv1a64 h;
+  for (const std::string& name : names()) {  // sorted: independent of file and shard order
+    const SafetensorsFile& f = shard_of(name);
+    const TensorInfo& info = f.info(name);
+    h.str(name);
+    h.str(dtype_name(info.dtype));
+    h.u64(info.shape.size());
+    for (int64_t d : info.shape) h.u64(static_cast<uint64_t>(d));
+    const uint8_t* data = f.bytes(name);
+    const size_t n = static_cast<size_t>(info.end - info.begin);
+    if (n <= kFingerprintSampleBytes) {
+      h.bytes(data, n);
+    } else {
+      h.bytes(data, kSlice);
+      h.bytes(data + (n - kSlice) / 2, kSlice);
+      h.bytes(data + n - kSlice, kSlice);
+    }
+  }
+  return h.hex();
 }
 
 }  // namespace moe

@@ -39,6 +39,8 @@ class ClipModel {
   bool has_tokenizer() const;
   const ClipTokenizer& tokenizer() const;  // throws if the directory had none
   const ImagePreprocessConfig& image_preprocess() const;
+  // The weights' Checkpoint::fingerprint(), taken at load: what the embeddings were made by.
+  const std::string& fingerprint() const;
   // The backend it runs on ("cpu", "cuda:N") and the precision of its Linear weights.
   std::string device() const;
   kernels::WeightType precision() const;

@@ -113,9 +113,12 @@ class MoeAdapter {
  public:
   // A directory with adapter_config.json and adapter.safetensors.
   static MoeAdapter load(const std::string& dir, const ComputeOptions& options = {});
-  explicit MoeAdapter(MoeLayer layer);
+  // `fingerprint`: the Checkpoint::fingerprint() of the layer's weights (empty: unknown).
+  explicit MoeAdapter(MoeLayer layer, std::string fingerprint = {});
 
   const MoeLayer& layer() const { return layer_; }
+  // What the adapted embeddings were made by; load() takes it from adapter.safetensors.
+  const std::string& fingerprint() const { return fingerprint_; }
   Routing route(const Tensor& x) const { return layer_.route(x); }
   Routing route(const Tensor& x, int top_k) const { return layer_.route(x, top_k); }
   // normalize(x + run_experts(x, routing)), all on the layer's backend.
@@ -125,6 +128,7 @@ class MoeAdapter {
 
  private:
   MoeLayer layer_;
+  std::string fingerprint_;
 };
 
 }  // namespace moe

@@ -42,6 +42,8 @@ class SafetensorsFile {
   bool contains(const std::string& name) const { return index_.count(name) != 0; }
   const TensorInfo& info(const std::string& name) const;
   Tensor get(const std::string& name) const;
+  // The tensor's bytes as stored, info(name).end - begin of them (no alignment copy, unlike get).
+  const uint8_t* bytes(const std::string& name) const;
 
  private:
   std::string path_;
@@ -68,8 +70,21 @@ class Checkpoint {
   // The tensor as host f32, after checking its shape; the error names file, tensor, both shapes.
   Tensor get_f32(const std::string& name, const Shape& expected) const;
 
+  // What the weights are, as 16 hex digits (a 64-bit FNV-1a hash), so that vectors made by a
+  // model can be matched to it later (an ANN index records the models that built it). Hashed,
+  // tensor by tensor in name order: the name, dtype, shape and a sample of the bytes (all of a
+  // tensor up to kFingerprintSampleBytes, else that many bytes in three slices at its start,
+  // middle and end), so a large model is not read in full. It depends on the weights only: not
+  // on the path, the shard layout, the byte offsets or the __metadata__. A retrained model differs
+  // in every sample; an edit confined to bytes outside the samples is not seen. Opens every shard.
+  static constexpr size_t kFingerprintSampleBytes = 12 * 1024;
+  std::string fingerprint() const;
+
  private:
   struct Shard;
+  // The opened shard holding `name`; throws naming the tensor when it is in neither map nor shard.
+  const SafetensorsFile& shard_of(const std::string& name) const;
+
   std::string path_;
   std::vector<std::shared_ptr<Shard>> shards_;
   std::unordered_map<std::string, size_t> weight_map_;  // tensor -> shard
