@@ -373,6 +373,7 @@ static GstBuffer* encode_batch(GstMoeEncode* self, Batch& batch) {
 
   gstmoe::BatchRecords records;
   records.encoder = st->encoder_name;
+  records.encoder_fingerprint = model.fingerprint();
   std::vector<const float*> row_data;
   for (size_t i = 0; i < batch.requests.size(); ++i) {
     Pending& p = batch.requests[i];

@@ -412,6 +412,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   moe::Routing routing;
   if (rows > 0 && !gst_moe_expert_routing(self, records, &routing)) return GST_FLOW_ERROR;
   records.adapter = st->adapter_name;  // the experts that made the embeddings name the adapter
+  records.adapter_fingerprint = st->adapter->fingerprint();
   if (rows == 0) return GST_FLOW_OK;   // only failed requests: they travel on untouched
   GST_OBJECT_LOCK(self);
   const std::shared_ptr<moe::ExpertExecutor> executor = st->executor;

@@ -58,6 +58,11 @@ struct BatchRecords {
   std::vector<FailedRequest> failed;   // answered with an error record by ann-query
   std::string encoder;                 // model identifiers, for the result documents
   std::string adapter;
+  // What made the vectors, for ann-query's provenance check: moe-encode's and moe-expert's
+  // fingerprint() of their models (16 hex digits). Empty adapter_fingerprint: no moe-expert
+  // changed the rows (moe-route names its adapter in `adapter` but leaves the vectors as they are).
+  std::string encoder_fingerprint;
+  std::string adapter_fingerprint;
   // moe-route's moe::ExpertExecutor::prefetch() of this batch, for the moe-expert downstream
   // (null when its experts run on the CPU path): holds the batch's pinned experts on the devices.
   // Copies of the meta share it; moe-expert drops it when it has run the batch, which unpins them.

@@ -163,6 +163,9 @@ TEST(MoeEncode, TextBatchesOfMaxBatchThenRestAtEos) {
     EXPECT_EQ(out.pts, next * GST_SECOND) << "PTS of the batch's first request";
     EXPECT_TRUE(out.records.failed.empty());
     EXPECT_EQ(out.records.encoder, "clip_tiny_bpe");
+    EXPECT_EQ(out.records.encoder_fingerprint, model()->fingerprint());
+    EXPECT_EQ(out.records.encoder_fingerprint.size(), 16u);
+    EXPECT_TRUE(out.records.adapter_fingerprint.empty());
     for (size_t r = 0; r < out.rows(); ++r, ++next) {
       const gstmoe::RequestRecord& rec = out.records.rows[r];
       EXPECT_EQ(rec.id, std::to_string(next)) << "counter id";

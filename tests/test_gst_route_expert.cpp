@@ -363,6 +363,7 @@ TEST_F(RouteExpertTest, RouteWritesTheEngineRoutingAndKeepsTheData) {
   }
   EXPECT_EQ(got.adapter, "adapter_tiny");
   EXPECT_EQ(got.encoder, "clip_tiny_bpe");
+  EXPECT_TRUE(got.adapter_fingerprint.empty()) << "routing alone leaves the vectors unadapted";
   gst_buffer_unref(out);
 }
 
@@ -431,6 +432,8 @@ TEST_F(RouteExpertTest, RouteThenExpertEqualsAdapterApply) {
     EXPECT_EQ(r.timings_ms[1].first, "expert");
   }
   EXPECT_EQ(meta.adapter, "adapter_tiny");
+  EXPECT_EQ(meta.adapter_fingerprint, engine().fingerprint());
+  EXPECT_EQ(meta.adapter_fingerprint.size(), 16u);
   gst_buffer_unref(out);
 
   const Stats stats = read_stats(h, "expert", "expert-rows");
