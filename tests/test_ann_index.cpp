@@ -273,6 +273,80 @@ TEST_P(AnnIndexFiles, SaveLoadRoundTrip) {
       << header;
 }
 
+TEST_P(AnnIndexFiles, ProvenanceRoundTrip) {
+  const std::string path = dir_.file("catalog.faiss");
+  AnnIndex index = build();
+  EXPECT_FALSE(index.provenance().has_value());
+  index.set_provenance({"clip", "0123456789abcdef", "adapter", "fedcba9876543210"});
+  index.save(path);
+  const AnnIndex loaded = AnnIndex::load(path);
+  ASSERT_TRUE(loaded.provenance().has_value());
+  EXPECT_EQ(loaded.provenance()->encoder, "clip");
+  EXPECT_EQ(loaded.provenance()->encoder_fingerprint, "0123456789abcdef");
+  EXPECT_EQ(loaded.provenance()->adapter, "adapter");
+  EXPECT_EQ(loaded.provenance()->adapter_fingerprint, "fedcba9876543210");
+  EXPECT_EQ(loaded.size(), kCount);
+
+  // Without an adapter: empty adapter fields, kept empty.
+  index.set_provenance({"clip", "0123456789abcdef", "", ""});
+  index.save(path);
+  ASSERT_TRUE(AnnIndex::load(path).provenance().has_value());
+  EXPECT_TRUE(AnnIndex::load(path).provenance()->adapter.empty());
+  EXPECT_TRUE(AnnIndex::load(path).provenance()->adapter_fingerprint.empty());
+  EXPECT_EQ(AnnIndex::load(path).provenance()->describe(), "encoder 'clip' (fp 0123456789abcdef) without an adapter");
+
+  expect_error([&] { index.set_provenance({"clip", "", "", ""}); }, {"no encoder fingerprint", "clip"});
+}
+
+TEST_P(AnnIndexFiles, HeaderWithoutProvenanceStillLoads) {
+  const std::string path = dir_.file("catalog.faiss");
+  build().save(path);
+  const std::string items = read_text(path + ".items.jsonl");
+  // The header as written before provenance existed: exactly these members.
+  const std::string old_header = std::string(R"({"format":"gst-moe-items","version":1,"count":120,"dim":)") +
+                                 std::to_string(kDim) + R"(,"index_type":")" + moe::ann_index_type_name(GetParam()) +
+                                 "\"}";
+  EXPECT_EQ(items.substr(0, items.find('\n')), old_header);
+  write_text(path + ".items.jsonl", old_header + items.substr(items.find('\n')));
+  const AnnIndex loaded = AnnIndex::load(path);
+  EXPECT_FALSE(loaded.provenance().has_value());
+  EXPECT_EQ(loaded.size(), kCount);
+}
+
+TEST_P(AnnIndexFiles, MalformedProvenanceIsNamed) {
+  const std::string path = dir_.file("catalog.faiss");
+  const std::string items_path = path + ".items.jsonl";
+  AnnIndex index = build();
+  index.set_provenance({"clip", "0123456789abcdef", "adapter", "fedcba9876543210"});
+  index.save(path);
+  const std::string good = read_text(items_path);
+
+  std::string no_fp = good;
+  no_fp.replace(no_fp.find("\"0123456789abcdef\""), 18, "\"\"");
+  write_text(items_path, no_fp);
+  expect_error([&] { AnnIndex::load(path); }, {items_path, "line 1", "provenance", "no encoder fingerprint"});
+
+  std::string missing = good;
+  missing.replace(missing.find("\"adapter_fingerprint\""), 21, "\"other\"");
+  write_text(items_path, missing);
+  expect_error([&] { AnnIndex::load(path); }, {items_path, "provenance", "adapter_fingerprint"});
+
+  std::string not_object = good;
+  const size_t at = not_object.find("\"provenance\":") + 13;
+  not_object.replace(at, not_object.find('}', at) + 1 - at, "\"clip\"");
+  write_text(items_path, not_object);
+  expect_error([&] { AnnIndex::load(path); }, {items_path, "'provenance' is not an object"});
+}
+
+TEST(AnnProvenance, ComparesFingerprintsNotNames) {
+  const moe::AnnProvenance built{"clip", "1111111111111111", "adapter", "2222222222222222"};
+  EXPECT_TRUE(built.same_models({"clip-copy", "1111111111111111", "renamed", "2222222222222222"}));
+  EXPECT_FALSE(built.same_models({"clip", "1111111111111111", "adapter", "3333333333333333"}));
+  EXPECT_FALSE(built.same_models({"clip", "4444444444444444", "adapter", "2222222222222222"}));
+  EXPECT_FALSE(built.same_models({"clip", "1111111111111111", "", ""}));
+  EXPECT_EQ(built.describe(), "encoder 'clip' (fp 1111111111111111) and adapter 'adapter' (fp 2222222222222222)");
+}
+
 TEST_P(AnnIndexFiles, CorruptOrTruncatedIndexIsNamed) {
   const std::string path = dir_.file("catalog.faiss");
   build().save(path);

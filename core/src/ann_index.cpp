@@ -139,6 +139,11 @@ void add_int(JsonBuilder* b, const char* key, int64_t value) {
   json_builder_add_int_value(b, value);
 }
 
+// A provenance that cannot be checked is no provenance: the encoder fingerprint is required.
+void check_provenance(const AnnProvenance& p, const std::string& what) {
+  if (p.encoder_fingerprint.empty()) throw Error(what + ": no encoder fingerprint (encoder '" + p.encoder + "')");
+}
+
 void write_all(AtomicFile& file, const std::string& text) {
   if (std::fwrite(text.data(), 1, text.size(), file.stream()) != text.size())
     throw Error("'" + file.path() + "' cannot be written: " + std::strerror(errno));
@@ -163,6 +168,16 @@ struct AnnIndex::DeviceVectors {
     backend->deallocate(base);
   }
 };
+
+bool AnnProvenance::same_models(const AnnProvenance& other) const {
+  return encoder_fingerprint == other.encoder_fingerprint && adapter_fingerprint == other.adapter_fingerprint;
+}
+
+std::string AnnProvenance::describe() const {
+  std::string out = "encoder '" + encoder + "' (fp " + encoder_fingerprint + ")";
+  if (adapter_fingerprint.empty()) return out + " without an adapter";
+  return out + " and adapter '" + adapter + "' (fp " + adapter_fingerprint + ")";
+}
 
 AnnIndex::AnnIndex(std::unique_ptr<faiss::Index> index, AnnIndexType type, int dim)
     : index_(std::move(index)), type_(type), dim_(dim), search_mutex_(std::make_unique<std::mutex>()) {}
@@ -194,6 +209,11 @@ const AnnItem& AnnIndex::item(int64_t i) const {
     throw Error("ANN index: item " + std::to_string(i) + " out of range (index has " + std::to_string(items_.size()) +
                 " items)");
   return items_[static_cast<size_t>(i)];
+}
+
+void AnnIndex::set_provenance(AnnProvenance provenance) {
+  check_provenance(provenance, "ANN index provenance");
+  provenance_ = std::move(provenance);
 }
 
 void AnnIndex::add(const float* vectors, int64_t n, const std::vector<AnnItem>& items) {
@@ -309,6 +329,15 @@ void AnnIndex::save(const std::string& path) const {
   add_int(b, "count", static_cast<int64_t>(items_.size()));
   add_int(b, "dim", dim_);
   add_string(b, "index_type", ann_index_type_name(type_));
+  if (provenance_) {
+    json_builder_set_member_name(b, "provenance");
+    json_builder_begin_object(b);
+    add_string(b, "encoder", provenance_->encoder);
+    add_string(b, "encoder_fingerprint", provenance_->encoder_fingerprint);
+    add_string(b, "adapter", provenance_->adapter);
+    add_string(b, "adapter_fingerprint", provenance_->adapter_fingerprint);
+    json_builder_end_object(b);
+  }
   json_builder_end_object(b);
   try {
     write_all(items_file, writer.line(b));
@@ -382,6 +411,13 @@ AnnIndex AnnIndex::load(const std::string& path) {
     if (header_type != ann_index_type_name(type))
       throw Error(what + ": index_type '" + header_type + "' but the index '" + path + "' is " +
                   ann_index_type_name(type));
+    if (JsonObject* p = json::get_object_or_null(h, "provenance", what)) {
+      const std::string pwhat = what + " provenance";
+      AnnProvenance prov{json::get_string(p, "encoder", pwhat), json::get_string(p, "encoder_fingerprint", pwhat),
+                         json::get_string(p, "adapter", pwhat), json::get_string(p, "adapter_fingerprint", pwhat)};
+      check_provenance(prov, pwhat);
+      out.provenance_ = std::move(prov);
+    }
   }
   out.items_.reserve(static_cast<size_t>(count));
   int64_t line_no = 1;

@@ -10,14 +10,21 @@
 // On disk an index is two files side by side:
 //   PATH               the FAISS index (faiss::write_index format)
 //   PATH.items.jsonl   the item table, JSON Lines: a header object
-//                        {"format":"gst-moe-items","version":1,"count":N,"dim":D,"index_type":"flat"|"hnsw"}
+//                        {"format":"gst-moe-items","version":1,"count":N,"dim":D,"index_type":"flat"|"hnsw",
+//                         "provenance":{"encoder":"...","encoder_fingerprint":"...",
+//                                       "adapter":"...","adapter_fingerprint":"..."}}
 //                      then one object per item, in index order:
 //                        {"item":i,"id":"...","uri":"...","caption":"..."}
+//                      "provenance" is optional: tables written before it existed, or for vectors
+//                      of unknown origin, have none. Adding it kept version 1: it is an optional
+//                      member that older readers skip, and its absence already says "unknown",
+//                      so a version number would tell a reader nothing more.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -49,6 +56,23 @@ struct AnnItem {
   std::string id;       // the catalog's identifier
   std::string uri;      // where the item lives (an image file uri)
   std::string caption;  // its text
+};
+
+// What made an index's vectors, so that queries from other models can be refused: the encoder
+// and adapter names (directory basenames, for messages) and fingerprints (ClipModel and
+// MoeAdapter::fingerprint()). Empty adapter fields: the vectors went through no adapter.
+struct AnnProvenance {
+  std::string encoder;
+  std::string encoder_fingerprint;
+  std::string adapter;
+  std::string adapter_fingerprint;
+
+  // The same models made both: the fingerprints agree (the names only label them, so a renamed
+  // copy of a model matches and a retrained one in the same directory does not).
+  bool same_models(const AnnProvenance& other) const;
+  // "encoder 'clip' (fp 0123456789abcdef) and adapter 'adapter' (fp fedcba9876543210)", or
+  // "encoder 'clip' (fp 0123456789abcdef) without an adapter".
+  std::string describe() const;
 };
 
 struct AnnHit {
@@ -106,6 +130,12 @@ class AnnIndex {
   // The item at row i; throws moe::Error when i is out of range.
   const AnnItem& item(int64_t i) const;
 
+  // Where the vectors came from: set before save(), read back by load(); none for an index
+  // whose item table has no provenance. set_provenance throws moe::Error when the encoder
+  // fingerprint is empty (a provenance that cannot be checked is no provenance).
+  void set_provenance(AnnProvenance provenance);
+  const std::optional<AnnProvenance>& provenance() const { return provenance_; }
+
  private:
   AnnIndex(std::unique_ptr<faiss::Index> index, AnnIndexType type, int dim);
 
@@ -113,6 +143,7 @@ class AnnIndex {
   AnnIndexType type_;
   int dim_;
   std::vector<AnnItem> items_;
+  std::optional<AnnProvenance> provenance_;
   std::unique_ptr<std::mutex> search_mutex_;  // HNSW: guards hnsw.efSearch (see search())
   struct DeviceVectors;                       // the vectors in a backend's memory (place_on)
   std::unique_ptr<DeviceVectors> device_;
