@@ -12,6 +12,12 @@
  * arrive. At EOS the index and its item table are written and one index-built summary
  * document is pushed before EOS. The summary is not a request and carries no meta.
  *
+ * Provenance: vectors are comparable only when the same encoder and adapter made them, and the
+ * width alone cannot tell (two CLIPs of one width, an adapter or none). A build records the
+ * models of its first rows (the meta's fingerprints) in the item table and stops with an error
+ * on rows from other models. A search answers every request whose models differ from those the
+ * index records with an error document; an index without provenance is searched unchecked.
+ *
  * The documents are written by gstmoeresult.h; docs/zmq-schema.md describes them. */
 #include "gstannquery.h"
 
@@ -65,6 +71,10 @@ struct Session {
   std::string index_name;                  // basename of index_path, for the result documents
   int width = 0;                           // negotiated tensor width; 0 before caps
   int64_t build_failed = 0;                // build mode: error documents sent
+  std::optional<moe::AnnProvenance> built_from;  // build mode: the models of the first rows
+  bool build_refused = false;              // build mode: rows from other models came; not written
+  bool mismatch_logged = false;            // search mode: the first refused batch was logged
+  bool unchecked_logged = false;           // search mode: the first batch of unknown origin was logged
 };
 
 }  // namespace
@@ -137,13 +147,21 @@ static GstBuffer* json_buffer(const std::string& doc, GstBuffer* in) {
   return out;
 }
 
+// A meta for one request of `batch`: the batch's model identifiers, no rows yet.
+static gstmoe::BatchRecords models_of(const gstmoe::BatchRecords& batch) {
+  gstmoe::BatchRecords single;
+  single.encoder = batch.encoder;
+  single.adapter = batch.adapter;
+  single.encoder_fingerprint = batch.encoder_fingerprint;
+  single.adapter_fingerprint = batch.adapter_fingerprint;
+  return single;
+}
+
 // Adds a buffer with the error document of `failed` and a meta holding just that entry.
 static void add_error_buffer(GstBufferList* list, gstmoe::FailedRequest failed, const gstmoe::BatchRecords& batch,
                              GstBuffer* in) {
   GstBuffer* out = json_buffer(gstmoe::error_document(failed), in);
-  gstmoe::BatchRecords single;
-  single.encoder = batch.encoder;
-  single.adapter = batch.adapter;
+  gstmoe::BatchRecords single = models_of(batch);
   single.failed.push_back(std::move(failed));
   gst_buffer_add_moe_batch_meta(out, single);
   gst_buffer_list_add(list, out);
@@ -153,6 +171,51 @@ static void add_error_buffer(GstBufferList* list, gstmoe::FailedRequest failed, 
 static void fail_rows(gstmoe::BatchRecords& batch, const std::string& reason) {
   for (gstmoe::RequestRecord& row : batch.rows) batch.failed.push_back({std::move(row), STAGE_NAME, reason});
   batch.rows.clear();
+}
+
+/* ---- provenance ------------------------------------------------------------------------ */
+
+// The models that made the rows of `batch`. moe-route names its adapter too (for routing
+// messages), but only moe-expert changes the vectors and sets the fingerprint, so the adapter
+// counts only with its fingerprint.
+static moe::AnnProvenance provenance_of(const gstmoe::BatchRecords& batch) {
+  const bool adapted = !batch.adapter_fingerprint.empty();
+  return {batch.encoder, batch.encoder_fingerprint, adapted ? batch.adapter : "", batch.adapter_fingerprint};
+}
+
+// Search mode: why the rows of `batch` may not be searched (empty: they may). Rows without an
+// encoder fingerprint (not from moe-encode) cannot be checked and are searched, as before.
+static std::string search_refusal(GstAnnQuery* self, Session& s, const gstmoe::BatchRecords& batch) {
+  const std::optional<moe::AnnProvenance>& built = s.index->provenance();
+  if (batch.rows.empty() || !built) return {};  // an index without provenance was logged at start
+  const moe::AnnProvenance query = provenance_of(batch);
+  if (query.encoder_fingerprint.empty()) {
+    if (!s.unchecked_logged)
+      GST_INFO_OBJECT(self, "rows without an encoder fingerprint (not encoded by moe-encode): searched without "
+                            "checking them against the provenance of '%s'", s.index_path.c_str());
+    s.unchecked_logged = true;
+    return {};
+  }
+  if (built->same_models(query)) return {};
+  const std::string reason = "the index " + s.index_path + " was built from " + built->describe() +
+                             ", but this query was encoded by " + query.describe() +
+                             ": rebuild the index with this pipeline or search it with the pipeline that built it";
+  if (!s.mismatch_logged)
+    GST_WARNING_OBJECT(self, "refusing queries (later batches are not logged): %s", reason.c_str());
+  s.mismatch_logged = true;
+  return reason;
+}
+
+// Build mode: why the rows of `batch` may not join the index (empty: they may). The first rows
+// fix the models; rows from others would put incomparable vectors in one index.
+static std::string build_refusal(Session& s, const gstmoe::BatchRecords& batch) {
+  if (batch.rows.empty()) return {};
+  const moe::AnnProvenance rows = provenance_of(batch);
+  if (!s.built_from) s.built_from = rows;
+  if (s.built_from->same_models(rows)) return {};
+  return "rows from other models while building " + s.index_path + ": the rows added so far were encoded by " +
+         s.built_from->describe() + ", but request '" + batch.rows.front().id + "' was encoded by " + rows.describe() +
+         ": one index holds the vectors of one encoder and adapter";
 }
 
 /* ---- search mode ----------------------------------------------------------------------- */
@@ -193,9 +256,7 @@ static void search_rows(GstAnnQuery* self, Session& s, gstmoe::BatchRecords& bat
       results.push_back({hits[i][j].item, item.uri, item.caption, hits[i][j].score});
     }
     GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, g_get_monotonic_time()), in);
-    gstmoe::BatchRecords single;
-    single.encoder = batch.encoder;
-    single.adapter = batch.adapter;
+    gstmoe::BatchRecords single = models_of(batch);
     single.rows.push_back(std::move(row));
     gst_buffer_add_moe_batch_meta(out, single);
     gst_buffer_list_add(list, out);
@@ -222,6 +283,10 @@ static void collect_rows(GstAnnQuery* self, Session& s, gstmoe::BatchRecords& ba
 
 // At EOS: writes the index and pushes the summary. FALSE (with an element error) on failure.
 static gboolean finish_build(GstAnnQuery* self, Session& s) {
+  if (s.build_refused) {  // the element error is posted: an index of mixed models is worse than none
+    GST_DEBUG_OBJECT(self, "not writing '%s': it was given rows from other models", s.index_path.c_str());
+    return FALSE;
+  }
   if (!s.index || s.index->size() == 0) {
     GST_ELEMENT_ERROR(self, STREAM, FAILED,
                       ("no items to index: the stream ended before any row reached ann-query (%" G_GINT64_FORMAT
@@ -230,6 +295,11 @@ static gboolean finish_build(GstAnnQuery* self, Session& s) {
                       (nullptr));
     return FALSE;
   }
+  if (s.built_from && !s.built_from->encoder_fingerprint.empty())
+    s.index->set_provenance(*s.built_from);
+  else
+    GST_INFO_OBJECT(self, "the rows carry no encoder fingerprint (not encoded by moe-encode): '%s' records no "
+                          "provenance and searches of it are not checked", s.index_path.c_str());
   try {
     s.index->save(s.index_path);
   } catch (const moe::Error& e) {
@@ -281,20 +351,33 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
   const float* vectors = reinterpret_cast<const float*>(map.data);
 
   GstBufferList* list = gst_buffer_list_new();
-  if (s.mode == GST_ANN_QUERY_MODE_SEARCH)
+  bool refused = false;  // build mode: this batch's rows came from other models
+  if (s.mode == GST_ANN_QUERY_MODE_SEARCH) {
+    const std::string refusal = search_refusal(self, s, batch);
+    if (!refusal.empty()) fail_rows(batch, refusal);
     search_rows(self, s, batch, vectors, in, list);
-  else
+  } else {
+    const std::string refusal = build_refusal(s, batch);
+    if (!refusal.empty()) {
+      // The build stops (and writes nothing at EOS); the refused requests still get their error documents.
+      GST_ELEMENT_ERROR(self, STREAM, FAILED, ("%s", refusal.c_str()),
+                        ("'%s' is not written: build it from one pipeline", s.index_path.c_str()));
+      fail_rows(batch, refusal);
+      refused = s.build_refused = true;
+    }
     collect_rows(self, s, batch, vectors);
-  if (s.mode == GST_ANN_QUERY_MODE_BUILD) s.build_failed += static_cast<int64_t>(batch.failed.size());
+    s.build_failed += static_cast<int64_t>(batch.failed.size());
+  }
   for (gstmoe::FailedRequest& f : batch.failed) add_error_buffer(list, std::move(f), batch, in);
   gst_buffer_unmap(in, &map);
   gst_buffer_unref(in);
 
-  if (gst_buffer_list_length(list) == 0) {
+  GstFlowReturn ret = GST_FLOW_OK;
+  if (gst_buffer_list_length(list) == 0)
     gst_buffer_list_unref(list);
-    return GST_FLOW_OK;
-  }
-  return gst_pad_push_list(self->srcpad, list);
+  else
+    ret = gst_pad_push_list(self->srcpad, list);
+  return refused ? GST_FLOW_ERROR : ret;
 }
 
 // Accepts the upstream tensor width (it must match a loaded index, and may not change in the
@@ -307,11 +390,13 @@ static gboolean handle_caps(GstAnnQuery* self, Session& s, GstCaps* caps) {
     return FALSE;
   }
   if (s.mode == GST_ANN_QUERY_MODE_SEARCH && width != s.index->dim()) {
+    const std::string built =
+        s.index->provenance() ? " (it was built from " + s.index->provenance()->describe() + ")" : std::string();
     GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
                       ("Embedding width %d does not match the dimension %d of the index '%s'", width, s.index->dim(),
                        s.index_path.c_str()),
-                      ("upstream produces %d-wide vectors; query an index built with the same encoder and adapter",
-                       width));
+                      ("upstream produces %d-wide vectors; query an index built with the same encoder and adapter%s",
+                       width, built.c_str()));
     return FALSE;
   }
   if (s.mode == GST_ANN_QUERY_MODE_BUILD && s.index && width != s.index->dim()) {
@@ -403,6 +488,12 @@ static gboolean start(GstAnnQuery* self) {
     }
     GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s", s->index_path.c_str(),
                     s->index->size(), s->index->dim(), moe::ann_index_type_name(s->index->type()));
+    if (s->index->provenance())
+      GST_INFO_OBJECT(self, "%s was built from %s", s->index_path.c_str(), s->index->provenance()->describe().c_str());
+    else
+      GST_INFO_OBJECT(self, "%s records no provenance (written before gst-moe recorded it, or from vectors of unknown "
+                            "origin): queries cannot be checked against the encoder and adapter that built it; "
+                            "rebuild it to enable the check", s->index_path.c_str());
     if (s->index->size() == 0) GST_WARNING_OBJECT(self, "index '%s' is empty: results will be empty", s->index_path.c_str());
   } else {
     // Fail now rather than at EOS, after the whole catalog was encoded.

@@ -345,6 +345,7 @@ TEST(AnnProvenance, ComparesFingerprintsNotNames) {
   EXPECT_FALSE(built.same_models({"clip", "4444444444444444", "adapter", "2222222222222222"}));
   EXPECT_FALSE(built.same_models({"clip", "1111111111111111", "", ""}));
   EXPECT_EQ(built.describe(), "encoder 'clip' (fp 1111111111111111) and adapter 'adapter' (fp 2222222222222222)");
+  EXPECT_EQ(moe::AnnProvenance{}.describe(), "an unknown encoder without an adapter");
 }
 
 TEST_P(AnnIndexFiles, CorruptOrTruncatedIndexIsNamed) {

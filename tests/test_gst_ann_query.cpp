@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,18 @@ gstmoe::FailedRequest failed_request(const std::string& id) {
   f.reason = "image file '/nope.jpg' cannot be read: No such file or directory";
   return f;
 }
+
+// The models of a batch, as moe-encode and moe-expert write them into the meta.
+struct Models {
+  std::string encoder, encoder_fingerprint, adapter, adapter_fingerprint;
+  void stamp(gstmoe::BatchRecords& batch) const {
+    batch.encoder = encoder;
+    batch.encoder_fingerprint = encoder_fingerprint;
+    batch.adapter = adapter;
+    batch.adapter_fingerprint = adapter_fingerprint;
+  }
+};
+const Models kClipAndAdapter{"clip", "00000000000c11b0", "adapter", "00000000000adab7"};
 
 // A tensor buffer holding rows [first, first + records.size()) of `vectors`, with its meta.
 GstBuffer* tensor_buffer(const std::vector<float>& vectors, int first, const gstmoe::BatchRecords& records) {
@@ -204,9 +217,9 @@ class AnnQueryTest : public ::testing::Test {
     return text;
   }
 
-  // Builds an index of the kItems catalog vectors at `path` (one failed request among them);
-  // returns the summary document's buffer.
-  GstBuffer* build_index(const std::string& path, const char* index_type = "flat") {
+  // Builds an index of the kItems catalog vectors at `path` (one failed request among them),
+  // from batches made by `models` (default: none known); returns the summary document's buffer.
+  GstBuffer* build_index(const std::string& path, const char* index_type = "flat", const Models& models = {}) {
     GstElement* element = make_element("mode", 1, "index", path.c_str(), nullptr);
     gst_util_set_object_arg(G_OBJECT(element), "index-type", index_type);
     GstHarness* h = harness(element);
@@ -215,6 +228,7 @@ class AnnQueryTest : public ::testing::Test {
       gstmoe::BatchRecords batch;
       for (int i = first; i < std::min(first + 20, kItems); ++i) batch.rows.push_back(catalog_record(i));
       if (first == 20) batch.failed.push_back(failed_request("broken-image"));
+      models.stamp(batch);
       EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, first, batch)), GST_FLOW_OK);
     }
     // The failed request is answered as it arrives, before EOS.
@@ -556,6 +570,214 @@ TEST_F(AnnQueryTest, HnswBuildAndSearch) {
     EXPECT_NEAR(Json::number(json_array_get_object_element(results, 0), "score"), 1.0, 1e-5);
   }
   unref_all(out);
+}
+
+// ---- provenance ----------------------------------------------------------------------------
+
+TEST_F(AnnQueryTest, BuildRecordsTheModelsOfItsRows) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path, "flat", kClipAndAdapter));
+  const moe::AnnIndex index = moe::AnnIndex::load(path);
+  ASSERT_TRUE(index.provenance().has_value());
+  EXPECT_EQ(index.provenance()->encoder, "clip");
+  EXPECT_EQ(index.provenance()->encoder_fingerprint, kClipAndAdapter.encoder_fingerprint);
+  EXPECT_EQ(index.provenance()->adapter, "adapter");
+  EXPECT_EQ(index.provenance()->adapter_fingerprint, kClipAndAdapter.adapter_fingerprint);
+
+  // Routed but not run through moe-expert: moe-route's adapter name, no adapter fingerprint, so
+  // the index records no adapter.
+  const std::string routed_only = dir_.file("routed.faiss");
+  gst_buffer_unref(build_index(routed_only, "flat", {"clip", "00000000000c11b0", "adapter", ""}));
+  ASSERT_TRUE(moe::AnnIndex::load(routed_only).provenance().has_value());
+  EXPECT_EQ(moe::AnnIndex::load(routed_only).provenance()->adapter, "");
+  EXPECT_EQ(moe::AnnIndex::load(routed_only).provenance()->adapter_fingerprint, "");
+
+  // Rows of unknown origin (no encoder fingerprint): no provenance.
+  const std::string unknown = dir_.file("unknown.faiss");
+  gst_buffer_unref(build_index(unknown));
+  EXPECT_FALSE(moe::AnnIndex::load(unknown).provenance().has_value());
+}
+
+TEST_F(AnnQueryTest, BuildRefusesRowsFromOtherModels) {
+  const std::string path = dir_.file("catalog.faiss");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), nullptr));
+  set_tensor_caps(h, kWidth);
+  gstmoe::BatchRecords first;
+  first.rows = {catalog_record(0), catalog_record(1)};
+  kClipAndAdapter.stamp(first);
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, first)), GST_FLOW_OK);
+  EXPECT_EQ(bus_error(), "");
+
+  gstmoe::BatchRecords second;
+  second.rows = {catalog_record(2), catalog_record(3)};
+  Models{"clip", kClipAndAdapter.encoder_fingerprint, "adapter", "000000000000ffff"}.stamp(second);
+  EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 2, second)), GST_FLOW_ERROR);
+  const std::string error = bus_error();
+  const std::string message = error.substr(0, error.find(" | "));  // what applications show
+  EXPECT_NE(message.find(path), std::string::npos) << error;
+  EXPECT_NE(message.find("encoded by encoder 'clip' (fp 00000000000c11b0) and adapter 'adapter' (fp 00000000000adab7)"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(message.find("request 'item-2' was encoded by encoder 'clip' (fp 00000000000c11b0) and adapter 'adapter' "
+                         "(fp 000000000000ffff)"),
+            std::string::npos)
+      << error;
+
+  // The refused rows are answered with error documents carrying their ids.
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 2u);
+  for (size_t i = 0; i < out.size(); ++i) {
+    Json doc(out[i]);
+    EXPECT_EQ(Json::str(doc.obj(), "type"), "error");
+    EXPECT_EQ(Json::str(doc.obj(), "id"), "item-" + std::to_string(2 + i));
+    JsonObject* err = Json::object(doc.obj(), "error");
+    ASSERT_NE(err, nullptr);
+    EXPECT_EQ(Json::str(err, "stage"), "ann-query");
+    EXPECT_EQ(Json::str(err, "reason"), message);
+  }
+  unref_all(out);
+
+  // Nothing is written at EOS: an index of mixed models is worse than none.
+  EXPECT_FALSE(gst_harness_push_event(h, gst_event_new_eos()));
+  EXPECT_FALSE(std::filesystem::exists(path));
+}
+
+TEST_F(AnnQueryTest, BuildWithoutAdapterThenWithOneIsRefused) {
+  const std::string path = dir_.file("catalog.faiss");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), nullptr));
+  set_tensor_caps(h, kWidth);
+  gstmoe::BatchRecords first;
+  first.rows = {catalog_record(0)};
+  Models{"clip", kClipAndAdapter.encoder_fingerprint, "", ""}.stamp(first);
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, first)), GST_FLOW_OK);
+  gstmoe::BatchRecords second;
+  second.rows = {catalog_record(1)};
+  kClipAndAdapter.stamp(second);
+  EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 1, second)), GST_FLOW_ERROR);
+  const std::string error = bus_error();
+  EXPECT_NE(error.find("encoded by encoder 'clip' (fp 00000000000c11b0) without an adapter"), std::string::npos)
+      << error;
+  EXPECT_NE(error.find("and adapter 'adapter' (fp 00000000000adab7)"), std::string::npos) << error;
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 1u);
+  EXPECT_EQ(Json::str(Json(out[0]).obj(), "id"), "item-1");
+  unref_all(out);
+}
+
+// The documents of one pushed batch: ids of results, and id -> reason of errors.
+struct Answers {
+  std::vector<std::string> results;
+  std::map<std::string, std::string> errors;
+};
+
+class AnnQueryProvenanceTest : public AnnQueryTest {
+ protected:
+  // Pushes rows q0..q{n-1} (and one request failed upstream, "upstream-failure") made by
+  // `models` into a search of the index at `path`.
+  Answers search(const std::string& path, const Models& models, int n = 4) {
+    GstHarness* h = search_harness(path);
+    gstmoe::BatchRecords batch;
+    for (int i = 0; i < n; ++i) batch.rows.push_back(text_request("q" + std::to_string(i)));
+    batch.failed.push_back(failed_request("upstream-failure"));
+    models.stamp(batch);
+    EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+    Answers a;
+    std::vector<GstBuffer*> out = pull_all(h);
+    for (GstBuffer* b : out) {
+      Json doc(b);
+      if (Json::str(doc.obj(), "type") == "result") {
+        a.results.push_back(Json::str(doc.obj(), "id"));
+        EXPECT_EQ(json_array_get_length(Json::array(doc.obj(), "results")), 5u) << doc.text();
+        continue;
+      }
+      EXPECT_EQ(Json::str(doc.obj(), "type"), "error") << doc.text();
+      JsonObject* err = Json::object(doc.obj(), "error");
+      if (err == nullptr) continue;
+      a.errors[Json::str(doc.obj(), "id")] = Json::str(err, "stage") + ": " + Json::str(err, "reason");
+    }
+    unref_all(out);
+    return a;
+  }
+  const std::vector<std::string> all_ids_ = {"q0", "q1", "q2", "q3"};
+};
+
+TEST_F(AnnQueryProvenanceTest, MatchingModelsAreSearched) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path, "flat", kClipAndAdapter));
+  // Names only label the models: renamed directories with the same weights match.
+  const Answers a = search(path, {"clip-copy", kClipAndAdapter.encoder_fingerprint, "adapter-v1",
+                                  kClipAndAdapter.adapter_fingerprint});
+  EXPECT_EQ(a.results, all_ids_);
+  ASSERT_EQ(a.errors.size(), 1u);
+  EXPECT_EQ(a.errors.begin()->first, "upstream-failure");
+}
+
+TEST_F(AnnQueryProvenanceTest, AnotherAdapterIsRefusedPerRequest) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path, "flat", kClipAndAdapter));
+  const Answers a = search(path, {"clip", kClipAndAdapter.encoder_fingerprint, "adapter", "000000000000ffff"});
+  EXPECT_TRUE(a.results.empty());
+  ASSERT_EQ(a.errors.size(), 5u);
+  EXPECT_NE(a.errors.at("upstream-failure").find("zmq-query: "), std::string::npos) << "its own reason is kept";
+  for (const std::string& id : all_ids_) {
+    ASSERT_EQ(a.errors.count(id), 1u) << id;
+    EXPECT_EQ(a.errors.at(id), "ann-query: the index " + path +
+                                   " was built from encoder 'clip' (fp 00000000000c11b0) and adapter 'adapter' (fp "
+                                   "00000000000adab7), but this query was encoded by encoder 'clip' (fp "
+                                   "00000000000c11b0) and adapter 'adapter' (fp 000000000000ffff): rebuild the index "
+                                   "with this pipeline or search it with the pipeline that built it");
+  }
+}
+
+TEST_F(AnnQueryProvenanceTest, AdapterPresentVersusAbsentIsRefused) {
+  // Index with an adapter, queries without (moe-route alone names the adapter but adapts nothing).
+  const std::string with = dir_.file("with.faiss");
+  gst_buffer_unref(build_index(with, "flat", kClipAndAdapter));
+  Answers a = search(with, {"clip", kClipAndAdapter.encoder_fingerprint, "adapter", ""});
+  EXPECT_TRUE(a.results.empty());
+  for (const std::string& id : all_ids_) {
+    ASSERT_EQ(a.errors.count(id), 1u) << id;
+    EXPECT_NE(a.errors.at(id).find("but this query was encoded by encoder 'clip' (fp 00000000000c11b0) without an "
+                                   "adapter: rebuild"),
+              std::string::npos)
+        << a.errors.at(id);
+  }
+
+  // Index without an adapter, queries with one.
+  const std::string without = dir_.file("without.faiss");
+  gst_buffer_unref(build_index(without, "flat", {"clip", kClipAndAdapter.encoder_fingerprint, "", ""}));
+  a = search(without, kClipAndAdapter);
+  EXPECT_TRUE(a.results.empty());
+  for (const std::string& id : all_ids_) {
+    ASSERT_EQ(a.errors.count(id), 1u) << id;
+    EXPECT_NE(a.errors.at(id).find("was built from encoder 'clip' (fp 00000000000c11b0) without an adapter, but this "
+                                   "query was encoded by encoder 'clip' (fp 00000000000c11b0) and adapter 'adapter'"),
+              std::string::npos)
+        << a.errors.at(id);
+  }
+}
+
+TEST_F(AnnQueryProvenanceTest, AnotherEncoderIsRefused) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path, "flat", kClipAndAdapter));
+  const Answers a = search(path, {"clip", "0000000000000bad", "adapter", kClipAndAdapter.adapter_fingerprint});
+  EXPECT_TRUE(a.results.empty());
+  for (const std::string& id : all_ids_) {
+    ASSERT_EQ(a.errors.count(id), 1u) << id;
+    EXPECT_NE(a.errors.at(id).find("encoded by encoder 'clip' (fp 0000000000000bad)"), std::string::npos);
+  }
+}
+
+TEST_F(AnnQueryProvenanceTest, UncheckableSidesAreSearchedAsBefore) {
+  // An index without provenance (as written before it existed) answers fingerprinted queries.
+  const std::string old_index = dir_.file("old.faiss");
+  gst_buffer_unref(build_index(old_index));
+  ASSERT_FALSE(moe::AnnIndex::load(old_index).provenance().has_value());
+  EXPECT_EQ(search(old_index, kClipAndAdapter).results, all_ids_);
+  // Rows of unknown origin (not from moe-encode) are searched in an index with provenance.
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path, "flat", kClipAndAdapter));
+  EXPECT_EQ(search(path, {}).results, all_ids_);
 }
 
 TEST_F(AnnQueryTest, StateCyclesReloadTheIndex) {

@@ -174,7 +174,8 @@ bool AnnProvenance::same_models(const AnnProvenance& other) const {
 }
 
 std::string AnnProvenance::describe() const {
-  std::string out = "encoder '" + encoder + "' (fp " + encoder_fingerprint + ")";
+  std::string out =
+      encoder_fingerprint.empty() ? "an unknown encoder" : "encoder '" + encoder + "' (fp " + encoder_fingerprint + ")";
   if (adapter_fingerprint.empty()) return out + " without an adapter";
   return out + " and adapter '" + adapter + "' (fp " + adapter_fingerprint + ")";
 }

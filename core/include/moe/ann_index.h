@@ -71,7 +71,8 @@ struct AnnProvenance {
   // copy of a model matches and a retrained one in the same directory does not).
   bool same_models(const AnnProvenance& other) const;
   // "encoder 'clip' (fp 0123456789abcdef) and adapter 'adapter' (fp fedcba9876543210)", or
-  // "encoder 'clip' (fp 0123456789abcdef) without an adapter".
+  // "encoder 'clip' (fp 0123456789abcdef) without an adapter"; "an unknown encoder" without
+  // an encoder fingerprint.
   std::string describe() const;
 };
 
