@@ -1,13 +1,17 @@
 // End to end, as users run it: the index-build pipeline script builds an index from generated
-// images; the serving pipeline answers text and image queries over loopback ZeroMQ; the
-// embedding application and the serving script work as written.
+// images and records the models that made it; the serving pipeline answers text and image
+// queries over loopback ZeroMQ; the embedding application and the serving script work as
+// written; queries from other models than the index's get error documents.
 #include <gdk-pixbuf/gdk-pixbuf.h>
+#include <gst/app/gstappsink.h>
+#include <gst/app/gstappsrc.h>
 #include <gst/gst.h>
 #include <gtest/gtest.h>
 #include <json-glib/json-glib.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <set>
@@ -16,7 +20,10 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "moe/ann_index.h"
+#include "moe/safetensors.h"
 #include "moe_build_config.h"
+#include "test_util.h"
 
 namespace {
 
@@ -171,6 +178,45 @@ class Client {
   zmq::socket_t push_, sub_;
   int sent_ = 0;
 };
+
+// Runs the text queries through `appsrc ! moe-encode ! MIDDLE ! ann-query index=INDEX ! appsink`
+// (MIDDLE may be empty) and returns every document; request ids are the buffer offsets 0, 1, ...
+std::vector<Doc> query_through(const std::string& middle, const std::string& index, const std::vector<std::string>& texts) {
+  const std::string desc = "appsrc name=src caps=text/x-raw,format=utf8 format=bytes ! moe-encode model=\"" + kModel +
+                           "\" max-batch=8 ! " + (middle.empty() ? "" : middle + " ! ") + "ann-query index=\"" + index +
+                           "\" k=3 ! appsink name=sink sync=false";
+  GError* err = nullptr;
+  GstElement* pipeline = gst_parse_launch(desc.c_str(), &err);
+  EXPECT_NE(pipeline, nullptr) << (err ? err->message : "");
+  g_clear_error(&err);
+  std::vector<Doc> docs;
+  if (!pipeline) return docs;
+  GstElement* src = gst_bin_get_by_name(GST_BIN(pipeline), "src");
+  GstElement* sink = gst_bin_get_by_name(GST_BIN(pipeline), "sink");
+  EXPECT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+  for (size_t i = 0; i < texts.size(); ++i) {
+    GstBuffer* buf = gst_buffer_new_memdup(texts[i].data(), texts[i].size());
+    GST_BUFFER_OFFSET(buf) = i;
+    EXPECT_EQ(gst_app_src_push_buffer(GST_APP_SRC(src), buf), GST_FLOW_OK);
+  }
+  gst_app_src_end_of_stream(GST_APP_SRC(src));
+  const GstClockTime patience = std::chrono::duration_cast<std::chrono::nanoseconds>(kPatience).count();
+  while (GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(sink), patience)) {
+    GstMapInfo map;
+    GstBuffer* buf = gst_sample_get_buffer(sample);
+    if (gst_buffer_map(buf, &map, GST_MAP_READ)) {
+      docs.emplace_back(std::string(reinterpret_cast<const char*>(map.data), map.size));
+      gst_buffer_unmap(buf, &map);
+    }
+    gst_sample_unref(sample);
+  }
+  EXPECT_TRUE(gst_app_sink_is_eos(GST_APP_SINK(sink))) << "the pipeline did not reach EOS";
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(src);
+  gst_object_unref(sink);
+  gst_object_unref(pipeline);
+  return docs;
+}
 
 std::string endpoint(int offset) {
   // Loopback TCP ports derived from the pid, so parallel runs do not collide.
@@ -327,4 +373,62 @@ TEST_F(E2E, EmbeddingApplicationPrintsResults) {
   int results = 0;
   for (size_t pos = 0; (pos = out.find("\"type\":\"result\"", pos)) != std::string::npos; ++pos) ++results;
   EXPECT_EQ(results, 2) << out;
+}
+
+TEST_F(E2E, IndexRecordsTheModelsThatBuiltIt) {
+  const moe::AnnIndex index = moe::AnnIndex::load(catalog().index);
+  ASSERT_TRUE(index.provenance().has_value());
+  EXPECT_EQ(index.provenance()->encoder, "clip_tiny_bpe");
+  EXPECT_EQ(index.provenance()->encoder_fingerprint, moe::Checkpoint::open(kModel).fingerprint());
+  EXPECT_EQ(index.provenance()->adapter, "adapter_tiny");
+  EXPECT_EQ(index.provenance()->adapter_fingerprint,
+            moe::Checkpoint::open(kAdapter + "/adapter.safetensors").fingerprint());
+}
+
+TEST_F(E2E, QueriesFromOtherModelsGetErrorDocuments) {
+  const std::vector<std::string> texts = {"plain red square", "striped blue square", "plain green square"};
+  const std::string route_expert = "moe-route model=\"" + kAdapter + "\" ! moe-expert model=\"" + kAdapter + "\"";
+  // The pipeline that built the index: results.
+  {
+    const std::vector<Doc> docs = query_through(route_expert, catalog().index, texts);
+    ASSERT_EQ(docs.size(), texts.size());
+    for (const Doc& d : docs) EXPECT_EQ(d.str("type"), "result") << d.str("id");
+  }
+  // A retrained adapter of the same shapes (same directory name, other weights), no adapter, and
+  // routing without moe-expert: each request gets an error document with its id naming both sides.
+  moe::test::TempDir retrained_root;
+  const std::string retrained = retrained_root.file("adapter_tiny");
+  ASSERT_TRUE(std::filesystem::create_directory(retrained));
+  std::filesystem::copy_file(kAdapter + "/adapter_config.json", retrained + "/adapter_config.json");
+  moe::test::copy_with_one_value_changed(kAdapter + "/adapter.safetensors", retrained + "/adapter.safetensors",
+                                         "experts.0.w1.weight");
+  const std::string built_from = "was built from encoder 'clip_tiny_bpe' (fp " +
+                                 moe::Checkpoint::open(kModel).fingerprint() + ") and adapter 'adapter_tiny' (fp " +
+                                 moe::Checkpoint::open(kAdapter + "/adapter.safetensors").fingerprint() + ")";
+  const std::string retrained_fp = moe::Checkpoint::open(retrained + "/adapter.safetensors").fingerprint();
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"moe-route model=\"" + retrained + "\" ! moe-expert model=\"" + retrained + "\"",
+       "and adapter 'adapter_tiny' (fp " + retrained_fp + "): rebuild the index"},
+      {"", "without an adapter: rebuild the index"},
+      {"moe-route model=\"" + kAdapter + "\"", "without an adapter: rebuild the index"},
+  };
+  for (const auto& [middle, query_side] : cases) {
+    SCOPED_TRACE(middle.empty() ? "no adapter" : middle);
+    const std::vector<Doc> docs = query_through(middle, catalog().index, texts);
+    ASSERT_EQ(docs.size(), texts.size());
+    std::set<std::string> ids;
+    for (const Doc& d : docs) {
+      ASSERT_EQ(d.str("type"), "error") << d.str("id");
+      ids.insert(d.str("id"));
+      JsonObject* e = json_object_get_object_member(d.obj, "error");
+      ASSERT_NE(e, nullptr);
+      EXPECT_EQ(std::string(json_object_get_string_member(e, "stage")), "ann-query");
+      const std::string reason = json_object_get_string_member(e, "reason");
+      EXPECT_NE(reason.find(catalog().index), std::string::npos) << reason;
+      EXPECT_NE(reason.find(built_from), std::string::npos) << reason;
+      EXPECT_NE(reason.find("but this query was encoded by encoder 'clip_tiny_bpe'"), std::string::npos) << reason;
+      EXPECT_NE(reason.find(query_side), std::string::npos) << reason;
+    }
+    EXPECT_EQ(ids, (std::set<std::string>{"0", "1", "2"}));
+  }
 }
