@@ -657,8 +657,11 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
       element_class, "ANN query", "Filter/Analyzer",
       "Answers each embedded request (one row of a tensor batch) with the k nearest catalog items of a FAISS index "
       "(cosine similarity): one JSON result document per request, one error document per request that failed "
-      "upstream. With mode=build it instead adds every row (the request's id, uri and text become the item) to a new "
-      "index, writes INDEX and INDEX.items.jsonl at end of stream and sends one index-built document.\n"
+      "upstream, and one error document per request whose encoder or adapter differs from the ones that built the "
+      "index (their fingerprints, recorded in INDEX.items.jsonl). With mode=build it instead adds every row (the "
+      "request's id, uri and text become the item) to a new index, writes INDEX and INDEX.items.jsonl with the "
+      "encoder and adapter of its rows at end of stream and sends one index-built document; rows from other models "
+      "than the first rows' stop the build.\n"
       "Build: gst-launch-1.0 moe-catalog-src location=photos/ ! moe-encode model=clip/ ! moe-route model=adapter/ "
       "! moe-expert model=adapter/ ! ann-query mode=build index=catalog.faiss ! fakesink\n"
       "Search: gst-launch-1.0 zmq-query ! moe-encode model=clip/ ! moe-route model=adapter/ ! "
