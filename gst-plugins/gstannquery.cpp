@@ -49,6 +49,7 @@ enum {
   PROP_HNSW_M,
   PROP_EF_CONSTRUCTION,
   PROP_EF_SEARCH,
+  PROP_DEVICE,
 };
 
 constexpr guint kDefaultK = 10;
@@ -58,6 +59,7 @@ constexpr GstAnnQueryIndexType kDefaultIndexType = GST_ANN_QUERY_INDEX_TYPE_FLAT
 constexpr guint kDefaultHnswM = 32;
 constexpr guint kDefaultEfConstruction = 80;
 constexpr guint kDefaultEfSearch = 64;
+constexpr const char* kDefaultDevice = "cpu";
 
 namespace {
 
@@ -92,6 +94,7 @@ struct _GstAnnQuery {
   guint hnsw_m;
   guint ef_construction;
   guint ef_search;
+  gchar* device;
 
   Session* session;  // non-NULL in PAUSED and PLAYING
 };
@@ -467,6 +470,7 @@ static gboolean start(GstAnnQuery* self) {
       self->index_type == GST_ANN_QUERY_INDEX_TYPE_HNSW ? moe::AnnIndexType::Hnsw : moe::AnnIndexType::Flat;
   s->build.hnsw_m = static_cast<int>(self->hnsw_m);
   s->build.ef_construction = static_cast<int>(self->ef_construction);
+  const std::string device = self->device;
   GST_OBJECT_UNLOCK(self);
 
   if (s->index_path.empty()) {
@@ -486,8 +490,19 @@ static gboolean start(GstAnnQuery* self) {
       GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()), ("loading the ANN index '%s'", s->index_path.c_str()));
       return FALSE;
     }
-    GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s", s->index_path.c_str(),
-                    s->index->size(), s->index->dim(), moe::ann_index_type_name(s->index->type()));
+    std::string searched_on;
+    try {
+      searched_on = s->index->place_on(device);
+    } catch (const moe::Error& e) {  // names the device and the reason
+      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("cannot search the ANN index '%s' on device '%s': %s",
+                                                   s->index_path.c_str(), device.c_str(), e.what()),
+                        (nullptr));
+      return FALSE;
+    }
+    GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s, searched on %s%s",
+                    s->index_path.c_str(), s->index->size(), s->index->dim(),
+                    moe::ann_index_type_name(s->index->type()), searched_on.c_str(),
+                    searched_on == "cpu" ? " (FAISS)" : " (GPU-resident, exact)");
     if (s->index->provenance())
       GST_INFO_OBJECT(self, "%s was built from %s", s->index_path.c_str(), s->index->provenance()->describe().c_str());
     else
@@ -557,6 +572,12 @@ static void gst_ann_query_set_property(GObject* object, guint prop_id, const GVa
     case PROP_EF_SEARCH:
       self->ef_search = g_value_get_uint(value);
       break;
+    case PROP_DEVICE: {
+      const gchar* device = g_value_get_string(value);
+      g_free(self->device);
+      self->device = g_strdup(device ? device : kDefaultDevice);
+      break;
+    }
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -589,6 +610,9 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_EF_SEARCH:
       g_value_set_uint(value, self->ef_search);
       break;
+    case PROP_DEVICE:
+      g_value_set_string(value, self->device);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -599,6 +623,7 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
 static void gst_ann_query_finalize(GObject* object) {
   GstAnnQuery* self = GST_ANN_QUERY(object);
   g_free(self->index_path);
+  g_free(self->device);
   stop(self);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
@@ -650,6 +675,15 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
                         "Candidate list size when searching an HNSW index (raised to k when smaller): larger finds "
                         "more true neighbours, slower; ignored by flat indexes",
                         1, 4096, kDefaultEfSearch, playing));
+  g_object_class_install_property(
+      gobject_class, PROP_DEVICE,
+      g_param_spec_string("device", "Device",
+                          "Where searches run (mode=search): \"cpu\" (FAISS), \"cuda:N\" (a flat index is copied "
+                          "to the GPU once and every search is an exact inner-product top-k there, k up to 1024; an "
+                          "HNSW index fails the start) or \"auto\" (cuda:0 for a flat index when a usable CUDA "
+                          "device exists, else FAISS on the CPU). A device that cannot be used fails the start, "
+                          "saying why",
+                          kDefaultDevice, ready));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);
@@ -689,5 +723,6 @@ static void gst_ann_query_init(GstAnnQuery* self) {
   self->hnsw_m = kDefaultHnswM;
   self->ef_construction = kDefaultEfConstruction;
   self->ef_search = kDefaultEfSearch;
+  self->device = g_strdup(kDefaultDevice);
   self->session = nullptr;
 }

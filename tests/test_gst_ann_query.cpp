@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "backend.h"
 #include "gstannquery.h"
 #include "gstmoemeta.h"
 #include "moe/ann_index.h"
@@ -572,6 +573,63 @@ TEST_F(AnnQueryTest, HnswBuildAndSearch) {
   unref_all(out);
 }
 
+// device=cuda:0 searches a flat index on the GPU with the same hits as FAISS; without a usable
+// GPU it fails the start saying why. An HNSW index cannot go to a GPU either way; "auto" always
+// works (FAISS for HNSW and without a GPU).
+TEST_F(AnnQueryTest, CudaDeviceSearchesLikeFaissOrFailsWithTheReason) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  const std::string hnsw_path = dir_.file("catalog-hnsw.faiss");
+  gst_buffer_unref(build_index(hnsw_path, "hnsw"));
+  gstmoe::BatchRecords batch;
+  for (int i = 0; i < 6; ++i) batch.rows.push_back(text_request("q" + std::to_string(i)));
+  const auto top_items = [&](GstHarness* h) {
+    EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+    std::vector<GstBuffer*> out = pull_all(h);
+    std::vector<std::vector<int64_t>> items;
+    for (GstBuffer* b : out) {
+      Json doc(b);
+      JsonArray* results = Json::array(doc.obj(), "results");
+      items.emplace_back();
+      for (guint j = 0; results && j < json_array_get_length(results); ++j)
+        items.back().push_back(Json::integer(json_array_get_object_element(results, j), "item"));
+    }
+    unref_all(out);
+    return items;
+  };
+  const auto on_cpu = top_items(search_harness(path, 4));
+  ASSERT_EQ(on_cpu.size(), 6u);
+
+  GstHarness* automatic = harness(make_element("index", path.c_str(), "k", 4u, "device", "auto", nullptr));
+  set_tensor_caps(automatic, kWidth);
+  EXPECT_EQ(top_items(automatic), on_cpu);
+  GstHarness* hnsw_auto = harness(make_element("index", hnsw_path.c_str(), "k", 4u, "device", "auto", nullptr));
+  set_tensor_caps(hnsw_auto, kWidth);
+  EXPECT_EQ(top_items(hnsw_auto).size(), 6u);
+
+  GstElement* hnsw_gpu = make_element("index", hnsw_path.c_str(), "device", "cuda:0", nullptr);
+  EXPECT_EQ(gst_element_set_state(hnsw_gpu, GST_STATE_PAUSED), GST_STATE_CHANGE_FAILURE);
+  const std::string hnsw_error = bus_error();
+  EXPECT_NE(hnsw_error.find("device 'cuda:0'"), std::string::npos) << hnsw_error;
+  gst_element_set_state(hnsw_gpu, GST_STATE_NULL);
+  gst_object_unref(hnsw_gpu);
+
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) > 0) {
+    GstHarness* gpu = harness(make_element("index", path.c_str(), "k", 4u, "device", "cuda:0", nullptr));
+    set_tensor_caps(gpu, kWidth);
+    EXPECT_EQ(top_items(gpu), on_cpu);
+  } else {
+    GstElement* gpu = make_element("index", path.c_str(), "device", "cuda:0", nullptr);
+    EXPECT_EQ(gst_element_set_state(gpu, GST_STATE_PAUSED), GST_STATE_CHANGE_FAILURE);
+    const std::string error = bus_error();
+    EXPECT_NE(error.find("device 'cuda:0'"), std::string::npos) << error;
+    EXPECT_NE(error.find(why), std::string::npos) << error;
+    gst_element_set_state(gpu, GST_STATE_NULL);
+    gst_object_unref(gpu);
+  }
+}
+
 // ---- provenance ----------------------------------------------------------------------------
 
 TEST_F(AnnQueryTest, BuildRecordsTheModelsOfItsRows) {
@@ -802,6 +860,10 @@ TEST_F(AnnQueryTest, PropertiesDocumentTheirRanges) {
   EXPECT_EQ(uint_spec("hnsw-m")->default_value, 32u);
   EXPECT_EQ(uint_spec("ef-construction")->default_value, 80u);
   EXPECT_EQ(uint_spec("ef-search")->default_value, 64u);
+  gchar* device = nullptr;
+  g_object_get(element, "device", &device, nullptr);
+  EXPECT_STREQ(device, "cpu");
+  g_free(device);
   EXPECT_STREQ(g_type_name(GST_TYPE_ANN_QUERY_MODE), "GstAnnQueryMode");
   EXPECT_STREQ(g_type_name(GST_TYPE_ANN_QUERY_INDEX_TYPE), "GstAnnQueryIndexType");
   gst_util_set_object_arg(G_OBJECT(element), "mode", "build");

@@ -375,6 +375,21 @@ TEST_F(E2E, EmbeddingApplicationPrintsResults) {
   EXPECT_EQ(results, 2) << out;
 }
 
+// The Python twin (PyGObject; Debian's python3-gi): answers, and an error document for a query
+// that is not UTF-8.
+TEST_F(E2E, PythonApplicationPrintsResultsAndErrors) {
+  std::string out;
+  const int rc = run({"/usr/bin/python3", kSource + "/examples/embed_pipeline.py", "--model", kModel, "--adapter",
+                      kAdapter, "--index", catalog().index, "--k", "3", "plain red square", "striped blue square",
+                      "bad \xff text"},
+                     {}, &out);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("0: 'plain red square'\n  1. "), std::string::npos) << out;
+  EXPECT_NE(out.find("1: 'striped blue square'\n  1. "), std::string::npos) << out;
+  EXPECT_NE(out.find("  3. "), std::string::npos) << out;
+  EXPECT_NE(out.find("2: error in moe-encode: text request '2' is not valid UTF-8"), std::string::npos) << out;
+}
+
 TEST_F(E2E, IndexRecordsTheModelsThatBuiltIt) {
   const moe::AnnIndex index = moe::AnnIndex::load(catalog().index);
   ASSERT_TRUE(index.provenance().has_value());
