@@ -6,7 +6,7 @@
 #
 # Everything goes under ${OUT:-build-gpu/gpu-check} (at most 8 files, no sub-folders, so the
 # device tool brings all of it back): summary.md, gpu-check.log, tests.xml,
-# bench-layer.json, bench-encoder.json, bench-preload.json.
+# bench-layer.json, bench-encoder.json, bench-preload.json, bench-search.json.
 #
 # Two ways to get binaries:
 #   build     (default when the build dependencies are installed): meson setup + compile of
@@ -147,7 +147,7 @@ build_configure() {
 }
 
 build_targets() {
-  local targets=(bench/moe-bench-layer bench/moe-bench-encoder bench/moe-bench-preload)
+  local targets=(bench/moe-bench-layer bench/moe-bench-encoder bench/moe-bench-preload bench/moe-bench-search)
   local s
   for s in $SUITES; do
     targets+=("tests/test_$s")
@@ -340,6 +340,14 @@ if E:
     for s in E.get("skipped", []):
         lines.append(f"\nskipped {s['device']}: {s['why']}")
     lines.append("")
+S = load("bench-search.json")
+if S:
+    lines += [f"## Flat search ({S['items']} x {S['dim']}, k {S['k']}): backend vs FAISS on the CPU", "",
+              "| device | batch | queries/s | FAISS queries/s | vs FAISS | hits differing |", "|---|---|---|---|---|---|"]
+    for r in S["results"]:
+        lines.append(f"| {r['device']} | {r['batch']} | {r['queries_per_s']:.4g} | {r['faiss_queries_per_s']:.4g} | "
+                     f"{r['ratio_vs_faiss']:.3g}× | {r['hits_differing']} |")
+    lines.append("")
 fails = os.environ.get("FAILURES", "").strip()
 lines += ["## Result", "", ("FAILED:\n" + "\n".join(f"- {f}" for f in fails.split("\n"))) if fails else "PASSED", ""]
 text = "\n".join(lines)
@@ -416,6 +424,7 @@ main() {
   step "bench preload (cuda:0)" 150 "$bin_dir/bench/moe-bench-preload" --device cuda:0 --json "$OUT/bench-preload.json"
   step "bench encoder (cuda:0)" 90 "$bin_dir/bench/moe-bench-encoder" --device cuda:0 \
     --batches 1,8,32,64 --reps 3 --json "$OUT/bench-encoder.json"
+  step "bench search (cuda:0)" 60 "$bin_dir/bench/moe-bench-search" --device cuda:0 --json "$OUT/bench-search.json"
 
   echo "=== done in $(($(date +%s) - start))s"
   summary "$(gpu_name)" "$mode" "$tests"
