@@ -90,14 +90,18 @@ TEST(AnnIndex, FlatMatchesBruteForce) {
   EXPECT_EQ(index.dim(), dim);
   EXPECT_EQ(index.type(), AnnIndexType::Flat);
 
-  const auto got = index.search(queries.data(), 20, k);
   const auto want = brute_force(base, queries, dim, k);
-  ASSERT_EQ(got.size(), want.size());
-  for (size_t q = 0; q < got.size(); ++q) {
-    ASSERT_EQ(got[q].size(), static_cast<size_t>(k));
-    for (int j = 0; j < k; ++j) {
-      EXPECT_EQ(got[q][j].item, want[q][j].item) << "query " << q << " rank " << j;
-      EXPECT_NEAR(got[q][j].score, want[q][j].score, 1e-5) << "query " << q << " rank " << j;
+  // Fewer than 20 queries per call run the engine's own exact search, 20 and more FAISS's.
+  for (int64_t n : {1, 7, 19, 20}) {
+    SCOPED_TRACE(std::to_string(n) + " queries");
+    const auto got = index.search(queries.data(), n, k);
+    ASSERT_EQ(got.size(), static_cast<size_t>(n));
+    for (size_t q = 0; q < got.size(); ++q) {
+      ASSERT_EQ(got[q].size(), static_cast<size_t>(k));
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(got[q][j].item, want[q][j].item) << "query " << q << " rank " << j;
+        EXPECT_NEAR(got[q][j].score, want[q][j].score, 1e-5) << "query " << q << " rank " << j;
+      }
     }
   }
 }

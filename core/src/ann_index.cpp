@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "backend.h"
+#include "cpu_ops.h"
 #include "device_buffer.h"
 #include "json_util.h"
 #include "moe/compute.h"
@@ -257,6 +258,12 @@ std::vector<std::vector<AnnHit>> AnnIndex::search(const float* queries, int64_t 
                            ids.as<int64_t>(), best.as<float>());
       b.copy_to_host(labels.data(), ids.as<int64_t>(), labels.size() * sizeof(int64_t));
       b.copy_to_host(scores.data(), best.as<float>(), scores.size() * sizeof(float));
+    } else if (type_ == AnnIndexType::Flat && n < faiss::distance_compute_blas_threshold) {
+      // Below this many queries FAISS scans without BLAS, reading the whole index once per query;
+      // the engine's exact search (tiled sgemm + heaps, same hits) reads it once per call, and is
+      // several times faster there (docs/benchmarks.md, moe-bench-search).
+      kernels::cpu::inner_product_topk(unit.data(), n, static_cast<const faiss::IndexFlat*>(index_.get())->get_xb(),
+                                       size(), dim_, kk, labels.data(), scores.data());
     } else if (type_ == AnnIndexType::Hnsw) {
       // FAISS 1.7.3 reads ef only from the index (see the header); HNSW returns at most ef hits.
       auto* hnsw = static_cast<faiss::IndexHNSW*>(index_.get());

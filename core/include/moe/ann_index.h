@@ -103,7 +103,9 @@ class AnnIndex {
   void save(const std::string& path) const;
 
   // The best min(k, size()) hits for each of the n queries (row-major n x dim), best first; one
-  // batched FAISS call. k must be >= 1. ef_search is HNSW's candidate list size (recall vs
+  // batched FAISS call (a flat index searched with fewer queries than FAISS's BLAS threshold,
+  // 20, goes through the engine's exact CPU search instead: same hits, several times faster
+  // there because FAISS then scans the index once per query). k must be >= 1. ef_search is HNSW's candidate list size (recall vs
   // speed; ignored by flat indexes). Safe to call from several threads at once. FAISS 1.7.3
   // accepts faiss::SearchParametersHNSW but its HNSW search ignores the efSearch in it (results
   // follow hnsw.efSearch only; tests/test_ann_index.cpp checks), so the ef is set on the index: HNSW searches of one index take a mutex around setting
