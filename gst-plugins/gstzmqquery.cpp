@@ -16,7 +16,9 @@
 
 #include <glib/gstdio.h>
 #include <json-glib/json-glib.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -78,7 +80,7 @@ enum {
 #define DEFAULT_RECV_HWM 1000
 #define MAX_RECV_HWM 10000000
 #define DEFAULT_MAX_IMAGE_BYTES (G_GUINT64_CONSTANT(32) * 1024 * 1024)
-// Fits an image_base64 request of DEFAULT_MAX_IMAGE_BYTES (45328942 bytes, base64_request_bytes)
+// Fits an image_base64 request of DEFAULT_MAX_IMAGE_BYTES (45917618 bytes, base64_request_bytes)
 // with room to spare.
 #define DEFAULT_MAX_MESSAGE_BYTES (G_GUINT64_CONSTANT(48) * 1024 * 1024)
 // ZMQ_MAXMSGSIZE is an int64_t.
@@ -128,14 +130,16 @@ struct Rejection {
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
 // The size of the largest image_base64 request for an image of `image_bytes` bytes: 4 characters
-// per 3 bytes, a line break every 76 characters (as base64(1) writes them), and 1 KiB for the rest
-// of the JSON (id, k, member names). Saturates at G_MAXUINT64.
+// per 3 bytes, a line break after every 76 characters (as base64(1) writes them) that JSON
+// escapes as the two characters \n, and 1 KiB for the rest of the JSON (id, k, member names).
+// Saturates at G_MAXUINT64.
 constexpr guint64 base64_request_bytes(guint64 image_bytes) {
   const guint64 groups = image_bytes / 3 + (image_bytes % 3 ? 1 : 0);
   if (groups > (G_MAXUINT64 - 1024) / 5) return G_MAXUINT64;
-  return 4 * groups + 4 * groups / 76 + 1024;
+  const guint64 chars = 4 * groups;
+  return chars + 2 * ((chars + 75) / 76) + 1024;
 }
-static_assert(base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES) == 45328942 &&
+static_assert(base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES) == 45917618 &&
                   DEFAULT_MAX_MESSAGE_BYTES >= base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES),
               "the defaults of max-message-bytes, max-image-bytes and their blurbs agree");
 
@@ -178,27 +182,52 @@ std::string confine_to_root(const std::string& image, const std::string& path, c
   reject("image " + quote(image) + " cannot be read: " + g_strerror(error));
 }
 
-// The bytes of the image file at `path`, read by the engine as moe-catalog-src reads catalog
-// images, refused unless it is a regular file of 1..max_bytes bytes. The size is checked before
-// reading, so that a refused file is never loaded, and again after, in case the file changed.
-GstBuffer* read_image_file(const std::string& path, guint64 max_bytes) {
-  const std::string what = "image file " + quote(path);
+// The bytes of the image file at `path` (confine_to_root's result for the "image" value `image`),
+// refused unless it is a regular file of 1..max_bytes bytes inside `root`. The file is opened
+// once and everything else goes through that descriptor: what was opened is checked to lie inside
+// the root (its /proc/self/fd link), so a path component swapped for a symlink after
+// confine_to_root cannot lead out, and O_NONBLOCK keeps a FIFO swapped in from blocking the
+// streaming thread. Reasons quote the client's value, never the resolved path (which would tell
+// where the root is).
+GstBuffer* read_image_file(const std::string& image, const std::string& path, const std::string& root,
+                           guint64 max_bytes) {
+  const std::string what = "image " + quote(image);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) reject(what + " cannot be read: " + g_strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  char* opened = realpath(link.c_str(), nullptr);
+  const bool inside = opened && is_within(opened, root);
+  free(opened);
+  if (!inside) reject(what + " is outside image-root");
+  struct stat st;
+  if (fstat(fd, &st) != 0) reject(what + " cannot be read: " + g_strerror(errno));
+  if (!S_ISREG(st.st_mode)) reject(what + " is not a regular file");
   auto check_size = [&](guint64 size) {
     if (size == 0) reject(what + " is empty");
     if (size > max_bytes)
       reject(what + " is " + std::to_string(size) + " bytes, more than max-image-bytes (" +
              std::to_string(max_bytes) + ")");
   };
-  GStatBuf st;
-  if (g_stat(path.c_str(), &st) != 0) reject(what + " cannot be read: " + g_strerror(errno));
-  if (!S_ISREG(st.st_mode)) reject(what + " is not a regular file");
   check_size(static_cast<guint64>(st.st_size));
-  std::vector<uint8_t> bytes;
-  try {
-    bytes = moe::read_image_file(path);
-  } catch (const moe::Error& e) {  // "image file '<path>' cannot be read: <reason>"
-    reject(e.what());
+  // Read to the end, but never past max_bytes + 1 (the file may grow while it is read).
+  std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size) + 1);
+  size_t got = 0;
+  for (;;) {
+    if (got == bytes.size()) {
+      if (bytes.size() > max_bytes) break;
+      bytes.resize(std::min<size_t>(bytes.size() * 2, static_cast<size_t>(max_bytes) + 1));
+    }
+    const ssize_t n = read(fd, bytes.data() + got, bytes.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) reject(what + " cannot be read: " + g_strerror(errno));
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
   }
+  bytes.resize(got);
   check_size(bytes.size());
   return gstmoe::bytes_buffer(std::move(bytes));
 }
@@ -319,7 +348,8 @@ GstBuffer* parse_request(const zmq::message_t& message, guint64 max_image_bytes,
     if (!image_root)
       reject("image paths are not served: zmq-query has no image-root (the operator sets image-root=DIR to serve "
              "the image files under DIR); send the image itself as image_base64");
-    return read_image_file(confine_to_root(record.uri, image_path(record.uri), image_root), max_image_bytes);
+    return read_image_file(record.uri, confine_to_root(record.uri, image_path(record.uri), image_root), image_root,
+                           max_image_bytes);
   }
   GstBuffer* payload = decode_base64_image(string_member(object, "image_base64", "a string"), max_image_bytes);
   record.uri = "base64:" + std::to_string(gst_buffer_get_size(payload)) + " bytes";
@@ -656,7 +686,7 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
                           "Largest request frame accepted, in bytes (ZMQ_MAXMSGSIZE). ZeroMQ disconnects a client "
                           "that sends a larger one and discards the message before it is read in full, so that "
                           "request gets no error document and no router reply. An image_base64 request takes 4/3 x "
-                          "max-image-bytes plus a line break per 76 characters and the JSON around it (45328942 "
+                          "max-image-bytes plus a line break (escaped in JSON as \\n) per 76 characters and the JSON around it (45917618 "
                           "bytes for the default 32 MiB, hence the default 48 MiB); start warns when this is "
                           "smaller than that. 0: unlimited",
                           0, MAX_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, rw_ready));

@@ -9,6 +9,7 @@
 #include <json-glib/json-glib.h>
 
 #include <glib/gstdio.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -718,6 +719,8 @@ TEST_F(ZmqTest, QueryImageRootConfinesImagePaths) {
   ASSERT_EQ(symlink(secret.c_str(), (root + "/escape").c_str()), 0);
   ASSERT_EQ(symlink(dir_.c_str(), (root + "/escape-dir").c_str()), 0);
   ASSERT_EQ(symlink(nope.c_str(), (root + "/dangling").c_str()), 0);
+  ASSERT_EQ(mkfifo((root + "/fifo.png").c_str(), 0600), 0);  // opening it must not block
+  write_file("root/empty.png", "");
 
   struct Case {
     std::string id, image;
@@ -733,6 +736,8 @@ TEST_F(ZmqTest, QueryImageRootConfinesImagePaths) {
       {"dotdot-inside", "sub/../a.png", "image a", ""},
       {"link-inside", "inner", "image b", ""},
       {"missing-inside", "missing.png", "", "image 'missing.png' cannot be read: No such file or directory"},
+      {"fifo-inside", "fifo.png", "", "image 'fifo.png' is not a regular file"},
+      {"empty-inside", "empty.png", "", "image 'empty.png' is empty"},  // the client's value, not the path
   };
   // Each escape, to a file that exists and to one that does not: the same reason, so a client
   // cannot probe the machine's files.
@@ -895,14 +900,14 @@ TEST_F(ZmqTest, QueryOversizedMessageIsDroppedByZeroMQ) {
 }
 
 // An image_base64 request of max-image-bytes must fit in max-message-bytes, else ZeroMQ would
-// drop it unanswered: start warns. 1000 image bytes make 1336 base64 characters, 17 line breaks
-// and up to 1 KiB of JSON: 2377 bytes.
+// drop it unanswered: start warns. 1000 image bytes make 1336 base64 characters, 18 line breaks
+// (each \n in JSON: 2 characters) and up to 1 KiB of JSON: 2396 bytes.
 TEST_F(ZmqTest, QueryWarnsWhenMaxMessageBytesCannotHoldAMaxImage) {
   const std::vector<std::pair<guint64, std::string>> cases = {
-      {2376,
-       "max-message-bytes (2376) is smaller than the largest image_base64 request that max-image-bytes (1000) "
-       "allows (2377 bytes): ZeroMQ drops larger messages unanswered"},
-      {2377, ""},
+      {2395,
+       "max-message-bytes (2395) is smaller than the largest image_base64 request that max-image-bytes (1000) "
+       "allows (2396 bytes): ZeroMQ drops larger messages unanswered"},
+      {2396, ""},
       {0, ""}};  // unlimited
   for (const auto& [max_message, warning] : cases) {
     GstElement* e = make_query(ipc("warn.ipc"));
