@@ -513,6 +513,12 @@ TEST(ExpertExecutorOnCuda, TwoDevicesSplitBatchesByPeerCopies) {
   EXPECT_GT(st[0].cache.acquires, 0u);
   EXPECT_GT(st[1].cache.acquires, 0u);
   expect_consistent_and_idle(ex);
+
+  std::vector<std::unique_ptr<moe::kernels::Backend>> mixed;
+  mixed.push_back(moe::kernels::make_cuda_backend(0));
+  mixed.push_back(async_cpu());
+  expect_error([&] { ExpertExecutor(tiny().layer(), std::move(mixed), budgets(c, {4, 2})); },
+               {"cuda:0 and cpu cannot exchange rows"});
 }
 
 TEST(ExpertExecutorOnCuda, HalfBudgetWithPrefetchAhead) {

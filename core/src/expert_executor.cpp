@@ -59,7 +59,7 @@ struct Prefetch {
   std::shared_ptr<State> state;                     // keeps the devices alive; identifies the owner
   std::vector<int32_t> device_of;                   // per slot (row · top_k + j)
   std::vector<std::shared_ptr<BatchLease>> leases;  // per device; null where the batch has no slot
-  ~Prefetch() { leases.clear(); }                   // unpin before the state may go
+  // (Members go in reverse order: the leases unpin before the state may go.)
 };
 // Handles are made with this deleter, so std::get_deleter tells a Prefetch from any other pointer.
 struct PrefetchDeleter {
@@ -132,7 +132,6 @@ struct DeviceWork {
 struct Batch {
   std::vector<DeviceBuffer> home;  // on the home device
   std::vector<DeviceWork> work;    // per device with slots
-  std::vector<int32_t> device_of;  // per slot, when the batch is split over devices
   std::vector<float> ones;         // per slot: unit weights for summing the weighted slots
   float* alloc_home(kernels::Backend& b, size_t bytes) {
     home.emplace_back(b, bytes);
@@ -158,6 +157,10 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
                 "), which is not supported on the executor; run it on the CPU path (MoeLayer::run_experts)");
   if (backends.empty()) throw Error("expert executor: no devices");
   const size_t n = backends.size();
+  for (const auto& b : backends)
+    if (b && backends[0] && b->is_host_memory() != backends[0]->is_host_memory())
+      throw Error("expert executor: " + backends[0]->name() + " and " + b->name() +
+                  " cannot exchange rows (host and device memory): use CPU backends only or CUDA devices only");
   const int E = cfg.num_experts;
   st->slot_bytes = HostExpertStore::blob_bytes(options.precision, cfg.hidden_size, cfg.intermediate_size);
   const size_t slot = st->slot_bytes;
@@ -341,10 +344,7 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
     int32_t* slot_of_device = nullptr;
     std::vector<int64_t> device_offsets;
     if (split) {
-      std::vector<int32_t>& device_of = batch.device_of;
-      device_of.resize(static_cast<size_t>(N * K));
-      for (size_t d = 0; d < slots.size(); ++d)
-        for (int64_t s : slots[d]) device_of[static_cast<size_t>(s)] = static_cast<int32_t>(d);
+      const std::vector<int32_t>& device_of = pins.device_of;  // the "expert" of each slot here
       auto* device_ids = reinterpret_cast<int32_t*>(batch.alloc_home(hb, device_of.size() * ibytes));
       x_by_device = batch.alloc_home(hb, static_cast<size_t>(N * K * D) * fbytes);
       out_by_device = batch.alloc_home(hb, static_cast<size_t>(N * K * D) * fbytes);
@@ -399,8 +399,9 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       b.copy_from_host(w.weights_dev, w.weights.data(), w.weights.size() * fbytes);
       w.offsets = b.moe_permute(w.ids_dev, w.rows, w.k, st.config.num_experts, w.x, D, w.x_sorted, w.slot_of);
     }
-    // 3. Queue the experts on every device (each waits only for the copies of its own experts)
-    //    and the way back to home.
+    // 3. Queue the experts on every device (each waits only for the copies of its own experts),
+    //    then the ways back to home: a copy back fences home's queue after that device's work, so
+    //    queuing one before home's own experts would make the devices compute one after another.
     for (DeviceWork& w : batch.work) {
       State::Device& dev = st.devices[w.device];
       std::vector<kernels::ExpertWeights> experts(static_cast<size_t>(st.config.num_experts));
@@ -408,10 +409,11 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
         if (w.offsets[e + 1] > w.offsets[e]) experts[e] = pins.leases[w.device]->acquire(static_cast<int32_t>(e));
       dev.backend->grouped_swiglu(w.x_sorted, w.offsets, experts, D, I, w.out_sorted);
       dev.backend->moe_unpermute(w.out_sorted, w.slot_of, w.weights_dev, w.rows, w.k, D, w.y);
-      if (split && w.device != home)
-        dev.backend->copy_to_peer(hb, out_by_device + device_offsets[w.device] * D, w.y,
-                                  static_cast<size_t>(w.rows * D) * fbytes);
     }
+    for (DeviceWork& w : batch.work)
+      if (split && w.device != home)
+        st.devices[w.device].backend->copy_to_peer(hb, out_by_device + device_offsets[w.device] * D, w.y,
+                                                   static_cast<size_t>(w.rows * D) * fbytes);
     // 4. On home: sum the (already weighted) slots of every row, add the residual, normalise.
     if (split) {
       batch.ones.assign(static_cast<size_t>(N * K), 1.0f);
