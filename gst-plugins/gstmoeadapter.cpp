@@ -133,9 +133,11 @@ bool is_route_query(GstQuery* query) {
   return s && gst_structure_has_name(s, kRouteQuery);
 }
 
-void answer_route_query(GstQuery* query, const std::string& dir, const moe::MoeConfig& config) {
-  gst_structure_set(gst_query_writable_structure(query), "path", G_TYPE_STRING, dir.c_str(), "hidden-size",
-                    G_TYPE_INT, config.hidden_size, "num-experts", G_TYPE_INT, config.num_experts, nullptr);
+void answer_route_query(GstQuery* query, const std::string& dir, const moe::MoeAdapter& adapter) {
+  const moe::MoeConfig& config = adapter.layer().config();
+  gst_structure_set(gst_query_writable_structure(query), "path", G_TYPE_STRING, dir.c_str(), "fingerprint",
+                    G_TYPE_STRING, adapter.fingerprint().c_str(), "hidden-size", G_TYPE_INT, config.hidden_size,
+                    "num-experts", G_TYPE_INT, config.num_experts, nullptr);
 }
 
 bool query_route(GstPad* sinkpad, RouteInfo* info) {
@@ -146,7 +148,11 @@ bool query_route(GstPad* sinkpad, RouteInfo* info) {
     const gchar* path = gst_structure_get_string(s, "path");
     answered = path && gst_structure_get_int(s, "hidden-size", &info->hidden_size) &&
                gst_structure_get_int(s, "num-experts", &info->num_experts);
-    if (answered) info->dir = path;
+    if (answered) {
+      info->dir = path;
+      const gchar* fingerprint = gst_structure_get_string(s, "fingerprint");
+      info->fingerprint = fingerprint ? fingerprint : "";
+    }
   }
   gst_query_unref(query);
   return answered;

@@ -70,11 +70,12 @@ class Stats {
 // moe-expert can refuse routing made by an incompatible adapter before any buffer flows.
 struct RouteInfo {
   std::string dir;
+  std::string fingerprint;  // its MoeAdapter::fingerprint() (the router's weights are in it)
   int hidden_size = 0;
   int num_experts = 0;
 };
 bool is_route_query(GstQuery* query);
-void answer_route_query(GstQuery* query, const std::string& dir, const moe::MoeConfig& config);
+void answer_route_query(GstQuery* query, const std::string& dir, const moe::MoeAdapter& adapter);
 // True and `info` filled when a moe-route upstream of `sinkpad` answered.
 bool query_route(GstPad* sinkpad, RouteInfo* info);
 

@@ -71,6 +71,9 @@ struct ExpertState {
   std::string adapter_name;
   int width = 0;
   std::string route_dir;  // the adapter of the moe-route upstream, when one answered
+  // What made the rows, for the meta's adapter_fingerprint: this adapter's fingerprint, followed
+  // by "+<router's>" when a moe-route with other weights chose the experts (both shape the rows).
+  std::string rows_fingerprint;
 
   gstmoe::adapter::Stats stats;  // expert-rows: per expert, how many rows it ran on
   std::atomic<guint64> batches_prefetched{0};  // arrived with moe-route's prefetch of this executor
@@ -239,6 +242,7 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   st->adapter_dir = dir;
   st->adapter_name = gstmoe::adapter::name_of(dir);
   st->width = 0;
+  st->rows_fingerprint = st->adapter->fingerprint();
   st->route_dir.clear();
   st->stats.reset(cfg.num_experts);
   st->batches_prefetched = 0;
@@ -320,9 +324,13 @@ static gboolean gst_moe_expert_set_caps(GstBaseTransform* trans, GstCaps* incaps
   if (!gstmoe::adapter::query_route(GST_BASE_TRANSFORM_SINK_PAD(trans), &route)) {
     GST_DEBUG_OBJECT(self, "no moe-route upstream answered: expert ids are checked per batch only");
     st->route_dir.clear();
+    st->rows_fingerprint = st->adapter->fingerprint();
     return TRUE;
   }
   st->route_dir = route.dir;
+  st->rows_fingerprint = st->adapter->fingerprint();
+  if (!route.fingerprint.empty() && route.fingerprint != st->rows_fingerprint)
+    st->rows_fingerprint += "+" + route.fingerprint;
   const moe::MoeConfig& cfg = st->adapter->layer().config();
   if (route.hidden_size != cfg.hidden_size || route.num_experts != cfg.num_experts) {
     GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
@@ -412,7 +420,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   moe::Routing routing;
   if (rows > 0 && !gst_moe_expert_routing(self, records, &routing)) return GST_FLOW_ERROR;
   records.adapter = st->adapter_name;  // the experts that made the embeddings name the adapter
-  records.adapter_fingerprint = st->adapter->fingerprint();
+  records.adapter_fingerprint = st->rows_fingerprint;
   if (rows == 0) return GST_FLOW_OK;   // only failed requests: they travel on untouched
   GST_OBJECT_LOCK(self);
   const std::shared_ptr<moe::ExpertExecutor> executor = st->executor;

@@ -160,7 +160,7 @@ static gboolean gst_moe_route_query(GstBaseTransform* trans, GstPadDirection dir
     const std::string dir = self->st->adapter_dir;
     GST_OBJECT_UNLOCK(self);
     if (!adapter) return FALSE;  // not started: nothing to tell, and no other router to ask
-    gstmoe::adapter::answer_route_query(query, dir, adapter->layer().config());
+    gstmoe::adapter::answer_route_query(query, dir, *adapter);
     return TRUE;
   }
   return GST_BASE_TRANSFORM_CLASS(parent_class)->query(trans, direction, query);

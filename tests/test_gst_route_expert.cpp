@@ -740,6 +740,19 @@ TEST_F(RouteExpertTest, DifferentAdaptersMustMatch) {
       gst_buffer_unref(out);
     }
   }
+  // Routing by another adapter's router (same shapes, other weights) also shapes the rows: the
+  // meta's fingerprint names both, so an index built with one pair refuses the other.
+  {
+    TempAdapter router(kExperts);
+    Harness h("moe-route model=\"" + router.dir() + "\" ! " + expert_line());
+    const gstmoe::BatchRecords records = records_for(3);
+    ASSERT_EQ(h.push(tensor_buffer(random_rows(3, 13), &records)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    EXPECT_EQ(records_of(out).adapter_fingerprint,
+              engine().fingerprint() + "+" + moe::MoeAdapter::load(router.dir()).fingerprint());
+    gst_buffer_unref(out);
+  }
   // 4 experts upstream, 6 in moe-expert: refused before any buffer is processed.
   TempAdapter other(4);
   Pipeline p("moe-route model=\"" + other.dir() + "\" ! " + expert_line(), kWidth);
