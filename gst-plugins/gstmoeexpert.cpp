@@ -475,7 +475,9 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
                           "Where the experts run: \"cpu\", \"cuda:N\", a list \"cuda:0,cuda:1\" (experts placed over "
                           "the devices by free memory and, after rebalance-interval batches, by load; rows sent to a device "
                           "holding their expert) or \"all\" "
-                          "(every CUDA device). A device that cannot be used fails the start, saying why",
+                          "(every CUDA device). A device that cannot be used fails the start, saying why; other "
+                          "failures to set the experts up there (e.g. out of memory) stop the pipeline at its first "
+                          "caps, saying why",
                           DEFAULT_DEVICE,
                           static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
   g_object_class_install_property(
