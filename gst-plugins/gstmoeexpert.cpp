@@ -204,6 +204,14 @@ static void gst_moe_expert_get_property(GObject* object, guint prop_id, GValue* 
   }
 }
 
+// `e` is the moe::Error of the device check or of building the executor: it names the device
+// and the reason.
+static void post_executor_error(GstMoeExpert* self, const std::string& adapter, const std::exception& e) {
+  GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("cannot run the experts of the MoE adapter '%s': %s", adapter.c_str(),
+                                               e.what()),
+                    (nullptr));
+}
+
 static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   GstMoeExpert* self = GST_MOE_EXPERT(trans);
   ExpertState* st = self->st;
@@ -222,10 +230,8 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   if (device != "cpu" || precision != GST_MOE_PRECISION_FP32) {  // else: the engine's CPU path
     try {
       moe::ExpertExecutor::check_devices(device);
-    } catch (const std::exception& e) {  // moe::Error names the device and the reason
-      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
-                        ("cannot run the experts of the MoE adapter '%s': %s", dir.c_str(), e.what()),
-                        (nullptr));
+    } catch (const std::exception& e) {
+      post_executor_error(self, dir, e);
       return FALSE;
     }
     std::lock_guard<std::mutex> lock(st->build_mu);
@@ -280,11 +286,8 @@ static bool gst_moe_expert_build_executor(GstMoeExpert* self) {
   try {
     executor = std::make_shared<moe::ExpertExecutor>(st->executor_adapter->layer(), st->executor_device,
                                                      st->executor_options);
-  } catch (const std::exception& e) {  // moe::Error names the device and the reason
-    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
-                      ("cannot run the experts of the MoE adapter '%s': %s",
-                       st->executor_adapter->layer().config().source.c_str(), e.what()),
-                      (nullptr));
+  } catch (const std::exception& e) {
+    post_executor_error(self, st->executor_adapter->layer().config().source, e);
     st->executor_failed = true;
     return false;
   }
