@@ -31,6 +31,7 @@
 #include <utility>
 
 #include "gstmoeadapter.h"
+#include "moe/compute.h"
 #include "moe/expert_executor.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_moe_expert_debug);
@@ -217,11 +218,18 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   ExpertState* st = self->st;
   GST_OBJECT_LOCK(self);
   const std::string dir = st->model;
-  const std::string device = st->device;
+  std::string device = st->device;
   const GstMoePrecision precision = st->precision;
   const double cache_budget = st->cache_budget;
   const guint rebalance_interval = st->rebalance_interval;
   GST_OBJECT_UNLOCK(self);
+  if (device == "auto") {  // every CUDA device, else the CPU (then the plain CPU path in fp32)
+    std::string reason;
+    if (moe::resolve_device("auto", &reason) == "cpu") {
+      GST_INFO_OBJECT(self, "device 'auto': %s; the experts run on the CPU", reason.c_str());
+      device = "cpu";
+    }
+  }
 
   std::shared_ptr<const moe::MoeAdapter> adapter = gstmoe::adapter::load(GST_ELEMENT(self), dir);
   if (!adapter) return FALSE;
@@ -478,7 +486,9 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
                           "Where the experts run: \"cpu\", \"cuda:N\", a list \"cuda:0,cuda:1\" (experts placed over "
                           "the devices by free memory and, after rebalance-interval batches, by load; rows sent to a device "
                           "holding their expert) or \"all\" "
-                          "(every CUDA device). A device that cannot be used fails the start, saying why; other "
+                          "(every CUDA device), or \"auto\" (every CUDA device when there is one, else cpu; the "
+                          "choice and its reason are logged). A device that cannot be used fails the start, saying "
+                          "why; other "
                           "failures to set the experts up there (e.g. out of memory) stop the pipeline at its first "
                           "caps, saying why",
                           DEFAULT_DEVICE,

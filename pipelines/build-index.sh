@@ -5,7 +5,8 @@
 #   pipelines/build-index.sh [CATALOG] [INDEX]
 #
 # CATALOG defaults to the shipped demo catalog, INDEX to build/catalog.faiss; MODEL and
-# ADAPTER (environment) default to the shipped model in models/default. Run the README's set-up
+# ADAPTER (environment) default to the shipped model in models/default; DEVICE, EXPERT_DEVICE
+# and PRECISION choose where and how they compute (pipelines/env.sh). Run the README's set-up
 # first so that build/gst-plugins holds the plugin.
 set -euo pipefail
 . "$(dirname "$0")/env.sh"
@@ -23,8 +24,8 @@ INDEX_TYPE=${INDEX_TYPE:-flat}
 # sends would make ann-query write the images encoded so far over it).
 exec gst-launch-1.0 \
   moe-catalog-src location="$CATALOG" \
-  ! moe-encode model="$MODEL" max-batch=32 \
+  ! moe-encode model="$MODEL" max-batch=32 device="$DEVICE" precision="$PRECISION" \
   ! moe-route model="$ADAPTER" \
-  ! moe-expert model="$ADAPTER" \
+  ! moe-expert model="$ADAPTER" device="$EXPERT_DEVICE" precision="$PRECISION" \
   ! ann-query mode=build index="$INDEX" index-type="$INDEX_TYPE" \
   ! fakesink

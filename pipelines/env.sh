@@ -7,3 +7,10 @@ fi
 MODEL=${MODEL:-$repo/models/default/clip}
 ADAPTER=${ADAPTER:-$repo/models/default/adapter}
 INDEX=${INDEX:-$repo/build/catalog.faiss}
+# Where the models compute. DEVICE (moe-encode, ann-query): cpu | cuda:N | auto (cuda:0 when a
+# usable GPU exists, else cpu). EXPERT_DEVICE (moe-expert): cpu | cuda:N | cuda:0,cuda:1,... |
+# all | auto (every GPU, else cpu), by default DEVICE. PRECISION of the encoder's and experts'
+# weights: fp32 | fp16 | bf16. The defaults compute on the CPU in fp32, as the tests do.
+DEVICE=${DEVICE:-cpu}
+EXPERT_DEVICE=${EXPERT_DEVICE:-$DEVICE}
+PRECISION=${PRECISION:-fp32}

@@ -9,6 +9,8 @@
 # NUM_REQUESTS=n makes the service stop after n requests (-1: run until interrupted).
 # IMAGE_ROOT=DIR also serves {"id": "q3", "image": "photo.png"} requests naming files under DIR
 # (relative to it, or absolute paths inside it); without it such requests are refused.
+# DEVICE, EXPERT_DEVICE and PRECISION choose where and how the models compute (pipelines/env.sh),
+# e.g. DEVICE=auto EXPERT_DEVICE=all PRECISION=fp16 on a GPU machine.
 set -euo pipefail
 . "$(dirname "$0")/env.sh"
 INDEX=${1:-$INDEX}
@@ -19,16 +21,18 @@ IMAGE_ROOT=${IMAGE_ROOT:-}
 
 # zmq-query     PULL socket: one buffer per request (text, or image bytes), request id in the meta;
 #               image-root is set only when IMAGE_ROOT is (gst-launch cannot take an empty value)
-# moe-encode    CLIP text/image towers; batches up to 16 requests, waits at most 5 ms for a batch
+# moe-encode    CLIP text/image towers; batches up to 16 requests, waits at most 5 ms for a batch;
+#               on DEVICE, weights in PRECISION
 # moe-route     router: top-k experts per query
-# moe-expert    runs the experts, L2-normalises
-# ann-query     searches the index: one JSON result (or error) document per request
+# moe-expert    runs the experts on EXPERT_DEVICE (preloaded there by moe-route), L2-normalises
+# ann-query     searches the index (a flat one GPU-resident when DEVICE is a GPU): one JSON result
+#               (or error) document per request
 # zmq-publish   PUB socket; never blocks on slow or absent subscribers
 exec gst-launch-1.0 -e \
   zmq-query endpoint="$QUERY_ENDPOINT" num-requests="$NUM_REQUESTS" ${IMAGE_ROOT:+image-root="$IMAGE_ROOT"} \
   ! queue \
-  ! moe-encode model="$MODEL" max-batch=16 max-latency=5000000 \
+  ! moe-encode model="$MODEL" max-batch=16 max-latency=5000000 device="$DEVICE" precision="$PRECISION" \
   ! moe-route model="$ADAPTER" \
-  ! moe-expert model="$ADAPTER" \
-  ! ann-query index="$INDEX" k=10 \
+  ! moe-expert model="$ADAPTER" device="$EXPERT_DEVICE" precision="$PRECISION" \
+  ! ann-query index="$INDEX" k=10 device="$DEVICE" \
   ! zmq-publish endpoint="$RESULT_ENDPOINT"

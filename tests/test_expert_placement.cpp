@@ -136,6 +136,8 @@ TEST(DeviceList, ParsesTheUserFacingForms) {
             (std::vector<Placement>{{DeviceKind::Cuda, 2}, {DeviceKind::Cuda, 0}}));
   EXPECT_EQ(parse_device_list("all", 3),
             (std::vector<Placement>{{DeviceKind::Cuda, 0}, {DeviceKind::Cuda, 1}, {DeviceKind::Cuda, 2}}));
+  EXPECT_EQ(parse_device_list("auto", 2), (std::vector<Placement>{{DeviceKind::Cuda, 0}, {DeviceKind::Cuda, 1}}));
+  EXPECT_EQ(parse_device_list(" auto ", 0), (std::vector<Placement>{{DeviceKind::Host, 0}}));
 }
 
 TEST(DeviceList, ErrorsNameTheEntryAndTheReason) {

@@ -581,6 +581,21 @@ TEST_F(RouteExpertTest, PlainCpuPathHasNoExecutor) {
   EXPECT_TRUE(stats.devices.empty());
 }
 
+// device=auto: every CUDA device when there is one, else the plain CPU path (no executor).
+TEST_F(RouteExpertTest, AutoDeviceUsesEveryGpuOrThePlainCpuPath) {
+  Harness h(route_line() + " ! " + expert_line(adapter_dir(), "device=auto"));
+  const std::vector<float> rows = random_rows(3, 52);
+  const gstmoe::BatchRecords records = records_for(3);
+  ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+  GstBuffer* out = h.pull();
+  ASSERT_NE(out, nullptr);
+  expect_close(buffer_floats(out), engine().apply(as_tensor(rows)).embeddings, 1e-4);
+  gst_buffer_unref(out);
+  std::string why;
+  const int gpus = moe::kernels::cuda_device_count(&why);
+  EXPECT_EQ(read_executor_stats(h).devices.size(), static_cast<size_t>(gpus)) << why;
+}
+
 // The executor's cache budget is a share of the memory the encoders upstream left free, so it is
 // built when first needed (here: the caps), not when moe-expert starts - which is before the
 // elements upstream of it start and load their models.

@@ -183,8 +183,9 @@ std::vector<Placement> parse_device_list(const std::string& spec, int available_
                                                      (available_cuda == 1 ? "" : "s") + " available (cuda:0..cuda:" +
                                                      std::to_string(available_cuda - 1) + ")"
                                                : "no CUDA device available";
-  if (s.empty()) throw Error("device list is empty (expected cpu, cuda:N, cuda:N,cuda:M,... or all)");
-  if (s == "cpu") return {Placement{DeviceKind::Host, 0}};
+  if (s.empty()) throw Error("device list is empty (expected cpu, cuda:N, cuda:N,cuda:M,..., all or auto)");
+  if (s == "cpu" || (s == "auto" && available_cuda <= 0)) return {Placement{DeviceKind::Host, 0}};
+  if (s == "auto") return parse_device_list("all", available_cuda);
   if (s == "all") {
     if (available_cuda <= 0) throw Error("device list 'all' names every CUDA device, but there is " + range);
     std::vector<Placement> out;
@@ -197,7 +198,7 @@ std::vector<Placement> parse_device_list(const std::string& spec, int available_
     const size_t comma = s.find(',', begin);
     const std::string item = trim(s.substr(begin, comma == std::string::npos ? std::string::npos : comma - begin));
     if (item.empty()) throw Error("device list '" + spec + "' has an empty entry");
-    if (item == "cpu" || item == "all")
+    if (item == "cpu" || item == "all" || item == "auto")
       throw Error("device list '" + spec + "': '" + item + "' cannot be combined with other devices");
     int index = -1;
     if (item == "cuda") {
@@ -207,7 +208,7 @@ std::vector<Placement> parse_device_list(const std::string& spec, int available_
       index = std::stoi(item.substr(5));
     } else {
       throw Error("device list '" + spec + "': unknown device '" + item +
-                  "' (expected cpu, cuda:N, cuda:N,cuda:M,... or all)");
+                  "' (expected cpu, cuda:N, cuda:N,cuda:M,..., all or auto)");
     }
     if (index >= available_cuda)
       throw Error("device list '" + spec + "': cuda:" + std::to_string(index) + " is out of range: " + range);

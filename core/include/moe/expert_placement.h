@@ -75,7 +75,8 @@ ExpertPlacement plan_expert_placement(const std::vector<DeviceMemory>& devices, 
                                       const std::vector<int64_t>& expert_load, const PlacementOptions& options = {});
 
 // The user-facing device list: "cpu", "cuda:N" ("cuda" = "cuda:0"), a comma-separated list of
-// cuda:N, or "all" (every one of `available_cuda` CUDA devices). Spaces around entries are
+// cuda:N, "all" (every one of `available_cuda` CUDA devices), or "auto" ("all" when there is a
+// CUDA device, else "cpu"). Spaces around entries are
 // ignored. Throws moe::Error naming the entry for an unknown device, a duplicate, an index out of
 // range, "cpu" mixed with CUDA devices, an empty list, or "all" with no CUDA device.
 std::vector<Placement> parse_device_list(const std::string& spec, int available_cuda);
