@@ -415,11 +415,28 @@ TEST(ExpertExecutor, OversubscribedDevicesShareTheExpertsByBudget) {
 
 // ---- errors and lifetime -------------------------------------------------------------------------
 
+// Qwen2-MoE's gated shared expert runs on each batch's home device, beside the routed experts.
+TEST(ExpertExecutor, QwenSharedExpertEqualsAdapterApply) {
+  const MoeAdapter qwen(moe::MoeLayer::load_hf_layer(moe::test::fixture_path("qwen2_moe_tiny"), "model.layers.1.mlp."));
+  const moe::MoeConfig& c = qwen.layer().config();
+  ASSERT_GT(c.shared_expert_intermediate_size, 0);
+  ExpertExecutor one(qwen.layer(), "cpu");
+  ExpertExecutor two(qwen.layer(), cpu_devices(2), budgets(c, {static_cast<size_t>(c.num_experts) - 1, 2}));
+  for (unsigned b = 0; b < 4; ++b) {
+    const Tensor x = rows(9, c.hidden_size, 700 + b);
+    const Routing r = qwen.route(x);
+    const Tensor want = qwen.apply_experts(x, r);
+    EXPECT_TRUE(close(one.run(x, r, one.prefetch(r)), want, 1e-5)) << "batch " << b;
+    EXPECT_TRUE(close(two.run(x, r, two.prefetch(r)), want, 1e-5)) << "batch " << b;
+  }
+  EXPECT_EQ(one.run(Tensor::zeros(moe::DType::F32, {0, c.hidden_size}), qwen.route(rows(0, c.hidden_size, 1)), nullptr)
+                .shape(),
+            (moe::Shape{0, c.hidden_size}));
+  expect_consistent_and_idle(two);
+}
+
 TEST(ExpertExecutor, ErrorsNameTheCause) {
   const moe::MoeConfig& c = tiny().layer().config();
-  const moe::MoeLayer qwen =
-      moe::MoeLayer::load_hf_layer(moe::test::fixture_path("qwen2_moe_tiny"), "model.layers.1.mlp.");
-  expect_error([&] { ExpertExecutor(qwen, "cpu"); }, {"shared expert", "not supported on the executor"});
   ExpertExecutorOptions tiny_budget;
   tiny_budget.budget_bytes = {slot_bytes(c) - 1};
   expect_error([&] { ExpertExecutor(tiny().layer(), cpu_devices(1), tiny_budget); },
@@ -491,6 +508,18 @@ TEST(ExpertExecutorOnCuda, EqualsAdapterApplyOnEveryDevice) {
       }
       expect_consistent_and_idle(ex);
     }
+}
+
+TEST(ExpertExecutorOnCuda, QwenSharedExpertEqualsAdapterApply) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  const MoeAdapter qwen(moe::MoeLayer::load_hf_layer(moe::test::fixture_path("qwen2_moe_tiny"), "model.layers.1.mlp."));
+  ExpertExecutor ex(qwen.layer(), "cuda:0");
+  for (unsigned b = 0; b < 3; ++b) {
+    const Tensor x = rows(21, qwen.layer().config().hidden_size, 710 + b);
+    const Routing r = qwen.route(x);
+    EXPECT_TRUE(close(ex.run(x, r, ex.prefetch(r)), qwen.apply_experts(x, r), 1e-4)) << "batch " << b;
+  }
 }
 
 // Experts over two CUDA backends (cuda:0 and cuda:1, or two on cuda:0): batches split over both

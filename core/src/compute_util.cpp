@@ -83,6 +83,22 @@ Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
   return Tensor::view(type, host.shape(), dst, std::move(owner), b.is_host_memory() ? Placement{} : placement);
 }
 
+void add_scaled_swiglu(kernels::Backend& b, const float* x, int64_t N, int64_t D, int64_t S,
+                       const kernels::ExpertWeights& w, const int32_t* identity, const float* scale, float* scratch,
+                       float* y) {
+  float* gate = scratch;
+  float* up = gate + N * S;
+  float* out = up + N * S;
+  float* scaled = out + N * D;
+  b.linear(x, w.w1, nullptr, gate, N, S, D);
+  b.linear(x, w.w3, nullptr, up, N, S, D);
+  b.silu_mul(gate, up, gate, N * S);
+  b.linear(gate, w.w2, nullptr, out, N, D, S);
+  // The per-row scaling is a top-1 moe_unpermute with identity slots.
+  b.moe_unpermute(out, identity, scale, N, 1, D, scaled);
+  b.add(y, scaled, N * D);
+}
+
 kernels::WeightRef weight_ref(const Tensor& t) {
   kernels::WeightRef w;
   w.data = t.raw_data();

@@ -69,6 +69,14 @@ class Workspace {
   size_t next_ = 0;
 };
 
+// y[N, D] += scale[n] · w2(silu(w1 x) · w3 x) for every row n of x [N, D]: one SwiGLU expert
+// (intermediate size S) on every row, its output scaled per row (Qwen2-MoE's gated shared
+// expert). `identity` [N] holds 0..N-1 and `scale` [N], both in backend memory; `scratch` holds at
+// least N · (2·S + 2·D) floats of backend memory.
+void add_scaled_swiglu(kernels::Backend& b, const float* x, int64_t N, int64_t D, int64_t S,
+                       const kernels::ExpertWeights& w, const int32_t* identity, const float* scale, float* scratch,
+                       float* y);
+
 // One call of a model on its backend: holds the backend's mutex (non-host backends) for its whole
 // life, provides working buffers (the model's cached workspace under the mutex; a fresh one per
 // call on host backends, so concurrent calls share nothing) and host staging buffers that live

@@ -1,12 +1,16 @@
 #include "moe/expert_executor.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 
+#include "compute_util.h"
+#include "cpu_ops.h"
 #include "device_buffer.h"
 #include "moe/error.h"
 #include "moe/expert_store.h"
@@ -21,6 +25,9 @@ struct ExpertExecutor::State {
     size_t budget = 0;
     kernels::Backend* backend = nullptr;  // one of `backends`
     std::unique_ptr<ExpertCache> cache;
+    // Qwen2-MoE's shared expert, resident on every device (each may be a batch's home).
+    std::optional<DeviceBuffer> shared_blob;
+    kernels::ExpertWeights shared;
   };
 
   MoeConfig config;
@@ -33,6 +40,8 @@ struct ExpertExecutor::State {
   // Destroyed in reverse order: the caches (they wait for their copies), the store, the backends.
   std::vector<std::unique_ptr<kernels::Backend>> backends;
   std::unique_ptr<HostExpertStore> store;  // every routed expert, staged by backends[0]
+  std::unique_ptr<HostExpertStore> shared_store;  // the shared expert, when the layer has one
+  std::vector<float> shared_gate;                 // its gate [hidden], f32 on the host
   std::vector<Device> devices;
 
   mutable std::mutex placement_mu;  // guards placement and placement_changes
@@ -133,6 +142,8 @@ struct Batch {
   std::vector<DeviceBuffer> home;  // on the home device
   std::vector<DeviceWork> work;    // per device with slots
   std::vector<float> ones;         // per slot: unit weights for summing the weighted slots
+  std::vector<float> shared_scale;   // per row: the shared expert's gate, sigmoid(gate · x)
+  std::vector<int32_t> identity;     // per row: its own index
   float* alloc_home(kernels::Backend& b, size_t bytes) {
     home.emplace_back(b, bytes);
     return home.back().as<float>();
@@ -151,10 +162,6 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   st->config = layer.config();
   st->precision = options.precision;
   const MoeConfig& cfg = st->config;
-  if (cfg.shared_expert_intermediate_size > 0)
-    throw Error("expert executor: the MoE layer from '" + cfg.source + "' has a shared expert (Qwen2-MoE, " +
-                "shared_expert_intermediate_size " + std::to_string(cfg.shared_expert_intermediate_size) +
-                "), which is not supported on the executor; run it on the CPU path (MoeLayer::run_experts)");
   if (backends.empty()) throw Error("expert executor: no devices");
   const size_t n = backends.size();
   for (const auto& b : backends)
@@ -238,6 +245,21 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   for (State::Device& dev : st->devices) {
     co.budget_bytes = dev.budget;
     dev.cache = std::make_unique<ExpertCache>(*dev.backend, *st->store, co);  // throws if it cannot share staging
+  }
+  if (cfg.shared_expert_intermediate_size > 0) {
+    const int64_t S = cfg.shared_expert_intermediate_size;
+    st->shared_store = std::make_unique<HostExpertStore>(
+        *st->backends[0], options.precision, 1, cfg.hidden_size, S,
+        [&](int, ExpertMatrix which) { return layer.shared_expert_weight(which); });
+    const Tensor& gate = layer.shared_expert_gate();
+    st->shared_gate.assign(gate.data<float>(), gate.data<float>() + cfg.hidden_size);
+    const size_t bytes = st->shared_store->expert_bytes(0);
+    for (State::Device& dev : st->devices) {
+      dev.shared_blob.emplace(*dev.backend, bytes);
+      dev.backend->copy_from_host(dev.shared_blob->as<void>(), st->shared_store->expert_data(0), bytes);
+      dev.backend->synchronize();
+      dev.shared = st->shared_store->weights_at(dev.shared_blob->as<void>());
+    }
   }
   return st;
 }
@@ -420,6 +442,21 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       float* unit = batch.alloc_home(hb, batch.ones.size() * fbytes);
       hb.copy_from_host(unit, batch.ones.data(), batch.ones.size() * fbytes);
       hb.moe_unpermute(out_by_device, slot_of_device, unit, N, K, D, y_home);
+    }
+    if (st.shared_store && N > 0) {  // Qwen2-MoE: + sigmoid(gate · x) · shared(x), on home
+      const int64_t S = st.config.shared_expert_intermediate_size;
+      batch.shared_scale.resize(static_cast<size_t>(N));
+      kernels::cpu::linear(x.data<float>(), {st.shared_gate.data(), kernels::WeightType::F32}, nullptr,
+                           batch.shared_scale.data(), N, 1, D);
+      for (float& g : batch.shared_scale) g = 1.0f / (1.0f + std::exp(-g));
+      batch.identity.resize(static_cast<size_t>(N));
+      std::iota(batch.identity.begin(), batch.identity.end(), 0);
+      float* scale = batch.alloc_home(hb, static_cast<size_t>(N) * fbytes);
+      auto* identity = reinterpret_cast<int32_t*>(batch.alloc_home(hb, static_cast<size_t>(N) * ibytes));
+      hb.copy_from_host(scale, batch.shared_scale.data(), static_cast<size_t>(N) * fbytes);
+      hb.copy_from_host(identity, batch.identity.data(), static_cast<size_t>(N) * ibytes);
+      detail::add_scaled_swiglu(hb, x_home, N, D, S, st.devices[home].shared, identity, scale,
+                                batch.alloc_home(hb, static_cast<size_t>(N * (2 * S + 2 * D)) * fbytes), y_home);
     }
     hb.add(y_home, x_home, N * D);
     hb.l2_normalize_rows(y_home, N, D, 1e-12f);

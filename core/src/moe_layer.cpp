@@ -152,7 +152,7 @@ struct MoeLayer::Impl {
     if (!has_shared) return;
 
     // Shared expert, gated per row by sigmoid(shared_gate · x). The gate's N logits come back to
-    // the host for the sigmoid; the scaling runs as a top-1 moe_unpermute with identity slots.
+    // the host for the sigmoid.
     const int64_t S = cfg.shared_expert_intermediate_size;
     float* g = ws.f32(N);
     b.linear(x, weight_ref(dev_shared_gate), nullptr, g, N, 1, D);
@@ -161,16 +161,9 @@ struct MoeLayer::Impl {
     for (int64_t n = 0; n < N; ++n) scale[n] = 1.0f / (1.0f + std::exp(-scale[n]));
     int32_t* identity = call.host_i32(N);
     for (int64_t n = 0; n < N; ++n) identity[n] = static_cast<int32_t>(n);
-    float* sg = ws.f32(N * S);
-    float* su = ws.f32(N * S);
-    float* so = ws.f32(N * D);
-    b.linear(x, weight_ref(dev_shared.w1), nullptr, sg, N, S, D);
-    b.linear(x, weight_ref(dev_shared.w3), nullptr, su, N, S, D);
-    b.silu_mul(sg, su, sg, N * S);
-    b.linear(sg, weight_ref(dev_shared.w2), nullptr, so, N, D, S);
-    float* gated = ws.f32(N * D);
-    b.moe_unpermute(so, call.device(identity, N), call.device(scale, N), N, 1, D, gated);
-    b.add(y, gated, N * D);
+    detail::add_scaled_swiglu(b, x, N, D, S,
+                              {weight_ref(dev_shared.w1), weight_ref(dev_shared.w3), weight_ref(dev_shared.w2)},
+                              call.device(identity, N), call.device(scale, N), ws.f32(N * (2 * S + 2 * D)), y);
   }
 
   // The routing's ids and weights in backend memory.
@@ -188,6 +181,23 @@ MoeLayer::~MoeLayer() = default;
 const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
 std::string MoeLayer::device() const { return impl_->be.backend->name(); }
 kernels::WeightType MoeLayer::precision() const { return impl_->be.precision; }
+
+const Tensor& MoeLayer::shared_expert_weight(ExpertMatrix which) const {
+  if (!impl_->has_shared) throw Error("shared_expert_weight: the MoE layer from '" + impl_->cfg.source +
+                                      "' has no shared expert");
+  switch (which) {
+    case ExpertMatrix::W1: return impl_->shared.w1;
+    case ExpertMatrix::W3: return impl_->shared.w3;
+    case ExpertMatrix::W2: return impl_->shared.w2;
+  }
+  throw Error("shared_expert_weight: unknown matrix");
+}
+
+const Tensor& MoeLayer::shared_expert_gate() const {
+  if (!impl_->has_shared) throw Error("shared_expert_gate: the MoE layer from '" + impl_->cfg.source +
+                                      "' has no shared expert");
+  return impl_->shared_gate;
+}
 
 const Tensor& MoeLayer::expert_weight(int e, ExpertMatrix which) const {
   if (e < 0 || e >= impl_->cfg.num_experts)

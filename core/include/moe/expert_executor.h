@@ -32,7 +32,8 @@
 //    NVLink/PCIe where peer access is possible); home sums them per row, adds the residual,
 //    normalises, and the result is downloaded once. Streams are ordered by events, so the host
 //    waits only for that final download.
-//  - Qwen2-MoE shared experts are not run by the executor: construction throws (see the class).
+//  - Qwen2-MoE's shared expert (dense, every row) is copied to every device once and runs on
+//    each batch's home, gated by sigmoid(gate · x) computed on the host, beside the routed sum.
 //
 // Threads: prefetch(), rebalance(), placement() and stats() may be called from any thread,
 // concurrently with run(); run() calls are serialised internally (they use the backends'
@@ -94,8 +95,8 @@ class ExpertExecutor {
   // The routed experts of `layer` on the devices of `devices` (parse_device_list syntax: "cpu",
   // "cuda:N", "cuda:0,cuda:1", "all"). "cpu" is one CPU backend whose copies run on a worker
   // thread (the GPU code path on host memory). Throws moe::Error naming the device and the
-  // reason (no usable CUDA device and why, out of memory, a budget that holds no expert), or
-  // when the layer has a shared expert. The layer is only read during construction.
+  // reason (no usable CUDA device and why, out of memory, a budget that holds no expert). The
+  // layer is only read during construction.
   ExpertExecutor(const MoeLayer& layer, const std::string& devices, const ExpertExecutorOptions& options = {});
   // The same over backends the caller opened (devices are numbered by position; tests use
   // several CPU backends with explicit budgets).

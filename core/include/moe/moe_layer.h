@@ -86,6 +86,10 @@ class MoeLayer {
   // checkpoint whatever the layer's precision), e.g. to pack them for a device
   // (HostExpertStore). Throws moe::Error when e is outside [0, num_experts).
   const Tensor& expert_weight(int e, ExpertMatrix which) const;
+  // The same for the shared expert (Qwen2-MoE; [shared_expert_intermediate_size, hidden] for
+  // w1/w3, the transpose for w2) and its gate [1, hidden]. Throw moe::Error without one.
+  const Tensor& shared_expert_weight(ExpertMatrix which) const;
+  const Tensor& shared_expert_gate() const;
 
   // Threads: every const member may be called from several threads at once; on a non-host
   // backend the calls take turns (backend_mutex), on the CPU backend they run concurrently.
