@@ -399,6 +399,10 @@ TOKENIZER_TEXTS = [
     "mixed English, Русский, 中文, and العربية text",
     "naïve coöperate résumé",
     "mojibake: cafÃ© â€œquotedâ€\x9d",
+    "Ã©tÃ© Ã  la plage",                        # whole line mojibake (été à la plage)
+    "twice: cafÃƒÂ©",                           # mojibake of mojibake
+    "Â£5 and â‚¬10",                             # £ and € through Windows-1252
+    "Latin-1 as such: Âme, Ãgua, ÃŽle? naïve",  # real Latin-1 letters: not mojibake
     "zero\u200bwidth space and non\u00a0breaking",
     "x" * 300,
     " ".join("word%d" % i for i in range(100)),   # > 77 tokens: truncation

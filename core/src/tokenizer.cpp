@@ -419,14 +419,92 @@ U32 normalize_nfc(const U32& s) {
   return out;
 }
 
-// One ftfy segment (a line): all fixers in ftfy's order, repeated until nothing changes.
-// ftfy's fix_encoding (mojibake detection and re-decoding, with its sub-steps) would run right
-// after unescape_html; it is out of scope: clean text is never changed by it, and mojibake in
-// image queries is not worth its large heuristic tables.
+// ftfy's restore_byte_a0: mojibake whose byte A0 (in "Ã\xa0" for "à", say) was turned into an
+// ASCII space. "Ã " starting a word becomes "à " (the A0 was lost with the space kept), then a
+// space where a UTF-8 continuation byte belongs becomes A0 again, in ftfy's byte patterns.
+bool is_cont_not_85_a0(unsigned char b) { return b >= 0x80 && b <= 0xBF && b != 0x85 && b != 0xA0; }
+bool is_cont(unsigned char b) { return b >= 0x80 && b <= 0xBF; }
+
+// Length of an altered UTF-8 sequence (a space for one continuation byte) starting at i, or 0.
+size_t altered_utf8_at(const std::string& s, size_t i) {
+  auto at = [&](size_t k) { return i + k < s.size() ? static_cast<unsigned char>(s[i + k]) : 0; };
+  const unsigned char b = at(0);
+  if ((b == 0xC2 || b == 0xC3 || b == 0xC5 || b == 0xCE || b == 0xD0 || b == 0xD9) && at(1) == ' ') return 2;
+  if ((b == 0xE2 || b == 0xE3) && at(1) == ' ' && is_cont_not_85_a0(at(2))) return 3;
+  if (b >= 0xE0 && b <= 0xE3 && is_cont_not_85_a0(at(1)) && at(2) == ' ') return 3;
+  if (b == 0xF0) {
+    const int spaces = (at(1) == ' ') + (at(2) == ' ') + (at(3) == ' ');
+    const bool rest = (at(1) == ' ' || is_cont(at(1))) && (at(2) == ' ' || is_cont(at(2))) &&
+                      (at(3) == ' ' || is_cont(at(3)));
+    if (spaces == 1 && rest) return 4;
+  }
+  return 0;
+}
+
+std::string restore_byte_a0(const std::string& in) {
+  bool altered = false;
+  for (size_t i = 0; i < in.size() && !altered; ++i) altered = altered_utf8_at(in, i) > 0;
+  if (!altered) return in;
+  std::string s;
+  for (size_t i = 0; i < in.size(); ++i) {  // "Ã " + a word (not "Ã  ", "Ã s ", "Ã quele"...) -> "à "
+    s.push_back(in[i]);
+    if (static_cast<unsigned char>(in[i]) != 0xC3 || i + 1 >= in.size() || in[i + 1] != ' ') continue;
+    const std::string next = in.substr(i + 2, 5);
+    if (next.rfind(" ", 0) == 0 || next.rfind("quele", 0) == 0 || next.rfind("quela", 0) == 0 ||
+        next.rfind("quilo", 0) == 0 || next.rfind("s ", 0) == 0)
+      continue;
+    s.push_back(static_cast<char>(0xA0));
+  }
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = altered_utf8_at(s, i);
+    if (n == 0) {
+      ++i;
+      continue;
+    }
+    for (size_t k = i; k < i + n; ++k)
+      if (s[k] == ' ') s[k] = static_cast<char>(0xA0);
+    i += n;
+  }
+  return s;
+}
+
+// ftfy's fix_encoding, its main case: text that is UTF-8 decoded as Latin-1 or Windows-1252
+// ("cafÃ©" for "café", "â€œ" for "“"). When every character has a byte in those encodings (ftfy's
+// "sloppy" Windows-1252 keeps the C1 controls for the bytes Windows-1252 leaves undefined) and
+// those bytes, after restore_byte_a0, are valid UTF-8 with at least one multi-byte sequence, the
+// text is that UTF-8. Clean text never passes: a non-ASCII Latin-1 letter followed by ASCII is
+// not valid UTF-8. Not covered: a segment mixing mojibake with characters outside these
+// encodings (ftfy repairs such pieces one by one), ftfy's rarer encodings (Windows-1250/1251,
+// MacRoman, cp437) and its repair of sequences that lost bytes.
+U32 fix_utf8_read_as_cp1252(const U32& s) {
+  std::string bytes;
+  bytes.reserve(s.size());
+  bool high = false;
+  for (char32_t c : s) {
+    int b = -1;
+    if (c <= 0xFF) {
+      b = static_cast<int>(c);
+    } else {
+      for (int i = 0; i < 32 && b < 0; ++i)
+        if (kCp1252High[i] == c) b = 0x80 + i;
+    }
+    if (b < 0) return s;
+    high = high || b >= 0x80;
+    bytes.push_back(static_cast<char>(b));
+  }
+  if (!high) return s;
+  bytes = restore_byte_a0(bytes);
+  if (!g_utf8_validate(bytes.data(), static_cast<gssize>(bytes.size()), nullptr)) return s;
+  return decode_utf8(bytes);
+}
+
+// One ftfy segment (a line): all fixers in ftfy's order, repeated until nothing changes (so
+// mojibake made twice is repaired twice).
 U32 fix_segment(U32 text, bool unescape) {
   for (;;) {
     const U32 orig = text;
     if (unescape) text = unescape_html(text);
+    text = fix_utf8_read_as_cp1252(text);
     text = fix_c1_controls(text);
     text = fix_latin_ligatures(text);
     text = fix_character_width(text);
