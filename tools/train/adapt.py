@@ -24,15 +24,10 @@ DEFAULTS = {  # method: steps, batch, lr, warmup, weight decay
 }
 
 
-def train_moe(model, items, pixels, tokens, args, seed):
-    """Frozen CLIP: embed once (K caption variants and `views` image views per item: plain,
-    flipped, randomly augmented as in common.augment), then
-    train the adapter on the cached projected embeddings, shared by both modalities."""
-    t0, c0 = time.time(), time.process_time()
-    rng = np.random.default_rng(seed)
-    codes = common.AttrCodes()
-    item_codes = np.stack([codes.full(it["attributes"]) for it in items])
-    K = args.variants
+def cache_embeddings(model, tokens, items, pixels, codes, K, n_views, rng):
+    """Frozen embeddings of one split: K caption variants per item (text [N, K, D] and the
+    attribute codes each caption names [N, K, A]) and `n_views` image views per item (plain,
+    flipped, randomly augmented as in common.augment: [N, views, D])."""
     texts, named = [], []
     for it in items:
         for _ in range(K):
@@ -41,12 +36,70 @@ def train_moe(model, items, pixels, tokens, args, seed):
             named.append(codes.named(nm))
     named = np.stack(named).reshape(len(items), K, -1)
     txt = common.embed_texts(model, tokens, texts, engine=False).reshape(len(items), K, -1)
-    views = [pixels, pixels.flip(-1)] + [common.augment(pixels, rng) for _ in range(args.views - 2)]
-    img = torch.stack([common.embed_pixels(model, v) for v in views], 1)  # [N, views, D]
+    views = [pixels, pixels.flip(-1)] + [common.augment(pixels, rng) for _ in range(n_views - 2)]
+    img = torch.stack([common.embed_pixels(model, v) for v in views], 1)
+    item_codes = np.stack([codes.full(it["attributes"]) for it in items])
+    return txt, named, img, item_codes
+
+
+def replay_embeddings(model, tokens, proc, codes, args, seed):
+    """The --replay splits' frozen embeddings, concatenated (each split with its own generator,
+    so the shifted-train data do not depend on --replay). With --replay-cache they are stored
+    once per (base model, split, variants, views, seed) and reused by later runs."""
+    parts = []
+    for n, split in enumerate(s for s in args.replay.split(",") if s):
+        path = None
+        if args.replay_cache:
+            path = os.path.join(args.replay_cache, "%s-k%d-v%d-s%d.pt" % (
+                split, args.variants, args.views, seed))
+        key = os.path.realpath(os.path.join(args.runs, "base", "clip"))
+        if path and os.path.exists(path):
+            c = torch.load(path)
+            assert c["base"] == key, (path, c["base"], key)
+            for k, v in c["vocab"].items():  # same attribute codes as this run's
+                for val, code in v.items():
+                    assert codes.code(k, val) == code, (k, val)
+            parts.append((c["txt"], c["named"], c["img"], c["item_codes"]))
+            continue
+        items = common.load_split(args.catalog, split)
+        pixels = common.load_pixels([it["abspath"] for it in items], proc)
+        rng = np.random.default_rng([seed, 1 + n, len(items)])
+        part = cache_embeddings(model, tokens, items, pixels, codes, args.variants, args.views, rng)
+        parts.append(part)
+        if path:
+            os.makedirs(args.replay_cache, exist_ok=True)
+            torch.save({"base": key, "vocab": codes.vocab, "txt": part[0], "named": part[1],
+                        "img": part[2], "item_codes": part[3]}, path)
+    if not parts:
+        return None
+    return (torch.cat([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+            torch.cat([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
+
+
+def train_moe(model, items, pixels, tokens, proc, args, seed):
+    """Frozen CLIP: embed once (K caption variants and `views` image views per item: plain,
+    flipped, randomly augmented as in common.augment), then
+    train the adapter on the cached projected embeddings, shared by both modalities.
+
+    With --replay, a share (--replay-frac) of every batch comes from other splits' frozen
+    embeddings (the base domain), so the contrastive loss also rewards keeping the base
+    categories; --identity adds a penalty ||adapter(x) - x/|x|||^2 on those replay rows."""
+    t0, c0 = time.time(), time.process_time()
+    rng = np.random.default_rng(seed)
+    codes = common.AttrCodes()
+    K = args.variants
+    txt, named, img, item_codes = cache_embeddings(model, tokens, items, pixels, codes, K,
+                                                   args.views, rng)
+    replay = replay_embeddings(model, tokens, proc, codes, args, seed)
     embed_wall, embed_cpu = time.time() - t0, time.process_time() - c0
     print("moe: cached %d text and %d image embeddings in %.0fs (|text| %.2f, |image| %.2f)" % (
         txt.shape[0] * K, img.shape[0] * img.shape[1], embed_wall, txt.norm(dim=-1).mean(),
         img.norm(dim=-1).mean()), flush=True)
+    n_replay = 0
+    if replay is not None:
+        n_replay = int(round(args.batch * args.replay_frac))
+        print("moe: replay %d items (%s), %d of every %d batch rows" % (
+            replay[0].shape[0], args.replay, n_replay, args.batch), flush=True)
 
     torch.manual_seed(seed)
     D = txt.shape[-1]
@@ -61,18 +114,35 @@ def train_moe(model, items, pixels, tokens, args, seed):
     for step in range(args.steps):
         for g in opt.param_groups:
             g["lr"] = common.lr_at(step, args.steps, args.lr, args.warmup)
-        idx = rng.choice(len(items), args.batch, replace=False)
-        v = rng.integers(K, size=args.batch)
-        f = rng.integers(img.shape[1], size=args.batch)
+        n_own = args.batch - n_replay
+        idx = rng.choice(len(items), n_own, replace=False)
+        v = rng.integers(K, size=n_own)
+        f = rng.integers(img.shape[1], size=n_own)
         x_t = txt[idx, v]
         x_i = img[idx, f]
+        t_codes, i_codes = named[idx, v], item_codes[idx]
+        if n_replay:
+            r_txt, r_named, r_img, r_codes = replay
+            ridx = rng.choice(r_txt.shape[0], n_replay, replace=False)
+            rv = rng.integers(K, size=n_replay)
+            rf = rng.integers(r_img.shape[1], size=n_replay)
+            x_t = torch.cat([x_t, r_txt[ridx, rv]])
+            x_i = torch.cat([x_i, r_img[ridx, rf]])
+            t_codes = np.concatenate([t_codes, r_named[ridx, rv]])
+            i_codes = np.concatenate([i_codes, r_codes[ridx]])
         y_t, p_t, s_t = adapter(x_t)
         y_i, p_i, s_i = adapter(x_i)
-        match = common.match_matrix(named[idx, v], item_codes[idx])
+        match = common.match_matrix(t_codes, i_codes)
         # y_* are already normalised: the adapter output is what the engine indexes.
         loss = common.contrastive_loss(y_t, y_i, log_scale, match)
         aux = 0.5 * (adapter.aux_loss(p_t, s_t) + adapter.aux_loss(p_i, s_i))
         total = loss + args.aux * aux
+        if args.identity > 0:  # keep the replay rows (all rows without replay) where they were
+            rows = slice(n_own, None) if n_replay else slice(None)
+            ident = 0.5 * (
+                (y_t[rows] - torch.nn.functional.normalize(x_t[rows], dim=-1)).pow(2).sum(-1).mean()
+                + (y_i[rows] - torch.nn.functional.normalize(x_i[rows], dim=-1)).pow(2).sum(-1).mean())
+            total = total + args.identity * ident
         opt.zero_grad(set_to_none=True)
         total.backward()
         opt.step()
@@ -117,6 +187,17 @@ def main():
     ap.add_argument("--aux", type=float, default=0.01, help="MoE load-balancing loss weight")
     ap.add_argument("--variants", type=int, default=16, help="MoE cached captions per item")
     ap.add_argument("--views", type=int, default=4, help="MoE cached image views per item (>= 2)")
+    ap.add_argument("--replay", default="",
+                    help="MoE: comma-separated catalog splits whose frozen embeddings are mixed "
+                         "into every batch (e.g. base-train,base-wild); empty = none")
+    ap.add_argument("--replay-frac", type=float, default=0.5,
+                    help="MoE: share of each batch drawn from the --replay splits")
+    ap.add_argument("--replay-cache", default="",
+                    help="MoE: directory to keep the --replay splits' frozen embeddings in")
+    ap.add_argument("--identity", type=float, default=0.0,
+                    help="MoE: weight of ||adapter(x) - x/|x|||^2 on the replay rows (all rows "
+                         "without --replay)")
+    ap.add_argument("--out", default=None, help="output directory (default RUNS/METHOD)")
     args = ap.parse_args()
     for k, v in DEFAULTS[args.method].items():
         if getattr(args, k) is None:
@@ -130,7 +211,7 @@ def main():
     items = common.load_split(args.catalog, "shifted-train")
     pixels = common.load_pixels([it["abspath"] for it in items], proc)
     tokens = common.Tokens(base_dir)
-    out_dir = os.path.join(args.runs, args.method)
+    out_dir = args.out or os.path.join(args.runs, args.method)
     total = common.count_params(model.parameters())
     info = {"method": args.method, "args": vars(args), "versions": common.versions(),
             "base": base_dir}
@@ -171,7 +252,7 @@ def main():
     else:
         for p in model.parameters():
             p.requires_grad_(False)
-        adapter, stats = train_moe(model, items, pixels, tokens, args, args.seed)
+        adapter, stats = train_moe(model, items, pixels, tokens, proc, args, args.seed)
         trainable = common.count_params(adapter.parameters())
         info["note"] = ("%d SwiGLU experts (width %d), top-%d Mixtral routing, one adapter shared by "
                         "text and image embeddings; CLIP frozen. train time includes caching the "
