@@ -8,6 +8,11 @@
 All three start from RUNS/base/clip/ as the engine loads it (fp16 weights widened to fp32) and
 use the same contrastive loss, caption variants and shifted-train items. Each run writes
 RUNS/METHOD/train.json (trainable parameters, wall and CPU time, loss curve).
+
+The MoE adapter also replays the base domain: half of every batch are frozen embeddings of
+base-train + base-wild items (same caption sampling, 4 image views), and on those rows a penalty
+(weight 3) keeps the adapter's output near its normalised input. Without that, the adapter
+fitted to the 1,000 shifted-train items lowered the base categories (docs/adaptation.md).
 """
 
 import argparse
@@ -20,8 +25,10 @@ from common import np, torch
 DEFAULTS = {  # method: steps, batch, lr, warmup, weight decay
     "full": dict(steps=300, batch=128, lr=2e-4, warmup=30, weight_decay=0.1),
     "lora": dict(steps=300, batch=128, lr=2e-3, warmup=30, weight_decay=0.0),
-    "moe": dict(steps=3000, batch=256, lr=2e-3, warmup=100, weight_decay=0.01),
+    "moe": dict(steps=1500, batch=256, lr=2e-3, warmup=100, weight_decay=0.01),
 }
+# The MoE recipe before replay (the adapter shipped until then; docs/adaptation.md, "History"):
+#   --steps 3000 --replay "" --identity 0
 
 
 def cache_embeddings(model, tokens, items, pixels, codes, K, n_views, rng):
@@ -187,14 +194,14 @@ def main():
     ap.add_argument("--aux", type=float, default=0.01, help="MoE load-balancing loss weight")
     ap.add_argument("--variants", type=int, default=16, help="MoE cached captions per item")
     ap.add_argument("--views", type=int, default=4, help="MoE cached image views per item (>= 2)")
-    ap.add_argument("--replay", default="",
+    ap.add_argument("--replay", default="base-train,base-wild",
                     help="MoE: comma-separated catalog splits whose frozen embeddings are mixed "
                          "into every batch (e.g. base-train,base-wild); empty = none")
     ap.add_argument("--replay-frac", type=float, default=0.5,
                     help="MoE: share of each batch drawn from the --replay splits")
     ap.add_argument("--replay-cache", default="",
                     help="MoE: directory to keep the --replay splits' frozen embeddings in")
-    ap.add_argument("--identity", type=float, default=0.0,
+    ap.add_argument("--identity", type=float, default=3.0,
                     help="MoE: weight of ||adapter(x) - x/|x|||^2 on the replay rows (all rows "
                          "without --replay)")
     ap.add_argument("--out", default=None, help="output directory (default RUNS/METHOD)")
