@@ -432,6 +432,9 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   if (rows > 0 && !gst_moe_expert_routing(self, records, &routing)) return GST_FLOW_ERROR;
   records.adapter = st->adapter_name;  // the experts that made the embeddings name the adapter
   records.adapter_fingerprint = st->rows_fingerprint;
+  // Routing to another number of experts (moe-route top-k) makes other vectors from the same weights.
+  if (rows > 0 && routing.top_k != st->adapter->layer().config().top_k)
+    records.adapter_fingerprint += "/top" + std::to_string(routing.top_k);
   if (rows == 0) return GST_FLOW_OK;   // only failed requests: they travel on untouched
   GST_OBJECT_LOCK(self);
   const std::shared_ptr<moe::ExpertExecutor> executor = st->executor;

@@ -396,6 +396,8 @@ TEST_F(RouteExpertTest, TopKOverride) {
     const moe::Routing routing = engine().route(as_tensor(rows), k);
     expect_routing(records_of(out), routing);
     expect_close(buffer_floats(out), engine().apply_experts(as_tensor(rows), routing));
+    // Other vectors than the adapter's top-k makes: the provenance says so.
+    EXPECT_EQ(records_of(out).adapter_fingerprint, engine().fingerprint() + "/top" + std::to_string(k));
     gst_buffer_unref(out);
   }
 }
