@@ -56,6 +56,43 @@ inline void plan_encoder(std::vector<PlannedTensor>& t, const std::string& prefi
   }
 }
 
+// Writes `t` as f32 tensors with random values (by their Init) to the safetensors file `path`.
+inline void write_planned_safetensors(const std::string& path, const std::vector<PlannedTensor>& t, uint64_t seed) {
+  std::string header = "{\"__metadata__\":{\"format\":\"pt\"}";
+  uint64_t offset = 0;
+  for (const PlannedTensor& p : t) {
+    const uint64_t bytes = static_cast<uint64_t>(p.numel()) * 4;
+    header += ",\"" + p.name + "\":{\"dtype\":\"F32\",\"shape\":[";
+    for (size_t i = 0; i < p.shape.size(); ++i) header += (i ? "," : "") + std::to_string(p.shape[i]);
+    header += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
+    offset += bytes;
+  }
+  header += "}";
+  while (header.size() % 8) header += ' ';
+
+  std::ofstream f(path, std::ios::binary);
+  if (!f) throw Error("cannot write " + path);
+  const uint64_t n = header.size();
+  f.write(reinterpret_cast<const char*>(&n), 8);
+  f.write(header.data(), static_cast<std::streamsize>(header.size()));
+  Rng rng(seed);
+  std::vector<float> buf;
+  for (const PlannedTensor& p : t) {
+    buf.resize(static_cast<size_t>(p.numel()));
+    for (float& v : buf) {
+      switch (p.init) {
+        case PlannedTensor::Normalish: v = rng.symmetric(0.035f); break;  // sd ≈ 0.02 (transformers' init)
+        case PlannedTensor::Ones: v = 1.0f + rng.symmetric(0.01f); break;
+        case PlannedTensor::Small: v = rng.symmetric(0.01f); break;
+        case PlannedTensor::Scalar: v = 2.6592f; break;  // log(1/0.07), CLIP's initial logit scale
+      }
+    }
+    f.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size() * 4));
+  }
+  if (!f) throw Error("error writing " + path);
+
+}
+
 }  // namespace detail
 
 // Writes `dir`/config.json and `dir`/model.safetensors (f32). The directory must exist.
@@ -83,39 +120,7 @@ inline void write_random_clip(const std::string& dir, const ClipShape& s, uint64
   t.push_back({"text_projection.weight", {s.projection_dim, s.text_hidden}, PlannedTensor::Normalish});
   t.push_back({"logit_scale", {}, PlannedTensor::Scalar});
 
-  std::string header = "{\"__metadata__\":{\"format\":\"pt\"}";
-  uint64_t offset = 0;
-  for (const PlannedTensor& p : t) {
-    const uint64_t bytes = static_cast<uint64_t>(p.numel()) * 4;
-    header += ",\"" + p.name + "\":{\"dtype\":\"F32\",\"shape\":[";
-    for (size_t i = 0; i < p.shape.size(); ++i) header += (i ? "," : "") + std::to_string(p.shape[i]);
-    header += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + bytes) + "]}";
-    offset += bytes;
-  }
-  header += "}";
-  while (header.size() % 8) header += ' ';
-
-  const std::string path = dir + "/model.safetensors";
-  std::ofstream f(path, std::ios::binary);
-  if (!f) throw Error("cannot write " + path);
-  const uint64_t n = header.size();
-  f.write(reinterpret_cast<const char*>(&n), 8);
-  f.write(header.data(), static_cast<std::streamsize>(header.size()));
-  Rng rng(seed);
-  std::vector<float> buf;
-  for (const PlannedTensor& p : t) {
-    buf.resize(static_cast<size_t>(p.numel()));
-    for (float& v : buf) {
-      switch (p.init) {
-        case PlannedTensor::Normalish: v = rng.symmetric(0.035f); break;  // sd ≈ 0.02 (transformers' init)
-        case PlannedTensor::Ones: v = 1.0f + rng.symmetric(0.01f); break;
-        case PlannedTensor::Small: v = rng.symmetric(0.01f); break;
-        case PlannedTensor::Scalar: v = 2.6592f; break;  // log(1/0.07), CLIP's initial logit scale
-      }
-    }
-    f.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size() * 4));
-  }
-  if (!f) throw Error("error writing " + path);
+  detail::write_planned_safetensors(dir + "/model.safetensors", t, seed);
 
   std::ofstream c(dir + "/config.json");
   c << "{\n"
@@ -153,6 +158,27 @@ inline void write_random_clip(const std::string& dir, const ClipShape& s, uint64
     << "  }\n"
     << "}\n";
   if (!c) throw Error("error writing " + dir + "/config.json");
+}
+
+
+// A synthetic MoE adapter directory (docs/model-formats.md: adapter_config.json +
+// adapter.safetensors) with random weights, for a CLIP of projection width `hidden`.
+inline void write_random_adapter(const std::string& dir, int64_t hidden, int64_t experts, int64_t top_k,
+                                 int64_t inter, uint64_t seed) {
+  using detail::PlannedTensor;
+  std::vector<PlannedTensor> t = {{"gate.weight", {experts, hidden}, PlannedTensor::Normalish}};
+  for (int64_t e = 0; e < experts; ++e) {
+    const std::string p = "experts." + std::to_string(e) + ".";
+    t.push_back({p + "w1.weight", {inter, hidden}, PlannedTensor::Normalish});
+    t.push_back({p + "w2.weight", {hidden, inter}, PlannedTensor::Normalish});
+    t.push_back({p + "w3.weight", {inter, hidden}, PlannedTensor::Normalish});
+  }
+  detail::write_planned_safetensors(dir + "/adapter.safetensors", t, seed);
+  std::ofstream c(dir + "/adapter_config.json");
+  c << "{\"format\": \"gst-moe-adapter\", \"version\": 1, \"hidden_size\": " << hidden
+    << ", \"num_experts\": " << experts << ", \"top_k\": " << top_k << ", \"intermediate_size\": " << inter
+    << ", \"routing\": \"mixtral\", \"norm_topk_prob\": true, \"shared_expert_intermediate_size\": 0}\n";
+  if (!c) throw Error("cannot write " + dir + "/adapter_config.json");
 }
 
 }  // namespace moe::bench

@@ -25,7 +25,7 @@ suites=()
 for s in $(discover_gpu_suites); do
   case $s in gst_*) ;; *) suites+=("$s") ;; esac
 done
-benches=(moe-bench-layer moe-bench-encoder moe-bench-preload moe-bench-search)
+benches=(moe-bench-layer moe-bench-encoder moe-bench-preload moe-bench-search moe-bench-memory)
 
 if [ -f "$build/build.ninja" ]; then
   meson configure "$build" -Dcuda=enabled -Dgpu_targets="$arch" -Dbuildtype=release

@@ -6,7 +6,7 @@
 #
 # Everything goes under ${OUT:-build-gpu/gpu-check} (at most 8 files, no sub-folders, so the
 # device tool brings all of it back): summary.md, gpu-check.log, tests.xml,
-# bench-layer.json, bench-encoder.json, bench-preload.json, bench-search.json.
+# bench-layer.json, bench-encoder.json, bench-preload.json, bench-search.json, bench-memory.json.
 #
 # Two ways to get binaries:
 #   build     (default when the build dependencies are installed): meson setup + compile of
@@ -147,7 +147,8 @@ build_configure() {
 }
 
 build_targets() {
-  local targets=(bench/moe-bench-layer bench/moe-bench-encoder bench/moe-bench-preload bench/moe-bench-search)
+  local targets=(bench/moe-bench-layer bench/moe-bench-encoder bench/moe-bench-preload bench/moe-bench-search
+    bench/moe-bench-memory)
   local s
   for s in $SUITES; do
     targets+=("tests/test_$s")
@@ -340,6 +341,12 @@ if E:
     for s in E.get("skipped", []):
         lines.append(f"\nskipped {s['device']}: {s['why']}")
     lines.append("")
+M = load("bench-memory.json")
+if M:
+    lines += [f"## Memory ({M['model']})", "", "| device | weights | host peak MiB | device MiB |", "|---|---|---|---|"]
+    for r in M["results"]:
+        lines.append(f"| {r['device']} | {r['precision']} | {r['host_peak_mib']:.4g} | {r['device_mib']:.4g} |")
+    lines.append("")
 S = load("bench-search.json")
 if S:
     lines += [f"## Flat search ({S['items']} x {S['dim']}, k {S['k']}): GPU-resident vs the CPU search", "",
@@ -425,6 +432,7 @@ main() {
   step "bench encoder (cuda:0)" 90 "$bin_dir/bench/moe-bench-encoder" --device cuda:0 \
     --batches 1,8,32,64 --reps 3 --json "$OUT/bench-encoder.json"
   step "bench search (cuda:0)" 60 "$bin_dir/bench/moe-bench-search" --device cuda:0 --json "$OUT/bench-search.json"
+  step "bench memory (cuda:0)" 90 "$bin_dir/bench/moe-bench-memory" --device cuda:0 --json "$OUT/bench-memory.json"
 
   echo "=== done in $(($(date +%s) - start))s"
   summary "$(gpu_name)" "$mode" "$tests"
