@@ -195,6 +195,13 @@ TEST(FtfyFixText, CoveredFixes) {
             "\xC2\xA3" "5 \xE2\x82\xAC" "10");                                               // £5 €10
   EXPECT_EQ(moe::ftfy_fix_text("\xC3\x82me \xC3\x83gua na\xC3\xAFve"),
             "\xC3\x82me \xC3\x83gua na\xC3\xAFve");  // real Latin-1 letters stay
+  // Bytes that happen to form UTF-8 but are not mojibake: CAFÉ’s, weiß…, 2×½ (ftfy leaves them too).
+  EXPECT_EQ(moe::ftfy_fix_text("CAF\xC3\x89\xE2\x80\x99s"), "CAF\xC3\x89's");
+  EXPECT_EQ(moe::ftfy_fix_text("wei\xC3\x9F\xE2\x80\xA6"), "wei\xC3\x9F\xE2\x80\xA6");
+  EXPECT_EQ(moe::ftfy_fix_text("2\xC3\x97\xC2\xBD cups"), "2\xC3\x97\xC2\xBD cups");
+  // Mojibake of mojibake whose middle layer holds curly quotes: repaired before they are uncurled.
+  EXPECT_EQ(moe::ftfy_fix_text("\xC3\x83\xC2\xA2\xC3\xA2\xE2\x82\xAC\xC5\xA1\xC3\x82\xC2\xAC" "10"),
+            "\xE2\x82\xAC" "10");  // Ã¢â€šÂ¬10 -> €10
 }
 
 TEST(ClipTokenizerNormalize, PythonLowerAndWhitespace) {

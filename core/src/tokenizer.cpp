@@ -468,15 +468,44 @@ std::string restore_byte_a0(const std::string& in) {
   return s;
 }
 
+// Byte 0x80..0xBF (a UTF-8 continuation byte) as Latin-1/Windows-1252 shows it, or -1.
+int cp1252_continuation(char32_t c) {
+  if (c >= 0x80 && c <= 0xBF) return static_cast<int>(c);
+  for (int i = 0; i < 32; ++i)
+    if (kCp1252High[i] == c) return 0x80 + i;
+  return -1;
+}
+
+// Whether a line shows the signature of UTF-8 read as Windows-1252 (ftfy asks its "badness"
+// heuristic; this is a narrower test of the same idea, so that clean text is left alone): the
+// two-byte lead of a Latin-1 letter or sign (Â Ã) followed by a continuation byte ("Ã©", "Â£"),
+// the lead of a three-byte punctuation or currency sign followed by two ("â€œ", "â‚¬"), or a word
+// ending in "Ã " / "Â " (the A0 of "à" turned into a space). Accented capitals before
+// punctuation ("CAFÉ’s", "weiß…") do not count: real text has those. Mojibake of Central
+// European or Cyrillic letters (leads Å, Ð, Ñ...) is left as it is: with those leads real text
+// and mojibake are too alike for a test this small.
+bool looks_like_utf8_read_as_cp1252(const U32& s) {
+  for (size_t i = 0; i + 1 < s.size(); ++i) {
+    const char32_t c = s[i];
+    if ((c == 0xC2 || c == 0xC3) && cp1252_continuation(s[i + 1]) >= 0)
+      return true;
+    if (c == 0xE2 && i + 2 < s.size() && cp1252_continuation(s[i + 1]) >= 0 && cp1252_continuation(s[i + 2]) >= 0)
+      return true;
+    if ((c == 0xC2 || c == 0xC3) && s[i + 1] == U' ' && i > 0 && s[i - 1] >= U'a' && s[i - 1] <= U'z') return true;
+  }
+  return false;
+}
+
 // ftfy's fix_encoding, its main case: text that is UTF-8 decoded as Latin-1 or Windows-1252
-// ("cafÃ©" for "café", "â€œ" for "“"). When every character has a byte in those encodings (ftfy's
+// ("cafÃ©" for "café", "â€œ" for "“"). When the line looks like it
+// (looks_like_utf8_read_as_cp1252), every character has a byte in those encodings (ftfy's
 // "sloppy" Windows-1252 keeps the C1 controls for the bytes Windows-1252 leaves undefined) and
-// those bytes, after restore_byte_a0, are valid UTF-8 with at least one multi-byte sequence, the
-// text is that UTF-8. Clean text never passes: a non-ASCII Latin-1 letter followed by ASCII is
-// not valid UTF-8. Not covered: a segment mixing mojibake with characters outside these
-// encodings (ftfy repairs such pieces one by one), ftfy's rarer encodings (Windows-1250/1251,
-// MacRoman, cp437) and its repair of sequences that lost bytes.
+// those bytes, after restore_byte_a0, are valid UTF-8, the text is that UTF-8. Not covered: a
+// line mixing mojibake with characters outside these encodings or with correctly encoded
+// accented letters, or ending in a cut-off sequence (ftfy repairs such pieces one by one);
+// ftfy's rarer encodings (Windows-1250/1251, MacRoman, cp437); sequences that lost bytes.
 U32 fix_utf8_read_as_cp1252(const U32& s) {
+  if (!looks_like_utf8_read_as_cp1252(s)) return s;
   std::string bytes;
   bytes.reserve(s.size());
   bool high = false;
@@ -504,7 +533,12 @@ U32 fix_segment(U32 text, bool unescape) {
   for (;;) {
     const U32 orig = text;
     if (unescape) text = unescape_html(text);
-    text = fix_utf8_read_as_cp1252(text);
+    // As ftfy, repeated before the other fixers: mojibake of mojibake is repaired before
+    // uncurl_quotes could straighten the curly quotes its middle layer holds.
+    for (U32 prev; prev != text;) {
+      prev = text;
+      text = fix_utf8_read_as_cp1252(text);
+    }
     text = fix_c1_controls(text);
     text = fix_latin_ligatures(text);
     text = fix_character_width(text);

@@ -57,9 +57,10 @@ class ClipTokenizer {
 // HTML entity unescaping (skipped from the first line containing '<' on, as ftfy's "auto"
 // mode does), C1 controls as Windows-1252, Latin ligatures, full/halfwidth forms, curly quotes,
 // line breaks, ANSI terminal escapes, invisible control characters (incl. BOM), NFC, and
-// ftfy's fix_encoding for its main case (a whole line of UTF-8 read as Latin-1/Windows-1252,
-// with restore_byte_a0); repeated until nothing changes. Not covered: lines mixing mojibake with
-// characters outside Windows-1252, and mojibake through other single-byte encodings.
+// ftfy's fix_encoding for its main case (a whole line of Latin-1 letters and signs, or
+// punctuation, in UTF-8 read as Latin-1/Windows-1252, with restore_byte_a0); repeated until
+// nothing changes. Not covered: lines mixing mojibake with other characters, mojibake of
+// Central European or Cyrillic letters, and other single-byte encodings.
 // Throws moe::Error when the input is not valid UTF-8.
 std::string ftfy_fix_text(std::string_view utf8_text);
 
