@@ -1,8 +1,10 @@
 // moe-bench-memory: memory of the loaded models per device and weight precision, against f32 on
 // the same device measured in the same run.
 //
-// Each measurement runs in a child process of its own (fork), so that nothing one load leaves in
-// the allocator or the page cache of the address space counts for the next: the child loads the
+// Each measurement runs in a fresh process of its own (this program again, with --child), so that
+// nothing one load leaves in the allocator or the address space counts for the next, and so that
+// CUDA, which the parent initialised to list the devices and which does not survive a fork, starts
+// clean: the child loads the
 // CLIP model and the MoE adapter with the device and precision, encodes one batch of images and
 // one of texts and runs the adapter on them (so every weight page is touched and the working
 // buffers exist), then reports its peak resident set (VmHWM, host memory including mmap-ed
@@ -90,25 +92,35 @@ Usage measure(const std::string& clip_dir, const std::string& adapter_dir, const
   return u;
 }
 
-// measure() in a forked child; throws with the child's message when it failed.
+// The child's side: measure() and its result on stdout ("ok HOST DEVICE" or "error WHY").
+int child_main(const std::string& clip_dir, const std::string& adapter_dir, const std::string& device,
+               const std::string& precision, int64_t batch) {
+  try {
+    const Usage u = measure(clip_dir, adapter_dir, device, precision, batch);
+    std::printf("ok %f %f\n", u.host_peak_mib, u.device_mib);
+  } catch (const std::exception& e) {
+    std::printf("error %s\n", e.what());
+  }
+  return 0;
+}
+
+// measure() in a fresh process (this program with --child); throws with its message when it failed.
 Usage measure_in_child(const std::string& clip_dir, const std::string& adapter_dir, const std::string& device,
                        const std::string& precision, int64_t batch) {
   int fds[2];
   if (pipe(fds) != 0) throw Error("pipe failed");
+  const std::string batch_arg = std::to_string(batch);
+  const char* argv[] = {"/proc/self/exe", "--child", clip_dir.c_str(), adapter_dir.c_str(), device.c_str(),
+                        precision.c_str(), batch_arg.c_str(), nullptr};
   std::fflush(nullptr);
   const pid_t pid = fork();
   if (pid < 0) throw Error("fork failed");
-  if (pid == 0) {
+  if (pid == 0) {  // only async-signal-safe calls until exec
+    dup2(fds[1], STDOUT_FILENO);
     close(fds[0]);
-    std::string out;
-    try {
-      const Usage u = measure(clip_dir, adapter_dir, device, precision, batch);
-      out = "ok " + std::to_string(u.host_peak_mib) + " " + std::to_string(u.device_mib);
-    } catch (const std::exception& e) {
-      out = std::string("error ") + e.what();
-    }
-    if (write(fds[1], out.data(), out.size()) < 0) _exit(2);
-    _exit(0);
+    close(fds[1]);
+    execv(argv[0], const_cast<char* const*>(argv));
+    _exit(127);
   }
   close(fds[1]);
   std::string text;
@@ -118,8 +130,11 @@ Usage measure_in_child(const std::string& clip_dir, const std::string& adapter_d
   close(fds[0]);
   int status = 0;
   waitpid(pid, &status, 0);
+  while (!text.empty() && text.back() == '\n') text.pop_back();
   if (text.rfind("ok ", 0) != 0)
-    throw Error(device + " " + precision + ": " + (text.empty() ? "the measuring process died" : text.substr(6)));
+    throw Error(device + " " + precision + ": " +
+                (text.rfind("error ", 0) == 0 ? text.substr(6) : "the measuring process failed (status " +
+                                                                       std::to_string(status) + ")"));
   Usage u;
   std::sscanf(text.c_str() + 3, "%lf %lf", &u.host_peak_mib, &u.device_mib);
   return u;
@@ -131,6 +146,8 @@ struct Row {
 };
 
 int run(int argc, char** argv) {
+  if (argc == 7 && std::string(argv[1]) == "--child")
+    return child_main(argv[2], argv[3], argv[4], argv[5], std::atoll(argv[6]));
   Args args(argc, argv, kUsage);
   const bool quick = args.flag("quick");
   const std::vector<std::string> devices = resolve_devices(args.str("device", "auto"));
@@ -210,7 +227,7 @@ int run(int argc, char** argv) {
               "that process.\n");
   for (const auto& s : skipped) std::printf("skipped %s: %s\n", s.first.c_str(), s.second.c_str());
   write_json(json_path, out);
-  return 0;
+  return skipped.empty() ? 0 : 1;  // a row asked for and not measured is a failure
 }
 
 }  // namespace

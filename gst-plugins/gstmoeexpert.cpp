@@ -223,7 +223,7 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   const double cache_budget = st->cache_budget;
   const guint rebalance_interval = st->rebalance_interval;
   GST_OBJECT_UNLOCK(self);
-  if (device == "auto") {  // every CUDA device, else the CPU (then the plain CPU path in fp32)
+  if (device == "auto") {  // every CUDA device, else the CPU (the plain CPU path when fp32)
     std::string reason;
     if (moe::resolve_device("auto", &reason) == "cpu") {
       GST_INFO_OBJECT(self, "device 'auto': %s; the experts run on the CPU", reason.c_str());

@@ -421,7 +421,14 @@ TEST(ExpertExecutor, QwenSharedExpertEqualsAdapterApply) {
   const moe::MoeConfig& c = qwen.layer().config();
   ASSERT_GT(c.shared_expert_intermediate_size, 0);
   ExpertExecutor one(qwen.layer(), "cpu");
-  ExpertExecutor two(qwen.layer(), cpu_devices(2), budgets(c, {static_cast<size_t>(c.num_experts) - 1, 2}));
+  // The shared expert's copy on each device comes out of that device's budget.
+  ExpertExecutorOptions o = budgets(c, {static_cast<size_t>(c.num_experts) - 1, 2});
+  const size_t shared_bytes =
+      moe::HostExpertStore::blob_bytes(WeightType::F32, c.hidden_size, c.shared_expert_intermediate_size);
+  for (size_t& b : o.budget_bytes) b += shared_bytes;
+  ExpertExecutor two(qwen.layer(), cpu_devices(2), o);
+  EXPECT_EQ(two.stats()[1].slots, 2);
+  EXPECT_EQ(two.stats()[1].budget_bytes, o.budget_bytes[1] - shared_bytes);
   for (unsigned b = 0; b < 4; ++b) {
     const Tensor x = rows(9, c.hidden_size, 700 + b);
     const Routing r = qwen.route(x);

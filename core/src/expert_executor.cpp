@@ -40,8 +40,8 @@ struct ExpertExecutor::State {
   // Destroyed in reverse order: the caches (they wait for their copies), the store, the backends.
   std::vector<std::unique_ptr<kernels::Backend>> backends;
   std::unique_ptr<HostExpertStore> store;  // every routed expert, staged by backends[0]
-  std::unique_ptr<HostExpertStore> shared_store;  // the shared expert, when the layer has one
-  std::vector<float> shared_gate;                 // its gate [hidden], f32 on the host
+  bool has_shared = false;         // Qwen2-MoE: a shared expert on every device (Device::shared)
+  std::vector<float> shared_gate;  // its gate [hidden], f32 on the host
   std::vector<Device> devices;
 
   mutable std::mutex placement_mu;  // guards placement and placement_changes
@@ -208,6 +208,11 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
       const size_t free_bytes = dev.backend->memory_info().free_bytes;
       dev.budget = static_cast<size_t>(static_cast<double>(free_bytes) * options.budget_fraction);
     }
+    if (cfg.shared_expert_intermediate_size > 0) {  // the shared expert's copy comes out of the budget
+      const size_t shared_bytes =
+          HostExpertStore::blob_bytes(options.precision, cfg.hidden_size, cfg.shared_expert_intermediate_size);
+      dev.budget -= std::min(dev.budget, shared_bytes);
+    }
     slots[d] = dev.budget / slot;
     if (slots[d] == 0)
       throw Error("expert executor on " + dev.name + ": the cache budget of " + std::to_string(dev.budget) +
@@ -246,19 +251,19 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
     co.budget_bytes = dev.budget;
     dev.cache = std::make_unique<ExpertCache>(*dev.backend, *st->store, co);  // throws if it cannot share staging
   }
-  if (cfg.shared_expert_intermediate_size > 0) {
-    const int64_t S = cfg.shared_expert_intermediate_size;
-    st->shared_store = std::make_unique<HostExpertStore>(
-        *st->backends[0], options.precision, 1, cfg.hidden_size, S,
-        [&](int, ExpertMatrix which) { return layer.shared_expert_weight(which); });
+  if (cfg.shared_expert_intermediate_size > 0) {  // packed like one expert, copied once, staging freed
+    const HostExpertStore shared(*st->backends[0], options.precision, 1, cfg.hidden_size,
+                                 cfg.shared_expert_intermediate_size,
+                                 [&](int, ExpertMatrix which) { return layer.shared_expert_weight(which); });
     const Tensor& gate = layer.shared_expert_gate();
     st->shared_gate.assign(gate.data<float>(), gate.data<float>() + cfg.hidden_size);
-    const size_t bytes = st->shared_store->expert_bytes(0);
+    st->has_shared = true;
+    const size_t bytes = shared.expert_bytes(0);
     for (State::Device& dev : st->devices) {
       dev.shared_blob.emplace(*dev.backend, bytes);
-      dev.backend->copy_from_host(dev.shared_blob->as<void>(), st->shared_store->expert_data(0), bytes);
+      dev.backend->copy_from_host(dev.shared_blob->as<void>(), shared.expert_data(0), bytes);
       dev.backend->synchronize();
-      dev.shared = st->shared_store->weights_at(dev.shared_blob->as<void>());
+      dev.shared = shared.weights_at(dev.shared_blob->as<void>());
     }
   }
   return st;
@@ -443,7 +448,7 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       hb.copy_from_host(unit, batch.ones.data(), batch.ones.size() * fbytes);
       hb.moe_unpermute(out_by_device, slot_of_device, unit, N, K, D, y_home);
     }
-    if (st.shared_store && N > 0) {  // Qwen2-MoE: + sigmoid(gate · x) · shared(x), on home
+    if (st.has_shared && N > 0) {  // Qwen2-MoE: + sigmoid(gate · x) · shared(x), on home
       const int64_t S = st.config.shared_expert_intermediate_size;
       batch.shared_scale.resize(static_cast<size_t>(N));
       kernels::cpu::linear(x.data<float>(), {st.shared_gate.data(), kernels::WeightType::F32}, nullptr,

@@ -18,6 +18,7 @@ fitted to the 1,000 shifted-train items lowered the base categories (docs/adapta
 import argparse
 import os
 import time
+import zlib
 
 import common  # first: pins the math libraries to one thread
 from common import np, torch
@@ -52,13 +53,15 @@ def cache_embeddings(model, tokens, items, pixels, codes, K, n_views, rng):
 def replay_embeddings(model, tokens, proc, codes, args, seed):
     """The --replay splits' frozen embeddings, concatenated (each split with its own generator,
     so the shifted-train data do not depend on --replay). With --replay-cache they are stored
-    once per (base model, split, variants, views, seed) and reused by later runs."""
+    once per (base model, catalog, split and its position in --replay, variants, views, seed) and
+    reused by later runs: the position is part of the key because it seeds the split's generator."""
     parts = []
     for n, split in enumerate(s for s in args.replay.split(",") if s):
         path = None
         if args.replay_cache:
-            path = os.path.join(args.replay_cache, "%s-k%d-v%d-s%d.pt" % (
-                split, args.variants, args.views, seed))
+            catalog = zlib.crc32(os.path.realpath(args.catalog).encode())
+            path = os.path.join(args.replay_cache, "%s-p%d-c%08x-k%d-v%d-s%d.pt" % (
+                split, n, catalog, args.variants, args.views, seed))
         key = os.path.realpath(os.path.join(args.runs, "base", "clip"))
         if path and os.path.exists(path):
             c = torch.load(path)
