@@ -468,12 +468,18 @@ std::string restore_byte_a0(const std::string& in) {
   return s;
 }
 
-// Byte 0x80..0xBF (a UTF-8 continuation byte) as Latin-1/Windows-1252 shows it, or -1.
-int cp1252_continuation(char32_t c) {
-  if (c >= 0x80 && c <= 0xBF) return static_cast<int>(c);
+// The byte that shows as `c` in Latin-1 or ftfy's "sloppy" Windows-1252 (which keeps the C1
+// controls for the bytes Windows-1252 leaves undefined), or -1 when none does.
+int cp1252_byte(char32_t c) {
+  if (c <= 0xFF) return static_cast<int>(c);
   for (int i = 0; i < 32; ++i)
     if (kCp1252High[i] == c) return 0x80 + i;
   return -1;
+}
+
+bool is_cp1252_continuation(char32_t c) {
+  const int b = cp1252_byte(c);
+  return b >= 0x80 && b <= 0xBF;
 }
 
 // Whether a line shows the signature of UTF-8 read as Windows-1252 (ftfy asks its "badness"
@@ -487,9 +493,8 @@ int cp1252_continuation(char32_t c) {
 bool looks_like_utf8_read_as_cp1252(const U32& s) {
   for (size_t i = 0; i + 1 < s.size(); ++i) {
     const char32_t c = s[i];
-    if ((c == 0xC2 || c == 0xC3) && cp1252_continuation(s[i + 1]) >= 0)
-      return true;
-    if (c == 0xE2 && i + 2 < s.size() && cp1252_continuation(s[i + 1]) >= 0 && cp1252_continuation(s[i + 2]) >= 0)
+    if ((c == 0xC2 || c == 0xC3) && is_cp1252_continuation(s[i + 1])) return true;
+    if (c == 0xE2 && i + 2 < s.size() && is_cp1252_continuation(s[i + 1]) && is_cp1252_continuation(s[i + 2]))
       return true;
     if ((c == 0xC2 || c == 0xC3) && s[i + 1] == U' ' && i > 0 && s[i - 1] >= U'a' && s[i - 1] <= U'z') return true;
   }
@@ -498,9 +503,8 @@ bool looks_like_utf8_read_as_cp1252(const U32& s) {
 
 // ftfy's fix_encoding, its main case: text that is UTF-8 decoded as Latin-1 or Windows-1252
 // ("cafÃ©" for "café", "â€œ" for "“"). When the line looks like it
-// (looks_like_utf8_read_as_cp1252), every character has a byte in those encodings (ftfy's
-// "sloppy" Windows-1252 keeps the C1 controls for the bytes Windows-1252 leaves undefined) and
-// those bytes, after restore_byte_a0, are valid UTF-8, the text is that UTF-8. Not covered: a
+// (looks_like_utf8_read_as_cp1252), every character has a byte in those encodings
+// (cp1252_byte) and those bytes, after restore_byte_a0, are valid UTF-8, the text is that UTF-8. Not covered: a
 // line mixing mojibake with characters outside these encodings or with correctly encoded
 // accented letters, or ending in a cut-off sequence (ftfy repairs such pieces one by one);
 // ftfy's rarer encodings (Windows-1250/1251, MacRoman, cp437); sequences that lost bytes.
@@ -508,20 +512,11 @@ U32 fix_utf8_read_as_cp1252(const U32& s) {
   if (!looks_like_utf8_read_as_cp1252(s)) return s;
   std::string bytes;
   bytes.reserve(s.size());
-  bool high = false;
   for (char32_t c : s) {
-    int b = -1;
-    if (c <= 0xFF) {
-      b = static_cast<int>(c);
-    } else {
-      for (int i = 0; i < 32 && b < 0; ++i)
-        if (kCp1252High[i] == c) b = 0x80 + i;
-    }
+    const int b = cp1252_byte(c);
     if (b < 0) return s;
-    high = high || b >= 0x80;
     bytes.push_back(static_cast<char>(b));
   }
-  if (!high) return s;
   bytes = restore_byte_a0(bytes);
   if (!g_utf8_validate(bytes.data(), static_cast<gssize>(bytes.size()), nullptr)) return s;
   return decode_utf8(bytes);
