@@ -40,8 +40,7 @@ struct ExpertExecutor::State {
   // Destroyed in reverse order: the caches (they wait for their copies), the store, the backends.
   std::vector<std::unique_ptr<kernels::Backend>> backends;
   std::unique_ptr<HostExpertStore> store;  // every routed expert, staged by backends[0]
-  bool has_shared = false;         // Qwen2-MoE: a shared expert on every device (Device::shared)
-  std::vector<float> shared_gate;  // its gate [hidden], f32 on the host
+  std::vector<float> shared_gate;  // Qwen2-MoE: the shared expert's gate [hidden], f32 on the host
   std::vector<Device> devices;
 
   mutable std::mutex placement_mu;  // guards placement and placement_changes
@@ -113,6 +112,12 @@ std::shared_ptr<void> prefetch_on(const std::shared_ptr<State>& st, const Routin
   return std::shared_ptr<void>(p.release(), PrefetchDeleter{});
 }
 
+// A new buffer of `bytes` in `b`'s memory, kept in `into` (freed with it), as floats.
+float* add_buffer(std::vector<DeviceBuffer>& into, kernels::Backend& b, size_t bytes) {
+  into.emplace_back(b, bytes);
+  return into.back().as<float>();
+}
+
 // One device's part of a batch: its slots' input rows in, the routing-weighted sum of their
 // experts' outputs out (per input row), all in that device's memory.
 struct DeviceWork {
@@ -131,8 +136,7 @@ struct DeviceWork {
   float* out_sorted = nullptr;  // their experts' outputs
   std::vector<DeviceBuffer> buf;
   float* alloc(kernels::Backend& b, int64_t floats) {
-    buf.emplace_back(b, static_cast<size_t>(floats) * sizeof(float));
-    return buf.back().as<float>();
+    return add_buffer(buf, b, static_cast<size_t>(floats) * sizeof(float));
   }
 };
 
@@ -144,10 +148,7 @@ struct Batch {
   std::vector<float> ones;         // per slot: unit weights for summing the weighted slots
   std::vector<float> shared_scale;   // per row: the shared expert's gate, sigmoid(gate · x)
   std::vector<int32_t> identity;     // per row: its own index
-  float* alloc_home(kernels::Backend& b, size_t bytes) {
-    home.emplace_back(b, bytes);
-    return home.back().as<float>();
-  }
+  float* alloc_home(kernels::Backend& b, size_t bytes) { return add_buffer(home, b, bytes); }
 };
 
 }  // namespace
@@ -257,7 +258,6 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
                                  [&](int, ExpertMatrix which) { return layer.shared_expert_weight(which); });
     const Tensor& gate = layer.shared_expert_gate();
     st->shared_gate.assign(gate.data<float>(), gate.data<float>() + cfg.hidden_size);
-    st->has_shared = true;
     const size_t bytes = shared.expert_bytes(0);
     for (State::Device& dev : st->devices) {
       dev.shared_blob.emplace(*dev.backend, bytes);
@@ -448,7 +448,7 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       hb.copy_from_host(unit, batch.ones.data(), batch.ones.size() * fbytes);
       hb.moe_unpermute(out_by_device, slot_of_device, unit, N, K, D, y_home);
     }
-    if (st.has_shared && N > 0) {  // Qwen2-MoE: + sigmoid(gate · x) · shared(x), on home
+    if (st.config.shared_expert_intermediate_size > 0 && N > 0) {  // Qwen2-MoE: + sigmoid(gate · x) · shared(x), on home
       const int64_t S = st.config.shared_expert_intermediate_size;
       batch.shared_scale.resize(static_cast<size_t>(N));
       kernels::cpu::linear(x.data<float>(), {st.shared_gate.data(), kernels::WeightType::F32}, nullptr,
