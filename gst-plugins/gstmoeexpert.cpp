@@ -332,14 +332,13 @@ static gboolean gst_moe_expert_set_caps(GstBaseTransform* trans, GstCaps* incaps
 
   // Routing from another adapter directory is fine when it addresses the same experts.
   gstmoe::adapter::RouteInfo route;
+  st->rows_fingerprint = st->adapter->fingerprint();
   if (!gstmoe::adapter::query_route(GST_BASE_TRANSFORM_SINK_PAD(trans), &route)) {
     GST_DEBUG_OBJECT(self, "no moe-route upstream answered: expert ids are checked per batch only");
     st->route_dir.clear();
-    st->rows_fingerprint = st->adapter->fingerprint();
     return TRUE;
   }
   st->route_dir = route.dir;
-  st->rows_fingerprint = st->adapter->fingerprint();
   if (!route.fingerprint.empty() && route.fingerprint != st->rows_fingerprint)
     st->rows_fingerprint += "+" + route.fingerprint;
   const moe::MoeConfig& cfg = st->adapter->layer().config();
