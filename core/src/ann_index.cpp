@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "backend.h"
+#include "compute_util.h"
 #include "cpu_ops.h"
 #include "device_buffer.h"
 #include "json_util.h"
@@ -160,12 +161,9 @@ struct AnnIndex::DeviceVectors {
   std::shared_ptr<std::mutex> mutex;  // null for host-memory backends
   void* base = nullptr;               // size() x dim f32
 
-  std::unique_lock<std::mutex> lock() const {
-    return mutex ? std::unique_lock<std::mutex>(*mutex) : std::unique_lock<std::mutex>();
-  }
   ~DeviceVectors() {
     if (!base) return;
-    const auto held = lock();
+    const auto held = detail::lock_if(mutex);
     backend->deallocate(base);
   }
 };
@@ -249,7 +247,7 @@ std::vector<std::vector<AnnHit>> AnnIndex::search(const float* queries, int64_t 
   static_assert(sizeof(faiss::Index::idx_t) == sizeof(int64_t), "FAISS ids are the backend's int64 ids");
   try {
     if (device_) {
-      const auto held = device_->lock();
+      const auto held = detail::lock_if(device_->mutex);
       kernels::Backend& b = *device_->backend;
       DeviceBuffer q(b, unit.size() * sizeof(float)), ids(b, labels.size() * sizeof(int64_t)),
           best(b, scores.size() * sizeof(float));
@@ -309,7 +307,7 @@ void AnnIndex::place_on(std::shared_ptr<kernels::Backend> backend, std::shared_p
   vectors->mutex = std::move(mutex);
   const size_t bytes = static_cast<size_t>(size()) * static_cast<size_t>(dim_) * sizeof(float);
   {
-    const auto held = vectors->lock();
+    const auto held = detail::lock_if(vectors->mutex);
     kernels::Backend& b = *vectors->backend;
     vectors->base = b.allocate(std::max<size_t>(bytes, 64));  // throws naming the backend and the size
     // The flat index holds the unit vectors that add() gave it, row-major.

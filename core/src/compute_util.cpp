@@ -112,8 +112,7 @@ kernels::WeightRef weight_ref(const Tensor& t) {
 }
 
 Workspace::~Workspace() {
-  std::unique_lock<std::mutex> held;
-  if (guard_) held = std::unique_lock<std::mutex>(*guard_);
+  const auto held = lock_if(guard_);
   for (const Block& b : blocks_) release(*backend_, b.ptr);
 }
 
@@ -140,7 +139,7 @@ void* Workspace::bytes(size_t n) {
 
 Call::Call(const ModelBackend& model, std::unique_ptr<Workspace>& cached)
     : backend_(model.backend.get()), host_(model.backend->is_host_memory()) {
-  if (model.mutex) lock_ = std::unique_lock<std::mutex>(*model.mutex);
+  lock_ = lock_if(model.mutex);
   if (host_ || !model.mutex) {
     local_.emplace(*backend_);
     ws_ = &*local_;

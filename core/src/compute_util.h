@@ -19,6 +19,12 @@ namespace moe::detail {
 
 DType dtype_of(kernels::WeightType type);
 
+// A lock on `mutex` (a backend's, from backend_mutex), or no lock when it is null (host-memory
+// backends need none).
+inline std::unique_lock<std::mutex> lock_if(const std::shared_ptr<std::mutex>& mutex) {
+  return mutex ? std::unique_lock<std::mutex>(*mutex) : std::unique_lock<std::mutex>();
+}
+
 // The backend a model runs on, with the mutex its calls hold (null for host-memory backends).
 struct ModelBackend {
   std::shared_ptr<kernels::Backend> backend;
