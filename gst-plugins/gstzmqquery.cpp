@@ -8,21 +8,19 @@
  * so that it is answered with an error document at the end of the pipeline like every other
  * request. With a ROUTER socket each client also gets an immediate accepted/rejected reply.
  *
- * The service reads image files only under image-root, so that a client cannot make it read any
- * file of the machine or learn which files exist outside that folder; and ZeroMQ itself drops
- * messages larger than max-message-bytes, so that a huge message is never received in full.
+ * Parsing and its bounds live in the engine (moe::parse_query_request, where the request fuzzer
+ * reaches them too): depth, values and integers are bounded before JSON-GLib runs, the text by
+ * max-text-bytes, images by max-image-bytes. The service reads image files only under image-root,
+ * so that a client cannot make it read any file of the machine or learn which files exist outside
+ * that folder; and ZeroMQ itself drops messages larger than max-message-bytes, so that a huge
+ * message is never received in full.
  */
 #include "gstzmqquery.h"
 
-#include <glib/gstdio.h>
 #include <json-glib/json-glib.h>
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
-#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -32,7 +30,7 @@
 #include "gstmoemeta.h"
 #include "gstmoezmq.h"
 #include "moe/error.h"
-#include "moe/image_decode.h"
+#include "moe/query_request.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_zmq_query_debug);
 #define GST_CAT_DEFAULT gst_zmq_query_debug
@@ -47,6 +45,7 @@ struct _GstZmqQuery {
   gint recv_hwm;
   guint64 max_message_bytes;
   guint64 max_image_bytes;
+  guint max_text_bytes;
   gchar* image_root;
   gint64 num_requests;
 
@@ -69,6 +68,7 @@ enum {
   PROP_RECV_HWM,
   PROP_MAX_MESSAGE_BYTES,
   PROP_MAX_IMAGE_BYTES,
+  PROP_MAX_TEXT_BYTES,
   PROP_IMAGE_ROOT,
   PROP_NUM_REQUESTS,
   PROP_STATS
@@ -85,10 +85,14 @@ enum {
 #define DEFAULT_MAX_MESSAGE_BYTES (G_GUINT64_CONSTANT(48) * 1024 * 1024)
 // ZMQ_MAXMSGSIZE is an int64_t.
 #define MAX_MAX_MESSAGE_BYTES static_cast<guint64>(G_MAXINT64)
+static_assert(moe::base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES) == 45917618 &&
+                  DEFAULT_MAX_MESSAGE_BYTES >= moe::base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES),
+              "the defaults of max-message-bytes, max-image-bytes and their blurbs agree");
+#define DEFAULT_MAX_TEXT_BYTES moe::kDefaultMaxQueryTextBytes
+// The text is held, tokenised and echoed in every answer: 1 MiB is far beyond any real query.
+#define MAX_MAX_TEXT_BYTES (1024 * 1024)
 #define DEFAULT_IMAGE_ROOT nullptr
 #define DEFAULT_NUM_REQUESTS (-1)
-#define MIN_K 1
-#define MAX_K 1024
 // create() waits for messages in slices this long, so that unlock() is noticed promptly.
 static constexpr std::chrono::milliseconds kPollInterval{100};
 // After the last of num-requests requests, how long stopping may wait for its reply to leave.
@@ -120,240 +124,38 @@ GST_ELEMENT_REGISTER_DEFINE(zmq_query, "zmq-query", GST_RANK_NONE, GST_TYPE_ZMQ_
 
 namespace {
 
-// Why a request cannot be served: names the field and the problem.
-struct Rejection {
-  std::string reason;
-};
-
-[[noreturn]] void reject(std::string reason) { throw Rejection{std::move(reason)}; }
-
-std::string quote(const std::string& s) { return "'" + s + "'"; }
-
-// The size of the largest image_base64 request for an image of `image_bytes` bytes: 4 characters
-// per 3 bytes, a line break after every 76 characters (as base64(1) writes them) that JSON
-// escapes as the two characters \n, and 1 KiB for the rest of the JSON (id, k, member names).
-// Saturates at G_MAXUINT64.
-constexpr guint64 base64_request_bytes(guint64 image_bytes) {
-  const guint64 groups = image_bytes / 3 + (image_bytes % 3 ? 1 : 0);
-  if (groups > (G_MAXUINT64 - 1024) / 5) return G_MAXUINT64;
-  const guint64 chars = 4 * groups;
-  return chars + 2 * ((chars + 75) / 76) + 1024;
-}
-static_assert(base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES) == 45917618 &&
-                  DEFAULT_MAX_MESSAGE_BYTES >= base64_request_bytes(DEFAULT_MAX_IMAGE_BYTES),
-              "the defaults of max-message-bytes, max-image-bytes and their blurbs agree");
-
-// True if the canonical `path` is `root` (canonical) or lies under it.
-bool is_within(const std::string& path, const std::string& root) {
-  return path.compare(0, root.size(), root) == 0 &&
-         (path.size() == root.size() || root.back() == '/' || path[root.size()] == '/');
-}
-
-// The canonical path of the file `path` names (the "image" value `image` as a local path),
-// refused unless it lies inside `root` (canonical). Relative paths are taken from the root, and
-// resolving ".." and symlinks before the check means neither can lead out of it. A path that
-// leads out is refused with one reason whether or not its target exists, so that clients learn
-// nothing about files outside the root.
-std::string confine_to_root(const std::string& image, const std::string& path, const std::string& root) {
-  const std::string outside = "image " + quote(image) + " is outside image-root";
-  const std::string full = g_path_is_absolute(path.c_str()) ? path : root + G_DIR_SEPARATOR_S + path;
-  if (char* real = realpath(full.c_str(), nullptr)) {
-    const std::string resolved = real;
-    free(real);
-    if (!is_within(resolved, root)) reject(outside);
-    return resolved;
-  }
-  const int error = errno;
-  // It does not resolve (a missing file or folder, a broken symlink, no permission): its nearest
-  // ancestor that exists (a symlink counts as existing) tells whether the failure happened inside
-  // the root. That ancestor must resolve inside the root for the real reason to be given; one that
-  // does not resolve is a broken symlink whose target is unknown, so it counts as outside.
-  std::string existing = full;
-  GStatBuf st;
-  while (g_lstat(existing.c_str(), &st) != 0) {
-    gchar* parent = g_path_get_dirname(existing.c_str());
-    existing = parent;
-    g_free(parent);
-  }
-  char* real = realpath(existing.c_str(), nullptr);
-  const bool inside = real && is_within(real, root);
-  free(real);
-  if (!inside) reject(outside);
-  reject("image " + quote(image) + " cannot be read: " + g_strerror(error));
-}
-
-// The bytes of the image file at `path` (confine_to_root's result for the "image" value `image`),
-// refused unless it is a regular file of 1..max_bytes bytes inside `root`. The file is opened
-// once and everything else goes through that descriptor: what was opened is checked to lie inside
-// the root (its /proc/self/fd link), so a path component swapped for a symlink after
-// confine_to_root cannot lead out, and O_NONBLOCK keeps a FIFO swapped in from blocking the
-// streaming thread. Reasons quote the client's value, never the resolved path (which would tell
-// where the root is).
-GstBuffer* read_image_file(const std::string& image, const std::string& path, const std::string& root,
-                           guint64 max_bytes) {
-  const std::string what = "image " + quote(image);
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) reject(what + " cannot be read: " + g_strerror(errno));
-  struct Closer {
-    int fd;
-    ~Closer() { close(fd); }
-  } closer{fd};
-  const std::string link = "/proc/self/fd/" + std::to_string(fd);
-  char* opened = realpath(link.c_str(), nullptr);
-  const bool inside = opened && is_within(opened, root);
-  free(opened);
-  if (!inside) reject(what + " is outside image-root");
-  struct stat st;
-  if (fstat(fd, &st) != 0) reject(what + " cannot be read: " + g_strerror(errno));
-  if (!S_ISREG(st.st_mode)) reject(what + " is not a regular file");
-  auto check_size = [&](guint64 size) {
-    if (size == 0) reject(what + " is empty");
-    if (size > max_bytes)
-      reject(what + " is " + std::to_string(size) + " bytes, more than max-image-bytes (" +
-             std::to_string(max_bytes) + ")");
-  };
-  check_size(static_cast<guint64>(st.st_size));
-  // Read to the end, but never past max_bytes + 1 (the file may grow while it is read).
-  std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size) + 1);
-  size_t got = 0;
-  for (;;) {
-    if (got == bytes.size()) {
-      if (bytes.size() > max_bytes) break;
-      bytes.resize(std::min<size_t>(bytes.size() * 2, static_cast<size_t>(max_bytes) + 1));
-    }
-    const ssize_t n = read(fd, bytes.data() + got, bytes.size() - got);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) reject(what + " cannot be read: " + g_strerror(errno));
-    if (n == 0) break;
-    got += static_cast<size_t>(n);
-  }
-  bytes.resize(got);
-  check_size(bytes.size());
-  return gstmoe::bytes_buffer(std::move(bytes));
-}
-
-// The local path an "image" value names: a path, or a file:// uri.
-std::string image_path(const std::string& image) {
-  if (image.find("://") == std::string::npos) return image;
-  if (image.rfind("file://", 0) != 0) reject("image " + quote(image) + " is neither a local path nor a file:// uri");
-  GError* error = nullptr;
-  gchar* path = g_filename_from_uri(image.c_str(), nullptr, &error);
-  if (!path) {
-    const std::string reason = "image " + quote(image) + " is not a valid file:// uri: " + error->message;
-    g_error_free(error);
-    reject(reason);
-  }
-  std::string result = path;
-  g_free(path);
-  return result;
-}
-
-// Decodes base64 (standard alphabet, '=' padding; whitespace such as the line breaks of
-// base64(1) output is ignored). g_base64_decode skips invalid characters silently, so the text
-// is checked first.
-GstBuffer* decode_base64_image(const std::string& text, guint64 max_bytes) {
-  const std::string what = "image_base64 is not valid base64: ";
-  std::string compact;
-  compact.reserve(text.size());
-  size_t padding = 0;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (g_ascii_isspace(c)) continue;
-    if (c == '=') {
-      ++padding;
-    } else if (g_ascii_isalnum(c) || c == '+' || c == '/') {
-      if (padding > 0) reject(what + "'=' padding before the end (offset " + std::to_string(i) + ")");
-    } else {
-      reject(what + "unexpected character " + quote(std::string(1, c)) + " at offset " + std::to_string(i));
-    }
-    compact.push_back(c);
-  }
-  if (compact.empty()) reject("image_base64 is empty");
-  if (compact.size() % 4 != 0 || padding > 2)
-    reject(what + "its length without whitespace (" + std::to_string(compact.size()) +
-           ") is not a multiple of 4 or it has more than two '=' at the end");
-  const guint64 decoded = compact.size() / 4 * 3 - padding;
-  if (decoded > max_bytes)
-    reject("image_base64 decodes to " + std::to_string(decoded) + " bytes, more than max-image-bytes (" +
-           std::to_string(max_bytes) + ")");
-  gsize size = 0;
-  guchar* data = g_base64_decode(compact.c_str(), &size);
-  return gst_buffer_new_wrapped(data, size);
-}
-
-// The string value of member `name`, rejected unless it is a non-empty string.
-std::string string_member(JsonObject* object, const char* name, const char* expected) {
-  JsonNode* node = json_object_get_member(object, name);
-  if (!JSON_NODE_HOLDS_VALUE(node) || json_node_get_value_type(node) != G_TYPE_STRING)
-    reject(std::string(name) + " must be " + expected);
-  std::string value = json_node_get_string(node);
-  if (value.empty()) reject(std::string(name) + " is empty");
-  return value;
+// The request meta's record of a parsed (or partly parsed) request.
+void fill_record(const moe::QueryRequest& request, gstmoe::RequestRecord& record) {
+  record.id = request.id;
+  record.modality = request.modality == moe::QueryModality::Text ? gstmoe::Modality::Text : gstmoe::Modality::Image;
+  record.k = request.k;
+  record.text = request.text;
+  record.uri = request.image;
 }
 
 // Parses one request message into `record` (filled as far as parsing got, so that a rejection
-// can still report the id and modality) and returns its payload. `image_root` is the canonical
-// image-root, nullptr if none. Throws Rejection.
-GstBuffer* parse_request(const zmq::message_t& message, guint64 max_image_bytes, const char* image_root,
+// can still report the id and modality) and returns its payload: the text, or the image bytes.
+// `image_root` is the canonical image-root, nullptr if none. Throws moe::Error naming the cause.
+GstBuffer* parse_request(const zmq::message_t& message, const moe::QueryLimits& limits, const char* image_root,
                          gstmoe::RequestRecord& record) {
-  const char* data = message.data<char>();
-  const gssize size = static_cast<gssize>(message.size());
-  if (size == 0) reject("request is empty");
-  const gchar* bad = nullptr;
-  if (!g_utf8_validate(data, size, &bad))
-    reject("request is not valid UTF-8 (byte offset " + std::to_string(bad - data) + ")");
-
-  std::unique_ptr<JsonParser, decltype(&g_object_unref)> parser(json_parser_new(), g_object_unref);
-  GError* error = nullptr;
-  if (!json_parser_load_from_data(parser.get(), data, size, &error)) {
-    const std::string reason = std::string("request is not valid JSON: ") + error->message;
-    g_error_free(error);
-    reject(reason);
+  moe::QueryRequest request;
+  try {
+    request = moe::parse_query_request(std::string_view(message.data<char>(), message.size()), limits);
+  } catch (const moe::QueryRejected& rejected) {
+    fill_record(rejected.request, record);
+    throw;
   }
-  JsonNode* root = json_parser_get_root(parser.get());
-  if (!root || !JSON_NODE_HOLDS_OBJECT(root)) reject("request is not a JSON object");
-  JsonObject* object = json_node_get_object(root);
-
-  JsonNode* id = json_object_get_member(object, "id");
-  if (!id) reject("id is missing");
-  if (JSON_NODE_HOLDS_VALUE(id) && json_node_get_value_type(id) == G_TYPE_INT64)
-    record.id = std::to_string(json_node_get_int(id));
-  else
-    record.id = string_member(object, "id", "a string or an integer");
-
-  static const char* const kSources[] = {"text", "image", "image_base64"};
-  std::string present;
-  int count = 0;
-  for (const char* field : kSources) {
-    if (!json_object_has_member(object, field)) continue;
-    present += (count ? " and " : "") + std::string(field);
-    if (count++ == 0) record.modality = g_str_equal(field, "text") ? gstmoe::Modality::Text : gstmoe::Modality::Image;
-  }
-  if (count != 1) reject("request needs exactly one of text, image, image_base64; it has " + (count ? present : "none"));
-
-  if (JsonNode* k = json_object_get_member(object, "k")) {
-    const bool integer = JSON_NODE_HOLDS_VALUE(k) && json_node_get_value_type(k) == G_TYPE_INT64;
-    if (!integer || json_node_get_int(k) < MIN_K || json_node_get_int(k) > MAX_K)
-      reject("k must be an integer from " + std::to_string(MIN_K) + " to " + std::to_string(MAX_K) +
-             (integer ? " (got " + std::to_string(json_node_get_int(k)) + ")" : ""));
-    record.k = static_cast<int>(json_node_get_int(k));
-  }
-
-  if (json_object_has_member(object, "text")) {
-    record.text = string_member(object, "text", "a string");
-    return gst_buffer_new_memdup(record.text.data(), record.text.size());
-  }
-  if (json_object_has_member(object, "image")) {
-    record.uri = string_member(object, "image", "a string (a path or a file:// uri)");
+  fill_record(request, record);
+  if (request.modality == moe::QueryModality::Text) return gst_buffer_new_memdup(request.text.data(), request.text.size());
+  if (!request.image.empty()) {
     if (!image_root)
-      reject("image paths are not served: zmq-query has no image-root (the operator sets image-root=DIR to serve "
-             "the image files under DIR); send the image itself as image_base64");
-    return read_image_file(record.uri, confine_to_root(record.uri, image_path(record.uri), image_root), image_root,
-                           max_image_bytes);
+      throw moe::Error(
+          "image paths are not served: zmq-query has no image-root (the operator sets image-root=DIR to serve "
+          "the image files under DIR); send the image itself as image_base64");
+    return gstmoe::bytes_buffer(moe::read_query_image_file(request.image, image_root, limits.max_image_bytes));
   }
-  GstBuffer* payload = decode_base64_image(string_member(object, "image_base64", "a string"), max_image_bytes);
-  record.uri = "base64:" + std::to_string(gst_buffer_get_size(payload)) + " bytes";
-  return payload;
+  record.uri = "base64:" + std::to_string(request.image_bytes.size()) + " bytes";
+  return gstmoe::bytes_buffer(std::move(request.image_bytes));
 }
 
 // The reply a ROUTER client gets: {"id": ..., "status": "accepted"} or
@@ -410,6 +212,9 @@ static void gst_zmq_query_set_property(GObject* object, guint prop_id, const GVa
     case PROP_MAX_IMAGE_BYTES:
       self->max_image_bytes = g_value_get_uint64(value);
       break;
+    case PROP_MAX_TEXT_BYTES:
+      self->max_text_bytes = g_value_get_uint(value);
+      break;
     case PROP_IMAGE_ROOT:
       g_free(self->image_root);
       self->image_root = g_value_dup_string(value);
@@ -445,6 +250,9 @@ static void gst_zmq_query_get_property(GObject* object, guint prop_id, GValue* v
       break;
     case PROP_MAX_IMAGE_BYTES:
       g_value_set_uint64(value, self->max_image_bytes);
+      break;
+    case PROP_MAX_TEXT_BYTES:
+      g_value_set_uint(value, self->max_text_bytes);
       break;
     case PROP_IMAGE_ROOT:
       g_value_set_string(value, self->image_root);
@@ -491,12 +299,12 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
     root_path = real;
     free(real);
   }
-  if (max_message != 0 && max_message < base64_request_bytes(max_image))
+  if (max_message != 0 && max_message < moe::base64_request_bytes(max_image))
     GST_ELEMENT_WARNING(self, RESOURCE, SETTINGS,
                         ("max-message-bytes (%" G_GUINT64_FORMAT ") is smaller than the largest image_base64 "
                          "request that max-image-bytes (%" G_GUINT64_FORMAT ") allows (%" G_GUINT64_FORMAT
                          " bytes): ZeroMQ drops larger messages unanswered",
-                         max_message, max_image, base64_request_bytes(max_image)),
+                         max_message, max_image, moe::base64_request_bytes(max_image)),
                         (nullptr));
 
   // ZeroMQ's "no limit" is -1.
@@ -582,7 +390,9 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   GstZmqQuery* self = GST_ZMQ_QUERY(src);
   GST_OBJECT_LOCK(self);
   const bool done = self->num_requests >= 0 && self->received >= static_cast<guint64>(self->num_requests);
-  const guint64 max_image_bytes = self->max_image_bytes;
+  moe::QueryLimits limits;
+  limits.max_image_bytes = self->max_image_bytes;
+  limits.max_text_bytes = self->max_text_bytes;
   GST_OBJECT_UNLOCK(self);
   if (done) {
     GST_INFO_OBJECT(self, "num-requests requests received: end of stream");
@@ -607,12 +417,12 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   std::string reason;
   try {
     if (frames.size() != envelope + 1)
-      reject("request has " + std::to_string(frames.size() - envelope) +
-             " frames; expected one frame holding the JSON request");
-    buffer = parse_request(frames[envelope], max_image_bytes, self->root_path, record);
+      throw moe::Error("request has " + std::to_string(frames.size() - envelope) +
+                       " frames; expected one frame holding the JSON request");
+    buffer = parse_request(frames[envelope], limits, self->root_path, record);
     records.rows.push_back(record);
-  } catch (const Rejection& r) {
-    reason = r.reason;
+  } catch (const moe::Error& e) {
+    reason = e.what();
     buffer = gst_buffer_new();
     records.failed.push_back(gstmoe::FailedRequest{record, kStage, reason});
   }
@@ -697,6 +507,13 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
                           "max-message-bytes large enough for an image_base64 request of this size", 1,
                           G_MAXUINT64, DEFAULT_MAX_IMAGE_BYTES, rw_playing));
   g_object_class_install_property(
+      gobject_class, PROP_MAX_TEXT_BYTES,
+      g_param_spec_uint("max-text-bytes", "Maximum text bytes",
+                        "Longest query text accepted, in UTF-8 bytes; a longer one is rejected with an error document "
+                        "(CLIP reads 77 tokens, a few hundred bytes: the rest would only cost time and be echoed back "
+                        "in the answer)",
+                        1, MAX_MAX_TEXT_BYTES, DEFAULT_MAX_TEXT_BYTES, rw_playing));
+  g_object_class_install_property(
       gobject_class, PROP_IMAGE_ROOT,
       g_param_spec_string("image-root", "Image root",
                           "Folder whose image files \"image\" requests may name: a relative path is taken from "
@@ -749,6 +566,7 @@ static void gst_zmq_query_init(GstZmqQuery* self) {
   self->recv_hwm = DEFAULT_RECV_HWM;
   self->max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES;
   self->max_image_bytes = DEFAULT_MAX_IMAGE_BYTES;
+  self->max_text_bytes = DEFAULT_MAX_TEXT_BYTES;
   self->image_root = g_strdup(DEFAULT_IMAGE_ROOT);
   self->num_requests = DEFAULT_NUM_REQUESTS;
   GstBaseSrc* src = GST_BASE_SRC(self);

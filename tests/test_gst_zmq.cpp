@@ -558,7 +558,7 @@ TEST_F(ZmqTest, QueryPullTurnsEachMessageIntoOneRequestBuffer) {
       {{"\xff\xfe{}"}, {"", Modality::Text, "", "", 0, "UTF-8"}},
       {{"[1, 2]"}, {"", Modality::Text, "", "", 0, "not a JSON object"}},
       {{R"({"text":"no id"})"}, {"", Modality::Text, "", "", 0, "id is missing"}},
-      {{R"({"id":1.5,"text":"x"})"}, {"", Modality::Text, "", "", 0, "id must be a string or an integer"}},
+      {{R"({"id":1.5,"text":"x"})"}, {"1.5", Modality::Text, "", "", 0, "id must be a string or an integer"}},
       {{R"({"id":"none"})"}, {"none", Modality::Text, "", "", 0, "it has none"}},
       {{R"({"id":"both","text":"x","image":"/p.png"})"}, {"both", Modality::Text, "", "", 0, "it has text and image"}},
       {{R"({"id":"missing","image":)" + json_str(missing) + "}"},

@@ -2,13 +2,14 @@
 
 #include <cmath>
 #include <fstream>
-#include <sstream>
 
 #include "moe/error.h"
 
 namespace moe::json {
 
-Document::Document(std::string_view text, std::string what) : what_(std::move(what)) {
+Document::Document(std::string_view text, std::string what, const JsonBounds& bounds) : what_(std::move(what)) {
+  const std::string violation = json_bounds_violation(text, bounds);
+  if (!violation.empty()) throw Error(what_ + ": JSON refused: " + violation);
   parser_ = json_parser_new();
   GError* err = nullptr;
   if (!json_parser_load_from_data(parser_, text.data(), static_cast<gssize>(text.size()), &err)) {
@@ -25,13 +26,20 @@ Document::Document(std::string_view text, std::string what) : what_(std::move(wh
   }
 }
 
-Document Document::from_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+Document Document::from_file(const std::string& path, const JsonBounds& bounds) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in) throw Error(path + ": cannot open file");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw Error(path + ": read error");
-  return Document(ss.str(), path);
+  // The size first, so that a huge file is refused without being read.
+  const std::streamoff size = in.tellg();
+  if (size < 0) throw Error(path + ": cannot tell its size");
+  if (static_cast<uint64_t>(size) > bounds.max_bytes)
+    throw Error(path + ": JSON refused: " + std::to_string(size) + " bytes (at most " +
+                std::to_string(bounds.max_bytes) + ")");
+  std::string text(static_cast<size_t>(size), '\0');
+  in.seekg(0);
+  in.read(text.data(), size);
+  if (in.gcount() != size) throw Error(path + ": read error");
+  return Document(text, path, bounds);
 }
 
 Document::~Document() {

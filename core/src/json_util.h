@@ -9,14 +9,18 @@
 #include <string_view>
 #include <vector>
 
+#include "moe/json_bounds.h"
+
 namespace moe::json {
 
 // A parsed JSON document. `what` names its origin (a file path, "header of x.safetensors") and
-// prefixes every error message.
+// prefixes every error message. Text beyond `bounds` (size, nesting depth) is refused before
+// JSON-GLib sees it, so that no file can exhaust the parsing thread's stack.
 class Document {
  public:
-  Document(std::string_view text, std::string what);
-  static Document from_file(const std::string& path);
+  Document(std::string_view text, std::string what, const JsonBounds& bounds = kFileJsonBounds);
+  // Refuses a file larger than bounds.max_bytes before reading it.
+  static Document from_file(const std::string& path, const JsonBounds& bounds = kFileJsonBounds);
   ~Document();
   Document(const Document&) = delete;
   Document& operator=(const Document&) = delete;

@@ -1,0 +1,81 @@
+// gst-moe: the search request a client sends over the wire, parsed and bounded.
+//
+// One JSON object per message: {"id": "q1", "text": "red mug"}, {"id": 2, "image": "mug.jpg"}
+// or {"id": "q3", "image_base64": "iVBORw0..."}, with an optional "k" (docs/zmq-schema.md). Every
+// byte of it comes from a client the service does not trust, so parsing is bounded before the
+// JSON parser runs (size, nesting depth, integer range), every field's type and size is checked,
+// and a refusal says which field and why. The zmq-query element and the request fuzzer both go
+// through parse_query_request.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moe/error.h"
+
+namespace moe {
+
+enum class QueryModality { Text, Image };
+
+// Requests nest two levels at most ({"id": ...}); 32 leaves room for what clients add.
+constexpr int kMaxRequestJsonDepth = 32;
+constexpr int kMinQueryK = 1;
+constexpr int kMaxQueryK = 1024;
+// Ids are echoed in every answer: longer ones are refused.
+constexpr size_t kMaxQueryIdBytes = 256;
+// CLIP reads 77 tokens, a few hundred bytes of text; the default bound leaves ample room and
+// keeps a request's tokenising cost and its echo small.
+constexpr size_t kDefaultMaxQueryTextBytes = 4096;
+
+struct QueryLimits {
+  size_t max_text_bytes = kDefaultMaxQueryTextBytes;
+  uint64_t max_image_bytes = 32u << 20;  // a decoded image_base64, or an image file
+};
+
+struct QueryRequest {
+  std::string id;  // as a string ("3" for 3); for a refused request, as far as it could be read
+  QueryModality modality = QueryModality::Text;
+  int k = 0;                         // results wanted; 0: the service's default
+  std::string text;                  // text requests
+  std::string image;                 // "image" requests: the client's path or file:// uri
+  std::vector<uint8_t> image_bytes;  // image_base64 requests: the decoded bytes
+};
+
+// A request the service refuses. `request` holds what was read before the refusal (the id and
+// modality when they could be read), so that the answer can still name them.
+class QueryRejected : public Error {
+ public:
+  QueryRejected(std::string reason, QueryRequest request) : Error(std::move(reason)), request(std::move(request)) {}
+  QueryRequest request;
+};
+
+// Parses one request message. Throws QueryRejected naming the field and the cause ("request is
+// not valid JSON: ...", "k must be an integer from 1 to 1024 (got 2000)", "text is 10485760 bytes,
+// more than max-text-bytes (4096)", ...). An "image" value is not read here: see
+// read_query_image_file.
+QueryRequest parse_query_request(std::string_view message, const QueryLimits& limits);
+
+// The bytes of the image file an "image" request names (`image`: the client's value, a path
+// relative to `root`, an absolute path or a file:// uri), served only when it lies inside `root`
+// (a canonical folder path) after resolving ".." and symlinks, is a regular file and has
+// 1..max_bytes bytes. A value that leads outside is refused as "image '<value>' is outside
+// image-root" whether or not the file exists, and reasons quote the client's value, never the
+// resolved path. The file is opened once and checked through its descriptor, so a path swapped
+// after the check cannot lead out and a FIFO cannot block. Throws moe::Error.
+std::vector<uint8_t> read_query_image_file(const std::string& image, const std::string& root, uint64_t max_bytes);
+
+// The size of the largest image_base64 request for an image of `image_bytes` bytes: 4 characters
+// per 3 bytes, a line break after every 76 characters (as base64(1) writes them) that JSON
+// escapes as the two characters \n, and 1 KiB for the rest of the JSON (id, k, member names).
+// Saturates at UINT64_MAX.
+constexpr uint64_t base64_request_bytes(uint64_t image_bytes) {
+  const uint64_t groups = image_bytes / 3 + (image_bytes % 3 ? 1 : 0);
+  if (groups > (UINT64_MAX - 1024) / 5) return UINT64_MAX;
+  const uint64_t chars = 4 * groups;
+  return chars + 2 * ((chars + 75) / 76) + 1024;
+}
+
+}  // namespace moe

@@ -1,0 +1,295 @@
+#include "moe/query_request.h"
+
+#include <fcntl.h>
+#include <glib.h>
+#include <glib/gstdio.h>
+#include <json-glib/json-glib.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <memory>
+
+#include "moe/json_bounds.h"
+
+namespace moe {
+
+namespace {
+
+// Members a request may carry: id, one query field, k, and a few that clients add.
+constexpr size_t kMaxRequestJsonValues = 64;
+
+std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+// `text` cut to at most `max_bytes` bytes at a UTF-8 character boundary, "..." appended when cut.
+std::string clipped(const std::string& text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  size_t end = max_bytes;
+  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  return text.substr(0, end) + "...";
+}
+
+const char* json_type_name(JsonNode* node) {
+  switch (JSON_NODE_TYPE(node)) {
+    case JSON_NODE_OBJECT: return "an object";
+    case JSON_NODE_ARRAY: return "an array";
+    case JSON_NODE_NULL: return "null";
+    case JSON_NODE_VALUE: break;
+  }
+  const GType type = json_node_get_value_type(node);
+  if (type == G_TYPE_STRING) return "a string";
+  if (type == G_TYPE_BOOLEAN) return "a boolean";
+  if (type == G_TYPE_DOUBLE) return "a fractional number";
+  return "an integer";
+}
+
+// The JSON text of `node`, clipped: how an id of the wrong type is still echoed back, so that the
+// client can tell which request was refused.
+std::string json_text(JsonNode* node) {
+  std::unique_ptr<gchar, decltype(&g_free)> text(json_to_string(node, FALSE), g_free);
+  return clipped(text.get(), kMaxQueryIdBytes);
+}
+
+class RequestParser {
+ public:
+  RequestParser(const QueryLimits& limits) : limits_(limits) {}
+
+  QueryRequest parse(std::string_view message) {
+    if (message.empty()) reject("request is empty");
+    const gchar* bad = nullptr;
+    if (!g_utf8_validate(message.data(), static_cast<gssize>(message.size()), &bad))
+      reject("request is not valid UTF-8 (byte offset " + std::to_string(bad - message.data()) + ")");
+    const JsonBounds bounds{SIZE_MAX, kMaxRequestJsonDepth, kMaxRequestJsonValues};
+    const std::string violation = json_bounds_violation(message, bounds);
+    if (!violation.empty()) reject("request is not accepted: " + violation);
+
+    std::unique_ptr<JsonParser, decltype(&g_object_unref)> parser(json_parser_new(), g_object_unref);
+    GError* error = nullptr;
+    if (!json_parser_load_from_data(parser.get(), message.data(), static_cast<gssize>(message.size()), &error)) {
+      const std::string reason = std::string("request is not valid JSON: ") + error->message;
+      g_error_free(error);
+      reject(reason);
+    }
+    JsonNode* root = json_parser_get_root(parser.get());
+    if (!root || !JSON_NODE_HOLDS_OBJECT(root)) reject("request is not a JSON object");
+    object_ = json_node_get_object(root);
+
+    read_id();
+    read_modality();
+    read_k();
+    if (json_object_has_member(object_, "text")) {
+      request_.text = string_member("text", "a string");
+      if (request_.text.size() > limits_.max_text_bytes)
+        reject("text is " + std::to_string(request_.text.size()) + " bytes, more than max-text-bytes (" +
+               std::to_string(limits_.max_text_bytes) + ")");
+    } else if (json_object_has_member(object_, "image")) {
+      request_.image = string_member("image", "a string (a path or a file:// uri)");
+    } else {
+      request_.image_bytes = decode_base64(string_member("image_base64", "a string"));
+    }
+    return std::move(request_);
+  }
+
+ private:
+  [[noreturn]] void reject(std::string reason) { throw QueryRejected(std::move(reason), std::move(request_)); }
+
+  // The value of member `name`, rejected unless it is a non-empty string.
+  std::string string_member(const char* name, const char* expected) {
+    JsonNode* node = json_object_get_member(object_, name);
+    if (!JSON_NODE_HOLDS_VALUE(node) || json_node_get_value_type(node) != G_TYPE_STRING)
+      reject(std::string(name) + " must be " + expected + " (got " + json_type_name(node) + ")");
+    std::string value = json_node_get_string(node);
+    if (value.empty()) reject(std::string(name) + " is empty");
+    return value;
+  }
+
+  void read_id() {
+    JsonNode* id = json_object_get_member(object_, "id");
+    if (!id) reject("id is missing");
+    const bool string = JSON_NODE_HOLDS_VALUE(id) && json_node_get_value_type(id) == G_TYPE_STRING;
+    const bool integer = JSON_NODE_HOLDS_VALUE(id) && json_node_get_value_type(id) == G_TYPE_INT64;
+    if (!string && !integer) {
+      // Echoed as its JSON text, so that the answer still names it.
+      request_.id = json_text(id);
+      reject(std::string("id must be a string or an integer (got ") + json_type_name(id) + ")");
+    }
+    if (integer) {
+      request_.id = std::to_string(json_node_get_int(id));
+      return;
+    }
+    const std::string value = json_node_get_string(id);
+    request_.id = clipped(value, kMaxQueryIdBytes);
+    if (value.empty()) reject("id is empty");
+    if (value.size() > kMaxQueryIdBytes)
+      reject("id is " + std::to_string(value.size()) + " bytes, more than " + std::to_string(kMaxQueryIdBytes));
+  }
+
+  void read_modality() {
+    static const char* const kSources[] = {"text", "image", "image_base64"};
+    std::string present;
+    int count = 0;
+    for (const char* field : kSources) {
+      if (!json_object_has_member(object_, field)) continue;
+      present += (count ? " and " : "") + std::string(field);
+      if (count++ == 0) request_.modality = g_str_equal(field, "text") ? QueryModality::Text : QueryModality::Image;
+    }
+    if (count != 1)
+      reject("request needs exactly one of text, image, image_base64; it has " + (count ? present : "none"));
+  }
+
+  void read_k() {
+    JsonNode* k = json_object_get_member(object_, "k");
+    if (!k) return;
+    const bool integer = JSON_NODE_HOLDS_VALUE(k) && json_node_get_value_type(k) == G_TYPE_INT64;
+    const std::string range = "k must be an integer from " + std::to_string(kMinQueryK) + " to " +
+                              std::to_string(kMaxQueryK);
+    if (!integer) reject(range + " (got " + json_type_name(k) + ")");
+    const gint64 value = json_node_get_int(k);
+    if (value < kMinQueryK || value > kMaxQueryK) reject(range + " (got " + std::to_string(value) + ")");
+    request_.k = static_cast<int>(value);
+  }
+
+  // Decodes base64 (standard alphabet, '=' padding; whitespace such as the line breaks of
+  // base64(1) output is ignored). g_base64_decode skips invalid characters silently, so the
+  // text is checked first.
+  std::vector<uint8_t> decode_base64(const std::string& text) {
+    const std::string what = "image_base64 is not valid base64: ";
+    std::string compact;
+    compact.reserve(text.size());
+    size_t padding = 0;
+    for (size_t i = 0; i < text.size(); ++i) {
+      const char c = text[i];
+      if (g_ascii_isspace(c)) continue;
+      if (c == '=') {
+        ++padding;
+      } else if (g_ascii_isalnum(c) || c == '+' || c == '/') {
+        if (padding > 0) reject(what + "'=' padding before the end (offset " + std::to_string(i) + ")");
+      } else {
+        reject(what + "unexpected character " + quote(std::string(1, c)) + " at offset " + std::to_string(i));
+      }
+      compact.push_back(c);
+    }
+    if (compact.empty()) reject("image_base64 is empty");
+    if (compact.size() % 4 != 0 || padding > 2)
+      reject(what + "its length without whitespace (" + std::to_string(compact.size()) +
+             ") is not a multiple of 4 or it has more than two '=' at the end");
+    const uint64_t decoded = compact.size() / 4 * 3 - padding;
+    if (decoded > limits_.max_image_bytes)
+      reject("image_base64 decodes to " + std::to_string(decoded) + " bytes, more than max-image-bytes (" +
+             std::to_string(limits_.max_image_bytes) + ")");
+    gsize size = 0;
+    std::unique_ptr<guchar, decltype(&g_free)> data(g_base64_decode(compact.c_str(), &size), g_free);
+    return std::vector<uint8_t>(data.get(), data.get() + size);
+  }
+
+  const QueryLimits& limits_;
+  QueryRequest request_;
+  JsonObject* object_ = nullptr;
+};
+
+// True if the canonical `path` is `root` (canonical) or lies under it.
+bool is_within(const std::string& path, const std::string& root) {
+  return path.compare(0, root.size(), root) == 0 &&
+         (path.size() == root.size() || root.back() == '/' || path[root.size()] == '/');
+}
+
+// The local path an "image" value names: a path, or a file:// uri.
+std::string image_path(const std::string& image) {
+  if (image.find("://") == std::string::npos) return image;
+  if (image.rfind("file://", 0) != 0) throw Error("image " + quote(image) + " is neither a local path nor a file:// uri");
+  GError* error = nullptr;
+  gchar* path = g_filename_from_uri(image.c_str(), nullptr, &error);
+  if (!path) {
+    const std::string reason = "image " + quote(image) + " is not a valid file:// uri: " + error->message;
+    g_error_free(error);
+    throw Error(reason);
+  }
+  std::string result = path;
+  g_free(path);
+  return result;
+}
+
+// The canonical path of the file `path` names (the "image" value `image` as a local path),
+// refused unless it lies inside `root`. Relative paths are taken from the root, and resolving
+// ".." and symlinks before the check means neither can lead out of it.
+std::string confine_to_root(const std::string& image, const std::string& path, const std::string& root) {
+  const std::string outside = "image " + quote(image) + " is outside image-root";
+  const std::string full = g_path_is_absolute(path.c_str()) ? path : root + G_DIR_SEPARATOR_S + path;
+  if (char* real = realpath(full.c_str(), nullptr)) {
+    const std::string resolved = real;
+    free(real);
+    if (!is_within(resolved, root)) throw Error(outside);
+    return resolved;
+  }
+  const int error = errno;
+  // It does not resolve (a missing file or folder, a broken symlink, no permission): its nearest
+  // ancestor that exists (a symlink counts as existing) tells whether the failure happened inside
+  // the root. That ancestor must resolve inside the root for the real reason to be given; one that
+  // does not resolve is a broken symlink whose target is unknown, so it counts as outside.
+  std::string existing = full;
+  GStatBuf st;
+  while (g_lstat(existing.c_str(), &st) != 0) {
+    gchar* parent = g_path_get_dirname(existing.c_str());
+    existing = parent;
+    g_free(parent);
+  }
+  char* real = realpath(existing.c_str(), nullptr);
+  const bool inside = real && is_within(real, root);
+  free(real);
+  if (!inside) throw Error(outside);
+  throw Error("image " + quote(image) + " cannot be read: " + g_strerror(error));
+}
+
+}  // namespace
+
+QueryRequest parse_query_request(std::string_view message, const QueryLimits& limits) {
+  return RequestParser(limits).parse(message);
+}
+
+std::vector<uint8_t> read_query_image_file(const std::string& image, const std::string& root, uint64_t max_bytes) {
+  const std::string path = confine_to_root(image, image_path(image), root);
+  const std::string what = "image " + quote(image);
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) throw Error(what + " cannot be read: " + g_strerror(errno));
+  struct Closer {
+    int fd;
+    ~Closer() { close(fd); }
+  } closer{fd};
+  // What was opened must lie inside the root: a component swapped for a symlink after
+  // confine_to_root would show here.
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  char* opened = realpath(link.c_str(), nullptr);
+  const bool inside = opened && is_within(opened, root);
+  free(opened);
+  if (!inside) throw Error(what + " is outside image-root");
+  struct stat st;
+  if (fstat(fd, &st) != 0) throw Error(what + " cannot be read: " + g_strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw Error(what + " is not a regular file");
+  auto check_size = [&](uint64_t size) {
+    if (size == 0) throw Error(what + " is empty");
+    if (size > max_bytes)
+      throw Error(what + " is " + std::to_string(size) + " bytes, more than max-image-bytes (" +
+                  std::to_string(max_bytes) + ")");
+  };
+  check_size(static_cast<uint64_t>(st.st_size));
+  // Read to the end, but never past max_bytes + 1 (the file may grow while it is read).
+  std::vector<uint8_t> bytes(static_cast<size_t>(st.st_size) + 1);
+  size_t got = 0;
+  for (;;) {
+    if (got == bytes.size()) {
+      if (bytes.size() > max_bytes) break;
+      bytes.resize(std::min<size_t>(bytes.size() * 2, static_cast<size_t>(max_bytes) + 1));
+    }
+    const ssize_t n = read(fd, bytes.data() + got, bytes.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw Error(what + " cannot be read: " + g_strerror(errno));
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  bytes.resize(got);
+  check_size(bytes.size());
+  return bytes;
+}
+
+}  // namespace moe

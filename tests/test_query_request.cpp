@@ -1,0 +1,223 @@
+// Bounds on JSON from outside (moe::json_bounds_violation, applied by every engine parser) and
+// the request parser zmq-query uses (moe::parse_query_request, moe::read_query_image_file):
+// hostile inputs are refused with a reason that names the cause, never crash or cost much.
+#include <gtest/gtest.h>
+#include <glib/gstdio.h>
+#include <pthread.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <string>
+
+#include "moe/clip_config.h"
+#include "moe/error.h"
+#include "moe/json_bounds.h"
+#include "moe/query_request.h"
+#include "moe/tokenizer.h"
+#include "test_util.h"
+
+using moe::QueryRejected;
+using moe::QueryRequest;
+using moe::test::expect_error;
+using moe::test::TempDir;
+
+namespace {
+
+QueryRequest parse(const std::string& message, moe::QueryLimits limits = {}) {
+  return moe::parse_query_request(message, limits);
+}
+
+// The reason and the partial request of a refused message; fails the test if it is accepted.
+QueryRejected rejection(const std::string& message, moe::QueryLimits limits = {}) {
+  try {
+    parse(message, limits);
+  } catch (const QueryRejected& r) {
+    return r;
+  }
+  ADD_FAILURE() << "accepted: " << message.substr(0, 200);
+  return QueryRejected("", {});
+}
+
+void expect_rejected(const std::string& message, const std::string& reason_part, const std::string& id = "",
+                     moe::QueryLimits limits = {}) {
+  const QueryRejected r = rejection(message, limits);
+  EXPECT_NE(std::string(r.what()).find(reason_part), std::string::npos) << r.what();
+  EXPECT_EQ(r.request.id, id) << r.what();
+}
+
+// Runs `fn` in a child process whose stack is `stack_bytes` and whose address space is limited to
+// `memory_bytes`; true if it returned normally. A crash (stack overflow) or an allocation beyond
+// the limit fails it, so a test cannot pass by luck on a machine with much memory.
+template <typename Fn>
+bool runs_within(rlim_t stack_bytes, rlim_t memory_bytes, Fn&& fn) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const rlimit stack{stack_bytes, stack_bytes};
+    const rlimit memory{memory_bytes, memory_bytes};
+    setrlimit(RLIMIT_AS, &memory);
+    // The main thread's stack limit is read at exec; a thread gets exactly the size asked for.
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, stack.rlim_cur);
+    pthread_t thread;
+    static Fn* body;
+    body = &fn;
+    if (pthread_create(&thread, &attr, [](void*) -> void* {
+          try {
+            (*body)();
+          } catch (...) {
+          }
+          return nullptr;
+        }, nullptr) != 0)
+      _exit(2);
+    pthread_join(thread, nullptr);
+    _exit(0);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+}  // namespace
+
+TEST(JsonBounds, MeasuresDepthOutsideStringsOnly) {
+  const moe::JsonBounds bounds{1000, 3};
+  EXPECT_EQ(moe::json_bounds_violation(R"({"a":[{"b":1}]})", bounds), "");
+  EXPECT_NE(moe::json_bounds_violation(R"({"a":[{"b":[1]}]})", bounds).find("nested more than 3 levels deep (at byte 11)"),
+            std::string::npos);
+  // Brackets inside strings, escaped quotes included, do not count.
+  EXPECT_EQ(moe::json_bounds_violation(R"({"a":"[[[[[\"[[[[","b":["]]]]"]})", bounds), "");
+  // Closing brackets bring the depth back down.
+  EXPECT_EQ(moe::json_bounds_violation("[[[]],[[]],[[]]]", bounds), "");
+  EXPECT_NE(moe::json_bounds_violation(std::string(1001, ' '), bounds).find("1001 bytes (at most 1000)"),
+            std::string::npos);
+}
+
+TEST(JsonBounds, RefusesIntegersBeyond64Bits) {
+  const moe::JsonBounds bounds{1000, 8};
+  EXPECT_EQ(moe::json_bounds_violation("[9223372036854775807,-9223372036854775808,0,-0,007]", bounds), "");
+  EXPECT_NE(moe::json_bounds_violation(R"({"k": 1180591620717411303424})", bounds)
+                .find("the integer 1180591620717411303424 at byte 6 does not fit in 64 bits"),
+            std::string::npos);
+  EXPECT_NE(moe::json_bounds_violation("[9223372036854775808]", bounds), "");
+  EXPECT_NE(moe::json_bounds_violation("[-9223372036854775809]", bounds), "");
+  // Fractions and exponents are doubles, whatever their digits; numbers inside strings are text.
+  EXPECT_EQ(moe::json_bounds_violation("[1.5e99999999999999999999, 1180591620717411303424.0]", bounds), "");
+  EXPECT_EQ(moe::json_bounds_violation(R"(["1180591620717411303424"])", bounds), "");
+}
+
+TEST(JsonBounds, CountsValues) {
+  const moe::JsonBounds bounds{1000, 8, 4};
+  EXPECT_EQ(moe::json_bounds_violation("[1,2,3]", bounds), "");
+  EXPECT_NE(moe::json_bounds_violation("[1,2,3,4]", bounds).find("more than 4 values"), std::string::npos);
+  EXPECT_EQ(moe::json_bounds_violation(R"(["a,b,c,d,e"])", bounds), "");
+}
+
+// A model file nested 100,000 deep used to overflow the parsing thread's stack.
+TEST(JsonBounds, DeeplyNestedModelFileIsRefusedWithoutCrashing) {
+  TempDir dir;
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  const std::string config = dir.write("config.json", R"({"text_config": )" + deep + "}");
+  expect_error([&] { moe::ClipConfig::from_file(config); }, {config, "nested more than 64 levels deep"});
+  const std::string vocab = dir.write("vocab.json", deep);
+  const std::string merges = dir.write("merges.txt", "#version: 0.2\n");
+  expect_error([&] { moe::ClipTokenizer::from_files(vocab, merges); }, {vocab, "nested more than 64 levels deep"});
+  // The same file with the check bypassed would crash a 256 KiB stack: the check runs first.
+  EXPECT_TRUE(runs_within(256 << 10, rlim_t(4) << 30, [&] { moe::ClipConfig::from_file(config); }));
+}
+
+TEST(QueryRequest, ParsesTheThreeKinds) {
+  QueryRequest t = parse(R"({"id":"q1","text":"red mug","k":5})");
+  EXPECT_EQ(t.id, "q1");
+  EXPECT_EQ(t.modality, moe::QueryModality::Text);
+  EXPECT_EQ(t.text, "red mug");
+  EXPECT_EQ(t.k, 5);
+  QueryRequest i = parse(R"({"id":2,"image":"mug.jpg"})");
+  EXPECT_EQ(i.id, "2");
+  EXPECT_EQ(i.modality, moe::QueryModality::Image);
+  EXPECT_EQ(i.image, "mug.jpg");
+  EXPECT_EQ(i.k, 0);
+  QueryRequest b = parse(R"({"id":"q3","image_base64":"aGVs\nbG8="})");
+  EXPECT_EQ(std::string(b.image_bytes.begin(), b.image_bytes.end()), "hello");
+}
+
+// 100,000 '[' used to overflow json-glib's recursive parser in the service's streaming thread.
+TEST(QueryRequest, DeepNestingIsRefusedBeforeParsing) {
+  expect_rejected(std::string(100000, '['), "nested more than 32 levels deep");
+  expect_rejected(R"({"id":"d","text":"x","extra":)" + std::string(50, '[') + std::string(50, ']') + "}",
+                  "nested more than 32 levels deep");
+  const std::string bomb = std::string(1000000, '[');
+  EXPECT_TRUE(runs_within(256 << 10, rlim_t(2) << 30, [&] { parse(bomb); }));
+}
+
+TEST(QueryRequest, ManyValuesAreRefused) {
+  std::string wide = R"({"id":"w","text":"x","pad":[)";
+  for (int i = 0; i < 100000; ++i) wide += "0,";
+  wide += "0]}";
+  expect_rejected(wide, "more than 64 values");
+}
+
+TEST(QueryRequest, TextLongerThanTheLimitIsRefused) {
+  moe::QueryLimits limits;
+  limits.max_text_bytes = 10;
+  EXPECT_EQ(parse(R"({"id":"a","text":"0123456789"})", limits).text, "0123456789");
+  expect_rejected(R"({"id":"a","text":"01234567890"})", "text is 11 bytes, more than max-text-bytes (10)", "a",
+                  limits);
+  expect_rejected(R"({"id":"big","text":")" + std::string(10 << 20, 'a') + "\"}",
+                  "text is 10485760 bytes, more than max-text-bytes (4096)", "big");
+}
+
+TEST(QueryRequest, KIsAnIntegerInRange) {
+  expect_rejected(R"({"id":"k","text":"x","k":0})", "k must be an integer from 1 to 1024 (got 0)", "k");
+  expect_rejected(R"({"id":"k","text":"x","k":1025})", "(got 1025)", "k");
+  expect_rejected(R"({"id":"k","text":"x","k":2.5})", "(got a fractional number)", "k");
+  expect_rejected(R"({"id":"k","text":"x","k":"5"})", "(got a string)", "k");
+  // 2**70 used to be reported as "(got -1)": json-glib wraps it. Refused before parsing, naming it.
+  expect_rejected(R"({"id":"k","text":"x","k":1180591620717411303424})",
+                  "the integer 1180591620717411303424 at byte 25 does not fit in 64 bits");
+}
+
+TEST(QueryRequest, IdOfTheWrongTypeIsEchoedAsItsJson) {
+  expect_rejected(R"({"id":[1,"a"],"text":"x"})", "id must be a string or an integer (got an array)", "[1,\"a\"]");
+  expect_rejected(R"({"id":true,"text":"x"})", "(got a boolean)", "true");
+  expect_rejected(R"({"id":null,"text":"x"})", "(got null)", "null");
+  expect_rejected(R"({"id":"","text":"x"})", "id is empty");
+  const std::string long_id(300, 'i');
+  const QueryRejected r = rejection(R"({"id":")" + long_id + R"(","text":"x"})");
+  EXPECT_NE(std::string(r.what()).find("id is 300 bytes, more than 256"), std::string::npos) << r.what();
+  EXPECT_EQ(r.request.id, std::string(256, 'i') + "...");
+}
+
+TEST(QueryRequest, MalformedMessagesNameTheirCause) {
+  expect_rejected("", "request is empty");
+  expect_rejected("\xff\xfe{}", "not valid UTF-8 (byte offset 0)");
+  expect_rejected("[1,2]", "not a JSON object");
+  expect_rejected(R"({"id":"x","text":"a","image":"b"})", "exactly one of text, image, image_base64; it has text and image",
+                  "x");
+  expect_rejected(R"({"id":"x"})", "it has none", "x");
+  expect_rejected(R"({"id":"x","text":5})", "text must be a string (got an integer)", "x");
+  expect_rejected(R"({"id":"x","image_base64":"a$=="})", "unexpected character '$' at offset 1", "x");
+  moe::QueryLimits limits;
+  limits.max_image_bytes = 4;
+  expect_rejected(R"({"id":"x","image_base64":"aGVsbG8="})", "decodes to 5 bytes, more than max-image-bytes (4)", "x",
+                  limits);
+}
+
+TEST(QueryRequest, ImageFilesAreReadOnlyInsideTheRoot) {
+  TempDir dir;
+  const std::string root = dir.path() + "/root";
+  g_mkdir(root.c_str(), 0755);
+  dir.write("root/a.png", "png!");
+  dir.write("secret.png", "nope");
+  char* real = realpath(root.c_str(), nullptr);
+  const std::string canonical = real;
+  free(real);
+  const std::vector<uint8_t> bytes = moe::read_query_image_file("a.png", canonical, 100);
+  EXPECT_EQ(std::string(bytes.begin(), bytes.end()), "png!");
+  expect_error([&] { moe::read_query_image_file("../secret.png", canonical, 100); }, {"'../secret.png' is outside image-root"});
+  expect_error([&] { moe::read_query_image_file("../missing.png", canonical, 100); }, {"is outside image-root"});
+  expect_error([&] { moe::read_query_image_file("missing.png", canonical, 100); }, {"'missing.png' cannot be read"});
+  expect_error([&] { moe::read_query_image_file("a.png", canonical, 3); }, {"4 bytes, more than max-image-bytes (3)"});
+  expect_error([&] { moe::read_query_image_file("http://x/a.png", canonical, 100); }, {"neither a local path nor"});
+}
