@@ -164,8 +164,21 @@ TEST(QueryRequest, TextLongerThanTheLimitIsRefused) {
   EXPECT_EQ(parse(R"({"id":"a","text":"0123456789"})", limits).text, "0123456789");
   expect_rejected(R"({"id":"a","text":"01234567890"})", "text is 11 bytes, more than max-text-bytes (10)", "a",
                   limits);
-  expect_rejected(R"({"id":"big","text":")" + std::string(10 << 20, 'a') + "\"}",
-                  "text is 10485760 bytes, more than max-text-bytes (4096)", "big");
+  const QueryRejected big = rejection(R"({"id":"big","text":")" + std::string(10 << 20, 'a') + "\"}");
+  EXPECT_NE(std::string(big.what()).find("text is 10485760 bytes, more than max-text-bytes (4096)"), std::string::npos);
+  // The refused request's record, which the error document echoes, does not keep the text.
+  EXPECT_EQ(big.request.id, "big");
+  EXPECT_EQ(big.request.text, "");
+  const QueryRejected path = rejection(R"({"id":"p","image":")" + std::string(5000, 'p') + "\"}");
+  EXPECT_NE(std::string(path.what()).find("image is 5000 bytes, longer than a path may be (4096)"), std::string::npos);
+  EXPECT_EQ(path.request.image, "");
+}
+
+TEST(QueryRequest, ClipsEchoesAtCharacterBoundaries) {
+  EXPECT_EQ(moe::clip_utf8("abc", 3), "abc");
+  EXPECT_EQ(moe::clip_utf8("abcd", 3), "abc...");
+  // "é" is two bytes: a cut inside it moves back to its start.
+  EXPECT_EQ(moe::clip_utf8("ab\xc3\xa9", 3), "ab...");
 }
 
 TEST(QueryRequest, KIsAnIntegerInRange) {

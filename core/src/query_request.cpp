@@ -22,14 +22,6 @@ constexpr size_t kMaxRequestJsonValues = 64;
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
-// `text` cut to at most `max_bytes` bytes at a UTF-8 character boundary, "..." appended when cut.
-std::string clipped(const std::string& text, size_t max_bytes) {
-  if (text.size() <= max_bytes) return text;
-  size_t end = max_bytes;
-  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
-  return text.substr(0, end) + "...";
-}
-
 const char* json_type_name(JsonNode* node) {
   switch (JSON_NODE_TYPE(node)) {
     case JSON_NODE_OBJECT: return "an object";
@@ -48,7 +40,7 @@ const char* json_type_name(JsonNode* node) {
 // client can tell which request was refused.
 std::string json_text(JsonNode* node) {
   std::unique_ptr<gchar, decltype(&g_free)> text(json_to_string(node, FALSE), g_free);
-  return clipped(text.get(), kMaxQueryIdBytes);
+  return clip_utf8(text.get(), kMaxQueryIdBytes);
 }
 
 class RequestParser {
@@ -78,13 +70,19 @@ class RequestParser {
     read_id();
     read_modality();
     read_k();
+    // Sizes are checked before a value is kept: a refused request's record is echoed back.
     if (json_object_has_member(object_, "text")) {
-      request_.text = string_member("text", "a string");
-      if (request_.text.size() > limits_.max_text_bytes)
-        reject("text is " + std::to_string(request_.text.size()) + " bytes, more than max-text-bytes (" +
+      std::string text = string_member("text", "a string");
+      if (text.size() > limits_.max_text_bytes)
+        reject("text is " + std::to_string(text.size()) + " bytes, more than max-text-bytes (" +
                std::to_string(limits_.max_text_bytes) + ")");
+      request_.text = std::move(text);
     } else if (json_object_has_member(object_, "image")) {
-      request_.image = string_member("image", "a string (a path or a file:// uri)");
+      std::string image = string_member("image", "a string (a path or a file:// uri)");
+      if (image.size() > kMaxQueryImagePathBytes)
+        reject("image is " + std::to_string(image.size()) + " bytes, longer than a path may be (" +
+               std::to_string(kMaxQueryImagePathBytes) + ")");
+      request_.image = std::move(image);
     } else {
       request_.image_bytes = decode_base64(string_member("image_base64", "a string"));
     }
@@ -119,7 +117,7 @@ class RequestParser {
       return;
     }
     const std::string value = json_node_get_string(id);
-    request_.id = clipped(value, kMaxQueryIdBytes);
+    request_.id = clip_utf8(value, kMaxQueryIdBytes);
     if (value.empty()) reject("id is empty");
     if (value.size() > kMaxQueryIdBytes)
       reject("id is " + std::to_string(value.size()) + " bytes, more than " + std::to_string(kMaxQueryIdBytes));
@@ -242,6 +240,13 @@ std::string confine_to_root(const std::string& image, const std::string& path, c
 }
 
 }  // namespace
+
+std::string clip_utf8(const std::string& text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return text;
+  size_t end = max_bytes;
+  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  return text.substr(0, end) + "...";
+}
 
 QueryRequest parse_query_request(std::string_view message, const QueryLimits& limits) {
   return RequestParser(limits).parse(message);

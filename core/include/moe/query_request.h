@@ -26,6 +26,10 @@ constexpr int kMinQueryK = 1;
 constexpr int kMaxQueryK = 1024;
 // Ids are echoed in every answer: longer ones are refused.
 constexpr size_t kMaxQueryIdBytes = 256;
+// Paths longer than PATH_MAX cannot name a file.
+constexpr size_t kMaxQueryImagePathBytes = 4096;
+// How much of a query text or image value an answer echoes back.
+constexpr size_t kMaxEchoedQueryBytes = 1024;
 // CLIP reads 77 tokens, a few hundred bytes of text; the default bound leaves ample room and
 // keeps a request's tokenising cost and its echo small.
 constexpr size_t kDefaultMaxQueryTextBytes = 4096;
@@ -66,6 +70,9 @@ QueryRequest parse_query_request(std::string_view message, const QueryLimits& li
 // resolved path. The file is opened once and checked through its descriptor, so a path swapped
 // after the check cannot lead out and a FIFO cannot block. Throws moe::Error.
 std::vector<uint8_t> read_query_image_file(const std::string& image, const std::string& root, uint64_t max_bytes);
+
+// `text` cut to at most `max_bytes` bytes at a UTF-8 character boundary, "..." appended when cut.
+std::string clip_utf8(const std::string& text, size_t max_bytes);
 
 // The size of the largest image_base64 request for an image of `image_bytes` bytes: 4 characters
 // per 3 bytes, a line break after every 76 characters (as base64(1) writes them) that JSON
