@@ -188,7 +188,9 @@ TEST(QueryRequest, KIsAnIntegerInRange) {
   expect_rejected(R"({"id":"k","text":"x","k":"5"})", "(got a string)", "k");
   // 2**70 used to be reported as "(got -1)": json-glib wraps it. Refused before parsing, naming it.
   expect_rejected(R"({"id":"k","text":"x","k":1180591620717411303424})",
-                  "the integer 1180591620717411303424 at byte 25 does not fit in 64 bits");
+                  "the integer 1180591620717411303424 at byte 25 does not fit in 64 bits", "k");
+  // An id beyond 64 bits cannot be echoed as read: refused before it is kept.
+  expect_rejected(R"({"id":18446744073709551615,"text":"x"})", "the integer 18446744073709551615 at byte 6");
 }
 
 TEST(QueryRequest, IdOfTheWrongTypeIsEchoedAsItsJson) {

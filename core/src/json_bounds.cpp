@@ -52,7 +52,7 @@ std::string json_bounds_violation(std::string_view text, const JsonBounds& bound
       size_t end = i + (c == '-' ? 1 : 0);
       while (end < text.size() && text[end] >= '0' && text[end] <= '9') ++end;
       const bool fraction = end < text.size() && (text[end] == '.' || text[end] == 'e' || text[end] == 'E');
-      if (!fraction && !fits_int64(text.substr(start, end - start)))
+      if (bounds.refuse_wide_integers && !fraction && !fits_int64(text.substr(start, end - start)))
         return "the integer " + std::string(text.substr(start, std::min<size_t>(end - start, 40))) +
                (end - start > 40 ? "..." : "") + " at byte " + std::to_string(start) + " does not fit in 64 bits";
       // Skip the whole number, its fraction and exponent included.

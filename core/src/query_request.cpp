@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <climits>
 #include <cstdlib>
 #include <memory>
 
@@ -52,9 +53,11 @@ class RequestParser {
     const gchar* bad = nullptr;
     if (!g_utf8_validate(message.data(), static_cast<gssize>(message.size()), &bad))
       reject("request is not valid UTF-8 (byte offset " + std::to_string(bad - message.data()) + ")");
-    const JsonBounds bounds{SIZE_MAX, kMaxRequestJsonDepth, kMaxRequestJsonValues};
-    const std::string violation = json_bounds_violation(message, bounds);
-    if (!violation.empty()) reject("request is not accepted: " + violation);
+    // Depth and size first: beyond them JSON-GLib must not run. Integers beyond 64 bits are
+    // safe to parse (JSON-GLib wraps them), so they are refused once the id is known.
+    const JsonBounds shape{SIZE_MAX, kMaxRequestJsonDepth, kMaxRequestJsonValues, false};
+    std::string violation = json_bounds_violation(message, shape);
+    if (!violation.empty()) reject("request is refused: " + violation);
 
     std::unique_ptr<JsonParser, decltype(&g_object_unref)> parser(json_parser_new(), g_object_unref);
     GError* error = nullptr;
@@ -67,6 +70,14 @@ class RequestParser {
     if (!root || !JSON_NODE_HOLDS_OBJECT(root)) reject("request is not a JSON object");
     object_ = json_node_get_object(root);
 
+    violation = json_bounds_violation(message, JsonBounds{SIZE_MAX, INT_MAX});
+    if (!violation.empty()) {
+      // A string id is still echoed (an integer one may be the wrapped number).
+      JsonNode* id = json_object_get_member(object_, "id");
+      if (id && JSON_NODE_HOLDS_VALUE(id) && json_node_get_value_type(id) == G_TYPE_STRING)
+        request_.id = clip_utf8(json_node_get_string(id), kMaxQueryIdBytes);
+      reject("request is refused: " + violation);
+    }
     read_id();
     read_modality();
     read_k();

@@ -22,6 +22,9 @@ struct JsonBounds {
   // brackets outside strings, plus one: each value costs the parser about 100 bytes, so a
   // megabyte of "[0,0,0,..." would otherwise cost a hundred.
   size_t max_values = SIZE_MAX;
+  // Refuse integers beyond 64 bits. A parser that wants to read some members (a request's id)
+  // before refusing such a number checks the rest first with this off, and it alone afterwards.
+  bool refuse_wide_integers = true;
 };
 
 // Model and catalog files: configs nest 3-4 levels, tokenizer.json about 5. 64 levels is far
