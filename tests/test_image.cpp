@@ -1,9 +1,14 @@
 // CLIP image preprocessing: compared with transformers.CLIPImageProcessor output recorded in
 // tests/fixtures/preprocess.safetensors, plus unit checks of the Pillow-exact bicubic resize.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -23,6 +28,16 @@ namespace {
 
 moe::ImageView view_of(const std::vector<uint8_t>& px, int w, int h) {
   return moe::ImageView{px.data(), w, h, static_cast<size_t>(w) * 3};
+}
+
+// Caps this process's address space at what it uses now plus `headroom` bytes, so that a large
+// allocation throws bad_alloc instead of succeeding. For death-test children only.
+void limit_address_space(size_t headroom) {
+  size_t pages = 0;
+  std::ifstream("/proc/self/statm") >> pages;
+  const rlim_t cap = static_cast<rlim_t>(pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE)) + headroom;
+  const rlimit limit{cap, cap};
+  if (setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(3);
 }
 
 TEST(ClipImagePreprocess, MatchesHuggingFaceFixture) {
@@ -155,6 +170,100 @@ TEST(ClipImagePreprocess, SmallImageIsZeroPaddedWhenNotResized) {
       }
 }
 
+// What preprocess_clip_image computed before it resized only the crop: the whole image resized,
+// then HF's centre crop (zero padding outside), as uint8 values.
+std::vector<float> resize_whole_then_crop(const moe::ImageView& image, const moe::ImagePreprocessConfig& cfg) {
+  const auto [rw, rh] = moe::resized_size(cfg, image.width, image.height);
+  const auto [ow, oh] = moe::preprocess_output_size(cfg, image.width, image.height);
+  const std::vector<uint8_t> resized = moe::resize_bicubic_rgb8(image, rw, rh);  // identity when same size
+  const int top = cfg.do_center_crop ? static_cast<int>(std::floor((rh - oh) / 2.0)) : 0;
+  const int left = cfg.do_center_crop ? static_cast<int>(std::floor((rw - ow) / 2.0)) : 0;
+  std::vector<float> out(static_cast<size_t>(3 * ow * oh), 0.0f);
+  for (int c = 0; c < 3; ++c)
+    for (int y = 0; y < oh; ++y)
+      for (int x = 0; x < ow; ++x) {
+        const int sy = y + top, sx = x + left;
+        if (sy >= 0 && sy < rh && sx >= 0 && sx < rw)
+          out[static_cast<size_t>((c * oh + y) * ow + x)] = resized[static_cast<size_t>((sy * rw + sx) * 3 + c)];
+      }
+  return out;
+}
+
+TEST(ClipImagePreprocess, ResizingOnlyTheCropEqualsResizingWholeThenCropping) {
+  std::mt19937 rng(20240611);
+  auto uniform = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  std::vector<std::pair<int, int>> sizes;
+  for (int n : {1, 2, 3, 7, 97, 500}) sizes.insert(sizes.end(), {{1, n}, {n, 1}, {2, n}, {n, 3}});
+  for (int i = 0; i < 300; ++i) sizes.emplace_back(uniform(1, 64), uniform(1, 64));
+  int compared = 0;
+  for (const auto& [w, h] : sizes) {
+    moe::ImagePreprocessConfig cfg;
+    cfg.do_rescale = cfg.do_normalize = false;  // the output is then the uint8 values themselves
+    cfg.shortest_edge = uniform(1, 40);         // down- and upscaling, odd and even
+    cfg.crop_width = uniform(1, 40);            // crops inside and larger than the resized image
+    cfg.crop_height = uniform(1, 40);
+    if (uniform(0, 9) == 0) cfg.do_resize = false;
+    if (uniform(0, 9) == 0) cfg.do_center_crop = false;
+    if (uniform(0, 9) == 0) {  // HF's {"height", "width"} size
+      cfg.resize_width = uniform(1, 40);
+      cfg.resize_height = uniform(1, 40);
+    }
+    // A padded row stride: the unresized path reads the crop in place.
+    const size_t stride = static_cast<size_t>(w) * 3 + static_cast<size_t>(uniform(0, 5));
+    std::vector<uint8_t> px(stride * static_cast<size_t>(h));
+    for (uint8_t& v : px) v = static_cast<uint8_t>(uniform(0, 255));
+    const moe::ImageView image{px.data(), w, h, stride};
+
+    const std::vector<float> want = resize_whole_then_crop(image, cfg);
+    std::vector<float> got(want.size(), -1.0f);
+    moe::preprocess_clip_image(image, cfg, got.data());
+    ASSERT_EQ(got, want) << w << "x" << h << " shortest_edge " << cfg.shortest_edge << " crop " << cfg.crop_width
+                         << "x" << cfg.crop_height << " do_resize " << cfg.do_resize << " do_center_crop "
+                         << cfg.do_center_crop << " resize " << cfg.resize_width << "x" << cfg.resize_height;
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(sizes.size()));
+}
+
+TEST(ClipImagePreprocess, ExtremeAspectRatioNeedsOnlyTheCropsMemory) {
+  // 1x100000 resizes to 224x22400000: 15 GB as RGB8 when resized whole. Only the 224x224 crop
+  // is computed, so it fits in 256 MB more than the process holds.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        limit_address_space(256u << 20);
+        const moe::ImagePreprocessConfig cfg;
+        std::vector<float> out(3 * 224 * 224);
+        for (const auto& [w, h] : {std::pair{1, 100000}, std::pair{100000, 1}}) {
+          std::vector<uint8_t> px(static_cast<size_t>(w) * h * 3);
+          for (size_t i = 0; i < px.size(); ++i) px[i] = static_cast<uint8_t>(i * 7 + i / 300);
+          moe::preprocess_clip_image(view_of(px, w, h), cfg, out.data());
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+TEST(ClipImagePreprocess, RefusesSizesBeyondTheLimits) {
+  moe::ImagePreprocessConfig cfg;
+  cfg.shortest_edge = moe::kMaxPreprocessSize + 1;
+  expect_error([&] { moe::resized_size(cfg, 640, 480); }, {"shortest_edge", "4097", "1..4096"});
+  cfg = {};
+  cfg.resize_width = 100;
+  cfg.resize_height = 1 << 20;
+  expect_error([&] { moe::resized_size(cfg, 640, 480); }, {"resize_height", "1048576", "1..4096"});
+  cfg = {};
+  cfg.crop_width = 1 << 20;
+  expect_error([&] { moe::preprocess_output_size(cfg, 640, 480); }, {"crop_width", "1048576", "1..4096"});
+  // The resized image's long side must fit kMaxResizedSide: 224 * 20000000 does not.
+  cfg = {};
+  expect_error([&] { moe::resized_size(cfg, 1, 20000000); }, {"1x20000000", "4480000000", "limit of 2147483647"});
+  // Without a centre crop the whole resized image is the output.
+  cfg.do_center_crop = false;
+  expect_error([&] { moe::preprocess_output_size(cfg, 1, 100000); }, {"224x22400000", "1x100000", "16777216"});
+  EXPECT_EQ(moe::preprocess_output_size(cfg, 100, 200), std::make_pair(224, 448));
+}
+
 // A temporary model folder whose preprocessor_config.json a test rewrites.
 class ConfigDir {
  public:
@@ -207,6 +316,15 @@ TEST(ImagePreprocessConfig, RejectsUnsupportedValues) {
   expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "size"});
   dir.write(R"({"crop_size": -3})");
   expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "crop_size"});
+  // Absurd sizes, in each form the file may give them: 2^20 on a square image asked for 4.4 TB.
+  for (const char* json :
+       {R"({"size": {"shortest_edge": 1048576}})", R"({"size": 1048576})", R"({"size": {"height": 224, "width": 4097}})",
+        R"({"crop_size": 100000})", R"({"crop_size": {"height": 100000, "width": 224}})"}) {
+    dir.write(json);
+    expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "1..4096"});
+  }
+  dir.write(R"({"size": {"shortest_edge": 4096}, "crop_size": 4096})");  // the limit itself is accepted
+  EXPECT_EQ(moe::ImagePreprocessConfig::from_directory(dir.path()).shortest_edge, 4096);
   dir.write("{not json");
   expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "invalid JSON"});
 }
@@ -223,6 +341,36 @@ std::vector<uint8_t> pattern(int w, int h, int channels) {
   std::vector<uint8_t> px(static_cast<size_t>(w) * h * channels);
   for (size_t i = 0; i < px.size(); ++i) px[i] = static_cast<uint8_t>(i * 37 + i / 5);
   return px;
+}
+
+// A baseline grayscale JPEG of w x h pixels (multiples of 8), every pixel 128: each 8x8 block is
+// a DC difference of 0 and an end-of-block, coded with one-code Huffman tables. Written by hand,
+// like png_file, so that a test knows where each part lies.
+std::vector<uint8_t> gray_jpeg_file(int w, int h) {
+  std::vector<uint8_t> jpeg = {0xFF, 0xD8};  // start of image
+  auto segment = [&](uint8_t marker, std::vector<uint8_t> body) {
+    const size_t length = body.size() + 2;
+    jpeg.insert(jpeg.end(), {0xFF, marker, static_cast<uint8_t>(length >> 8), static_cast<uint8_t>(length)});
+    jpeg.insert(jpeg.end(), body.begin(), body.end());
+  };
+  std::vector<uint8_t> quant(65, 1);  // table 0, 8-bit, every step 1
+  quant[0] = 0;
+  segment(0xDB, quant);
+  segment(0xC0, {8, static_cast<uint8_t>(h >> 8), static_cast<uint8_t>(h), static_cast<uint8_t>(w >> 8),
+                 static_cast<uint8_t>(w), 1, 1, 0x11, 0});  // 8-bit, one component, quant table 0
+  for (uint8_t table : {0x00, 0x10}) {  // DC table 0, AC table 0
+    std::vector<uint8_t> huffman(17, 0);
+    huffman[0] = table;
+    huffman[1] = 1;            // one code of length 1 ("0")
+    huffman.push_back(0x00);   // for DC category 0 (difference 0) / AC end-of-block
+    segment(0xC4, huffman);
+  }
+  segment(0xDA, {1, 1, 0x00, 0, 63, 0});  // start of scan: component 1, tables 0/0
+  const size_t bits = static_cast<size_t>(w / 8) * static_cast<size_t>(h / 8) * 2;  // "0" "0" per block
+  jpeg.insert(jpeg.end(), bits / 8, 0x00);
+  if (bits % 8 != 0) jpeg.push_back(static_cast<uint8_t>(0xFF >> (bits % 8)));  // padded with 1 bits
+  jpeg.insert(jpeg.end(), {0xFF, 0xD9});  // end of image
+  return jpeg;
 }
 
 TEST(DecodeImage, PngRoundTripGivesExactPixels) {
@@ -274,9 +422,45 @@ TEST(DecodeImage, BadDataErrorsNameTheImage) {
 }
 
 TEST(DecodeImage, RefusesHugeCanvasBeforeDecoding) {
-  // A 20000 x 20000 header (400 megapixels) followed by one row of data.
-  const std::vector<uint8_t> png = png_file(20000, 20000, 3, std::vector<uint8_t>(1 + 20000 * 3, 0));
-  expect_error([&] { moe::decode_image(png.data(), png.size(), "bomb.png"); }, {"bomb.png", "20000x20000", "limit"});
+  // Headers of 20000 x 20000 (400 megapixels) and 100000 x 100000 (30 GB of RGB) followed by one
+  // row of data: refused from the header (the loaders' size-prepared signal), as nothing else
+  // could be decoded from so little data.
+  for (const int side : {20000, 100000}) {
+    const std::vector<uint8_t> png = png_file(side, side, 3, std::vector<uint8_t>(1 + static_cast<size_t>(side) * 3, 0));
+    expect_error([&] { moe::decode_image(png.data(), png.size(), "bomb.png"); },
+                 {"bomb.png", std::to_string(side) + "x" + std::to_string(side), "limit"});
+  }
+  // One side too long, few pixels in all.
+  const int side = moe::kMaxDecodedImageSide + 1;
+  const std::vector<uint8_t> wide = png_file(side, 1, 3, std::vector<uint8_t>(1 + static_cast<size_t>(side) * 3, 0));
+  expect_error([&] { moe::decode_image(wide.data(), wide.size(), "wide.png"); },
+               {"wide.png", std::to_string(side) + "x1", "limit of " + std::to_string(moe::kMaxDecodedImageSide)});
+  // A long side within the limit decodes (preprocessing resizes only its centre crop).
+  const std::vector<uint8_t> tall = make_png(pattern(1, 100000, 3), 1, 100000, 3);
+  EXPECT_EQ(moe::decode_image(tall.data(), tall.size(), "tall.png").height, 100000);
+}
+
+TEST(DecodeImage, RefusesPngWithoutIend) {
+  const std::vector<uint8_t> png = make_png(pattern(6, 5, 3), 6, 5, 3);
+  // Every row is there, the IEND chunk (the last 12 bytes) is not.
+  expect_error([&] { moe::decode_image(png.data(), png.size() - 12, "noend.png"); }, {"noend.png", "truncated", "IEND"});
+  expect_error([&] { moe::decode_image(png.data(), png.size() - 1, "cut.png"); }, {"cut.png", "IEND"});
+  // Bytes after IEND are ignored, as PIL ignores them.
+  std::vector<uint8_t> trailing = png;
+  trailing.insert(trailing.end(), {'j', 'u', 'n', 'k'});
+  EXPECT_EQ(moe::decode_image(trailing.data(), trailing.size(), "trailing.png").pixels, pattern(6, 5, 3));
+}
+
+TEST(DecodeImage, RefusesTruncatedJpeg) {
+  const std::vector<uint8_t> jpeg = gray_jpeg_file(256, 64);  // 256 blocks: a 64-byte scan
+  const moe::RgbImage whole = moe::decode_image(jpeg.data(), jpeg.size(), "gray.jpg");
+  ASSERT_EQ(whole.width, 256);
+  ASSERT_EQ(whole.height, 64);
+  EXPECT_TRUE(std::all_of(whole.pixels.begin(), whole.pixels.end(), [](uint8_t v) { return v == 128; }));
+  // Without the end-of-image marker, cut inside the scan, cut before the scan.
+  const size_t scan = jpeg.size() - 2 - 64;
+  for (const size_t size : {jpeg.size() - 2, scan + 32, scan - 4, size_t{20}})
+    expect_error([&] { moe::decode_image(jpeg.data(), size, "cut.jpg"); }, {"cut.jpg", "truncated"});
 }
 
 TEST(DecodeImage, FilesAreReadAndMissingOnesNamed) {

@@ -7,7 +7,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 
 #include "json_util.h"
 #include "moe/error.h"
@@ -46,16 +45,18 @@ double bicubic_filter(double x) {
   return 0.0;
 }
 
-// Per output position along one axis: the first input index, the number of taps and the
-// fixed-point weights (Pillow's precompute_coeffs + normalize_coeffs_8bpc).
+// For the output positions [begin, begin + count) along one axis: the first input index, the
+// number of taps and the fixed-point weights (Pillow's precompute_coeffs +
+// normalize_coeffs_8bpc). A position's coefficients depend only on the input and output sizes,
+// so computing a range of them gives the same values as computing all.
 struct AxisCoeffs {
   int ksize = 0;
-  std::vector<int> first;  // first input index per output index
-  std::vector<int> count;  // taps per output index
-  std::vector<int32_t> k;  // out_size * ksize weights, zero past `count`
+  std::vector<int> first;  // first input index per output position in the range
+  std::vector<int> count;  // taps per output position
+  std::vector<int32_t> k;  // count * ksize weights, zero past `count`
 };
 
-AxisCoeffs precompute_coeffs(int in_size, int out_size) {
+AxisCoeffs precompute_coeffs(int in_size, int out_size, int out_begin, int out_count) {
   constexpr double kSupport = 2.0;  // bicubic
   const double scale = static_cast<double>(in_size) / out_size;
   // Downscaling widens the kernel so every input pixel contributes (antialiasing).
@@ -63,11 +64,12 @@ AxisCoeffs precompute_coeffs(int in_size, int out_size) {
   const double support = kSupport * filterscale;
   AxisCoeffs c;
   c.ksize = static_cast<int>(std::ceil(support)) * 2 + 1;
-  c.first.resize(static_cast<size_t>(out_size));
-  c.count.resize(static_cast<size_t>(out_size));
-  c.k.assign(static_cast<size_t>(out_size) * static_cast<size_t>(c.ksize), 0);
+  c.first.resize(static_cast<size_t>(out_count));
+  c.count.resize(static_cast<size_t>(out_count));
+  c.k.assign(static_cast<size_t>(out_count) * static_cast<size_t>(c.ksize), 0);
   std::vector<double> w(static_cast<size_t>(c.ksize));
-  for (int xx = 0; xx < out_size; ++xx) {
+  for (int i = 0; i < out_count; ++i) {
+    const int xx = out_begin + i;
     const double center = (xx + 0.5) * scale;
     const double ss = 1.0 / filterscale;
     // (int) truncation after + 0.5 is Pillow's rounding, kept as is.
@@ -82,7 +84,7 @@ AxisCoeffs precompute_coeffs(int in_size, int out_size) {
       w[static_cast<size_t>(x)] = v;
       ww += v;
     }
-    int32_t* k = &c.k[static_cast<size_t>(xx) * static_cast<size_t>(c.ksize)];
+    int32_t* k = &c.k[static_cast<size_t>(i) * static_cast<size_t>(c.ksize)];
     for (int x = 0; x < xmax; ++x) {
       double v = w[static_cast<size_t>(x)];
       if (ww != 0.0) v /= ww;
@@ -90,8 +92,8 @@ AxisCoeffs precompute_coeffs(int in_size, int out_size) {
       k[x] = v < 0 ? static_cast<int32_t>(-0.5 + v * (1 << kPrecisionBits))
                    : static_cast<int32_t>(0.5 + v * (1 << kPrecisionBits));
     }
-    c.first[static_cast<size_t>(xx)] = xmin;
-    c.count[static_cast<size_t>(xx)] = xmax;
+    c.first[static_cast<size_t>(i)] = xmin;
+    c.count[static_cast<size_t>(i)] = xmax;
   }
   return c;
 }
@@ -105,49 +107,54 @@ inline uint8_t clip8(int32_t v) {
 // Python's floor division by 2 (HF's centre-crop offsets can be negative when padding).
 int floor_half(int v) { return v >= 0 ? v / 2 : -((-v + 1) / 2); }
 
-}  // namespace
+// A rectangle of output pixels, inside the output image.
+struct PixelRect {
+  int x, y, width, height;
+};
 
-std::vector<uint8_t> resize_bicubic_rgb8(const ImageView& image, int out_width, int out_height) {
-  validate_image(image, "resize_bicubic_rgb8");
-  if (out_width <= 0 || out_height <= 0)
-    throw Error("resize_bicubic_rgb8: output size " + std::to_string(out_width) + "x" +
-                std::to_string(out_height) + " is not positive");
+// The pixels in `rect` of Pillow's resize of `image` to out_width x out_height, packed (stride
+// rect.width * 3). Each output pixel depends only on its own input window, so this equals the
+// whole resize cropped to `rect`; only the rect's coefficients, and of the input only the rows its
+// vertical pass reads, are touched. The pass order is Pillow's: horizontal, then vertical.
+std::vector<uint8_t> resize_rect(const ImageView& image, int out_width, int out_height, const PixelRect& rect) {
   const int in_w = image.width, in_h = image.height;
-  const size_t out_row = static_cast<size_t>(out_width) * 3;
-  std::vector<uint8_t> out(out_row * static_cast<size_t>(out_height));
+  const size_t out_row = static_cast<size_t>(rect.width) * 3;
+  std::vector<uint8_t> out(out_row * static_cast<size_t>(rect.height));
 
   // Pillow skips a pass whose dimension is unchanged (no resampling at scale 1).
   const bool need_h = out_width != in_w;
   const bool need_v = out_height != in_h;
   if (!need_h && !need_v) {
-    for (int y = 0; y < in_h; ++y)
-      std::memcpy(&out[static_cast<size_t>(y) * out_row], image.data + static_cast<size_t>(y) * image.stride, out_row);
+    for (int y = 0; y < rect.height; ++y)
+      std::memcpy(&out[static_cast<size_t>(y) * out_row],
+                  image.data + static_cast<size_t>(rect.y + y) * image.stride + static_cast<size_t>(rect.x) * 3, out_row);
     return out;
   }
 
-  // Source of the vertical pass: the horizontally resampled rows [row0, row0 + rows), or the
-  // input itself when only the height changes.
-  const uint8_t* src = image.data;
+  // Source of the vertical pass: the horizontally resampled rows [row0, ...) of the rect's
+  // columns, or the rect's columns of the input itself when only the height changes.
+  const uint8_t* src = image.data + static_cast<size_t>(rect.x) * 3;
   size_t src_stride = image.stride;
   int row0 = 0;
   std::vector<uint8_t> temp;
   AxisCoeffs vc;
-  if (need_v) vc = precompute_coeffs(in_h, out_height);
+  if (need_v) vc = precompute_coeffs(in_h, out_height, rect.y, rect.height);
 
   if (need_h) {
-    const AxisCoeffs hc = precompute_coeffs(in_w, out_width);
-    // Only the input rows the vertical pass reads.
-    int first_row = 0, end_row = in_h;
+    const AxisCoeffs hc = precompute_coeffs(in_w, out_width, rect.x, rect.width);
+    // Only the input rows the vertical pass reads (Pillow's ybox_first..ybox_last: the windows
+    // move forward with the output position), or the rect's own rows when the height is kept.
+    int first_row = rect.y, end_row = rect.y + rect.height;
     if (need_v) {
-      first_row = vc.first[0];
-      end_row = vc.first[static_cast<size_t>(out_height) - 1] + vc.count[static_cast<size_t>(out_height) - 1];
+      first_row = vc.first.front();
+      end_row = vc.first.back() + vc.count.back();
     }
     const int rows = end_row - first_row;
     temp.resize(out_row * static_cast<size_t>(rows));
     for (int y = 0; y < rows; ++y) {
       const uint8_t* in = image.data + static_cast<size_t>(first_row + y) * image.stride;
       uint8_t* o = &temp[static_cast<size_t>(y) * out_row];
-      for (int xx = 0; xx < out_width; ++xx) {
+      for (int xx = 0; xx < rect.width; ++xx) {
         const int32_t* k = &hc.k[static_cast<size_t>(xx) * static_cast<size_t>(hc.ksize)];
         const uint8_t* p = in + static_cast<size_t>(hc.first[static_cast<size_t>(xx)]) * 3;
         const int n = hc.count[static_cast<size_t>(xx)];
@@ -171,7 +178,7 @@ std::vector<uint8_t> resize_bicubic_rgb8(const ImageView& image, int out_width, 
   // Vertical pass, row-wise so the inner loop runs over contiguous bytes. Integer sums are
   // order-independent, so this equals Pillow's per-pixel loop.
   std::vector<int32_t> acc(out_row);
-  for (int yy = 0; yy < out_height; ++yy) {
+  for (int yy = 0; yy < rect.height; ++yy) {
     std::fill(acc.begin(), acc.end(), 1 << (kPrecisionBits - 1));
     const int32_t* k = &vc.k[static_cast<size_t>(yy) * static_cast<size_t>(vc.ksize)];
     const int first = vc.first[static_cast<size_t>(yy)] - row0;
@@ -187,37 +194,59 @@ std::vector<uint8_t> resize_bicubic_rgb8(const ImageView& image, int out_width, 
   return out;
 }
 
+// A size from the config: 1..kMaxPreprocessSize pixels.
+int checked_size(int64_t v, const char* field, const std::string& what) {
+  if (v <= 0 || v > kMaxPreprocessSize)
+    throw Error(what + ": field '" + field + "' is " + std::to_string(v) + "; a size must be 1.." +
+                std::to_string(kMaxPreprocessSize) + " pixels");
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+std::vector<uint8_t> resize_bicubic_rgb8(const ImageView& image, int out_width, int out_height) {
+  validate_image(image, "resize_bicubic_rgb8");
+  if (out_width <= 0 || out_height <= 0)
+    throw Error("resize_bicubic_rgb8: output size " + std::to_string(out_width) + "x" +
+                std::to_string(out_height) + " is not positive");
+  return resize_rect(image, out_width, out_height, PixelRect{0, 0, out_width, out_height});
+}
+
 std::pair<int, int> resized_size(const ImagePreprocessConfig& cfg, int width, int height) {
   if (width <= 0 || height <= 0)
     throw Error("resized_size: image size " + std::to_string(width) + "x" + std::to_string(height) +
                 " is not positive");
   if (!cfg.do_resize) return {width, height};
-  if (cfg.resize_height > 0 && cfg.resize_width > 0) return {cfg.resize_width, cfg.resize_height};
-  if (cfg.shortest_edge <= 0)
-    throw Error("image preprocessing: shortest_edge " + std::to_string(cfg.shortest_edge) + " is not positive");
+  const std::string what = "image preprocessing";
+  if (cfg.resize_height > 0 && cfg.resize_width > 0)
+    return {checked_size(cfg.resize_width, "resize_width", what),
+            checked_size(cfg.resize_height, "resize_height", what)};
   // HF's get_resize_output_image_size: int(size * long / short), a truncated float division.
-  const int s = cfg.shortest_edge;
+  const int s = checked_size(cfg.shortest_edge, "shortest_edge", what);
   const int short_side = std::min(width, height);
   const int long_side = std::max(width, height);
   const double new_long_f = static_cast<double>(static_cast<int64_t>(s) * long_side) / short_side;
-  if (new_long_f >= static_cast<double>(std::numeric_limits<int>::max()))
-    throw Error("image preprocessing: resized size is too large for a " + std::to_string(width) + "x" +
-                std::to_string(height) + " image");
+  if (new_long_f > static_cast<double>(kMaxResizedSide))
+    throw Error(what + ": a " + std::to_string(width) + "x" + std::to_string(height) + " image resized to " +
+                std::to_string(s) + " pixels on its short side would be " + std::to_string(static_cast<int64_t>(new_long_f)) +
+                " pixels long, beyond the limit of " + std::to_string(kMaxResizedSide));
   const int new_long = static_cast<int>(new_long_f);
   if (new_long <= 0)
-    throw Error("image preprocessing: a " + std::to_string(width) + "x" + std::to_string(height) +
+    throw Error(what + ": a " + std::to_string(width) + "x" + std::to_string(height) +
                 " image would resize to an empty image");
   return width <= height ? std::make_pair(s, new_long) : std::make_pair(new_long, s);
 }
 
 std::pair<int, int> preprocess_output_size(const ImagePreprocessConfig& cfg, int width, int height) {
-  if (cfg.do_center_crop) {
-    if (cfg.crop_width <= 0 || cfg.crop_height <= 0)
-      throw Error("image preprocessing: crop size " + std::to_string(cfg.crop_width) + "x" +
-                  std::to_string(cfg.crop_height) + " is not positive");
-    return {cfg.crop_width, cfg.crop_height};
-  }
-  return resized_size(cfg, width, height);
+  const std::string what = "image preprocessing";
+  if (cfg.do_center_crop)
+    return {checked_size(cfg.crop_width, "crop_width", what), checked_size(cfg.crop_height, "crop_height", what)};
+  const auto [rw, rh] = resized_size(cfg, width, height);
+  if (static_cast<int64_t>(rw) * rh > kMaxPreprocessOutputPixels)
+    throw Error(what + ": without a centre crop the output is the whole " + std::to_string(rw) + "x" +
+                std::to_string(rh) + " resized image of a " + std::to_string(width) + "x" + std::to_string(height) +
+                " image, beyond the limit of " + std::to_string(kMaxPreprocessOutputPixels) + " pixels");
+  return {rw, rh};
 }
 
 void preprocess_clip_image(const ImageView& image, const ImagePreprocessConfig& cfg, float* out) {
@@ -230,11 +259,19 @@ void preprocess_clip_image(const ImageView& image, const ImagePreprocessConfig& 
   const auto [rw, rh] = resized_size(cfg, image.width, image.height);
   const auto [ow, oh] = preprocess_output_size(cfg, image.width, image.height);
 
+  // Centre crop (HF: top = (h - crop_h) // 2); positions outside the resized image are the zero
+  // padding HF adds when the image is smaller than the crop.
+  const int top = cfg.do_center_crop ? floor_half(rh - oh) : 0;
+  const int left = cfg.do_center_crop ? floor_half(rw - ow) : 0;
+  // The part of the resized image the crop keeps (never empty): only it is resized.
+  const int kept_x = std::max(left, 0), kept_y = std::max(top, 0);
+  const PixelRect kept{kept_x, kept_y, std::min(left + ow, rw) - kept_x, std::min(top + oh, rh) - kept_y};
   std::vector<uint8_t> resized;
-  ImageView src = image;
+  ImageView src{image.data + static_cast<size_t>(kept.y) * image.stride + static_cast<size_t>(kept.x) * 3,
+                kept.width, kept.height, image.stride};
   if (rw != image.width || rh != image.height) {
-    resized = resize_bicubic_rgb8(image, rw, rh);
-    src = ImageView{resized.data(), rw, rh, static_cast<size_t>(rw) * 3};
+    resized = resize_rect(image, rw, rh, kept);
+    src = ImageView{resized.data(), kept.width, kept.height, static_cast<size_t>(kept.width) * 3};
   }
 
   // HF rescales uint8 * factor in float64 then casts to float32, and normalises in float32.
@@ -253,21 +290,18 @@ void preprocess_clip_image(const ImageView& image, const ImagePreprocessConfig& 
     }
   }
 
-  // Centre crop (HF: top = (h - crop_h) // 2); positions outside the image are the zero padding
-  // HF adds when the image is smaller than the crop.
-  const int top = cfg.do_center_crop ? floor_half(rh - oh) : 0;
-  const int left = cfg.do_center_crop ? floor_half(rw - ow) : 0;
+  // Crop position (x, y) is resized pixel (x + left, y + top), i.e. src pixel (sx, sy).
   const size_t plane = static_cast<size_t>(ow) * static_cast<size_t>(oh);
   for (int y = 0; y < oh; ++y) {
-    const int sy = y + top;
+    const int sy = y + top - kept.y;
     float* o0 = out + static_cast<size_t>(y) * static_cast<size_t>(ow);
     float* o1 = o0 + plane;
     float* o2 = o1 + plane;
-    const bool row_in = sy >= 0 && sy < rh;
+    const bool row_in = sy >= 0 && sy < src.height;
     const uint8_t* row = row_in ? src.data + static_cast<size_t>(sy) * src.stride : nullptr;
     for (int x = 0; x < ow; ++x) {
-      const int sx = x + left;
-      if (row_in && sx >= 0 && sx < rw) {
+      const int sx = x + left - kept.x;
+      if (row_in && sx >= 0 && sx < src.width) {
         const uint8_t* p = row + static_cast<size_t>(sx) * 3;
         o0[x] = lut[0][p[0]];
         o1[x] = lut[1][p[1]];
@@ -286,11 +320,9 @@ void preprocess_clip_image(const ImageView& image, const ImagePreprocessConfig& 
 
 namespace {
 
-// A size in pixels; HF would accept any int, we reject absurd ones early.
-int positive_int(JsonObject* obj, const char* key, const std::string& what) {
-  int64_t v = json::get_int(obj, key, what);
-  if (v <= 0 || v > 1 << 20) throw Error(what + ": field '" + key + "' must be a positive size, got " + std::to_string(v));
-  return static_cast<int>(v);
+// A size in pixels; HF would accept any int, we refuse absurd ones (kMaxPreprocessSize).
+int size_field(JsonObject* obj, const char* key, const std::string& what) {
+  return checked_size(json::get_int(obj, key, what), key, what);
 }
 
 void read_mean_std(JsonObject* root, const char* key, float (&dst)[3], const std::string& what) {
@@ -321,16 +353,16 @@ ImagePreprocessConfig ImagePreprocessConfig::from_file(const std::string& path) 
       JsonObject* size = json_node_get_object(node);
       const std::string swhat = path + " size";
       if (json::has_member(size, "shortest_edge")) {
-        cfg.shortest_edge = positive_int(size, "shortest_edge", swhat);
+        cfg.shortest_edge = size_field(size, "shortest_edge", swhat);
       } else if (json::has_member(size, "height") && json::has_member(size, "width")) {
-        cfg.resize_height = positive_int(size, "height", swhat);
-        cfg.resize_width = positive_int(size, "width", swhat);
+        cfg.resize_height = size_field(size, "height", swhat);
+        cfg.resize_width = size_field(size, "width", swhat);
       } else {
         throw Error(swhat + ": expected 'shortest_edge' or 'height' and 'width'");
       }
     } else {
       // A bare int means the shortest edge for CLIP (get_size_dict(default_to_square=False)).
-      cfg.shortest_edge = positive_int(root, "size", what);
+      cfg.shortest_edge = size_field(root, "size", what);
     }
   }
   if (json::has_member(root, "crop_size")) {
@@ -338,10 +370,10 @@ ImagePreprocessConfig ImagePreprocessConfig::from_file(const std::string& path) 
     if (JSON_NODE_HOLDS_OBJECT(node)) {
       JsonObject* crop = json_node_get_object(node);
       const std::string cwhat = path + " crop_size";
-      cfg.crop_height = positive_int(crop, "height", cwhat);
-      cfg.crop_width = positive_int(crop, "width", cwhat);
+      cfg.crop_height = size_field(crop, "height", cwhat);
+      cfg.crop_width = size_field(crop, "width", cwhat);
     } else {
-      cfg.crop_height = cfg.crop_width = positive_int(root, "crop_size", what);
+      cfg.crop_height = cfg.crop_width = size_field(root, "crop_size", what);
     }
   }
   cfg.do_resize = json::get_bool_or(root, "do_resize", cfg.do_resize, what);

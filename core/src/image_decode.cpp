@@ -25,7 +25,8 @@ void on_size_prepared(GdkPixbufLoader* loader, gint width, gint height, gpointer
   auto* progress = static_cast<LoadProgress*>(data);
   progress->width = width;
   progress->height = height;
-  if (static_cast<int64_t>(width) * height > kMaxDecodedImagePixels) {
+  if (width > kMaxDecodedImageSide || height > kMaxDecodedImageSide ||
+      static_cast<int64_t>(width) * height > kMaxDecodedImagePixels) {
     progress->too_big = true;
     // A size of 0 makes the loaders stop before allocating the canvas (as gdk_pixbuf_get_file_info does).
     gdk_pixbuf_loader_set_size(loader, 0, 0);
@@ -40,12 +41,27 @@ void on_area_updated(GdkPixbufLoader*, gint, gint y, gint, gint height, gpointer
   for (int64_t r = std::max(y, 0); r < end; ++r) progress->rows_done[static_cast<size_t>(r)] = true;
 }
 
-// For several formats gdk-pixbuf hands back whatever it decoded of a truncated file without an
-// error, the rest left blank; PIL refuses such files ("image file is truncated"), and a partly
-// blank image must not be encoded as if it were whole.
-bool is_truncated(const std::string& format, const uint8_t* data, size_t size, const LoadProgress& progress) {
+// Whether a PNG's chunks run whole from the signature to an IEND chunk (bytes after it are
+// ignored, as PIL does). gdk-pixbuf accepts a file that stops after its last image row.
+bool png_has_iend(const uint8_t* data, size_t size) {
+  constexpr size_t kSignature = 8, kChunkOverhead = 12;  // length, type, CRC
+  for (size_t at = kSignature; at + kChunkOverhead <= size;) {
+    const uint32_t length = (uint32_t{data[at]} << 24) | (uint32_t{data[at + 1]} << 16) |
+                            (uint32_t{data[at + 2]} << 8) | data[at + 3];
+    if (std::memcmp(data + at + 4, "IEND", 4) == 0) return true;
+    if (length > size - at - kChunkOverhead) return false;
+    at += kChunkOverhead + length;
+  }
+  return false;
+}
+
+// Why a decoded image is incomplete, or "" when it is whole. For several formats gdk-pixbuf hands
+// back whatever it decoded of a truncated file without an error, the rest left blank; PIL refuses
+// such files ("image file is truncated"), and a partly blank image must not be encoded as if it
+// were whole.
+std::string truncation(const std::string& format, const uint8_t* data, size_t size, const LoadProgress& progress) {
   // GIF: frames may cover only part of the canvas, and the loader reports truncation itself.
-  if (format == "gif") return false;
+  if (format == "gif") return "";
   // JPEG: libjpeg fills missing scanlines, so every row is reported; a complete file has an
   // end-of-image marker after its last start-of-scan.
   if (format == "jpeg") {
@@ -60,9 +76,12 @@ bool is_truncated(const std::string& format, const uint8_t* data, size_t size, c
         eoi_after = true;
       }
     }
-    return !eoi_after;
+    return eoi_after ? "" : "no end-of-image marker after the last scan";
   }
-  return std::find(progress.rows_done.begin(), progress.rows_done.end(), false) != progress.rows_done.end();
+  if (std::find(progress.rows_done.begin(), progress.rows_done.end(), false) != progress.rows_done.end())
+    return "image rows missing";
+  if (format == "png" && !png_has_iend(data, size)) return "no IEND chunk";
+  return "";
 }
 
 std::string describe(const GError* error) { return error != nullptr ? error->message : "unknown error"; }
@@ -93,7 +112,8 @@ RgbImage decode_image(const uint8_t* data, size_t size, const std::string& what)
   };
   if (progress.too_big)
     fail("image of " + std::to_string(progress.width) + "x" + std::to_string(progress.height) +
-         " pixels exceeds the limit of " + std::to_string(kMaxDecodedImagePixels) + " pixels");
+         " pixels exceeds the limit of " + std::to_string(kMaxDecodedImageSide) + " pixels per side and " +
+         std::to_string(kMaxDecodedImagePixels) + " pixels in all");
   if (!ok) {
     if (error != nullptr && error->domain == GDK_PIXBUF_ERROR && error->code == GDK_PIXBUF_ERROR_UNKNOWN_TYPE)
       fail("unknown image format (not a file type the installed gdk-pixbuf loaders read)");
@@ -103,8 +123,8 @@ RgbImage decode_image(const uint8_t* data, size_t size, const std::string& what)
   gchar* name = format != nullptr ? gdk_pixbuf_format_get_name(format) : nullptr;
   const std::string format_name = name != nullptr ? name : "";
   g_free(name);
-  if (is_truncated(format_name, data, size, progress))
-    fail("truncated " + format_name + " image data (the file ends before the image does)");
+  const std::string missing = truncation(format_name, data, size, progress);
+  if (!missing.empty()) fail("truncated " + format_name + " image data (" + missing + ": the file ends before the image does)");
   GdkPixbuf* pixbuf = gdk_pixbuf_loader_get_pixbuf(loader);
   if (pixbuf == nullptr) fail("corrupt or truncated image data (no image decoded)");
   const int channels = gdk_pixbuf_get_n_channels(pixbuf);

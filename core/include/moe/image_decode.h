@@ -16,9 +16,12 @@
 
 namespace moe {
 
-// The largest image decode_image accepts, in pixels: a bigger one is refused before its pixels
-// are allocated (a small file can declare a huge canvas).
+// The largest image decode_image accepts. A bigger one is refused from its header, before its
+// pixels are allocated (a 500-byte file can declare a 100000x100000 canvas). In pixels:
 constexpr int64_t kMaxDecodedImagePixels = 100'000'000;
+// and on either side: far beyond any camera or scanner, and small enough that every decoded image
+// resizes within kMaxResizedSide whatever the config's shortest_edge (up to kMaxPreprocessSize).
+constexpr int kMaxDecodedImageSide = static_cast<int>(kMaxResizedSide / kMaxPreprocessSize);
 
 // A decoded image: `height` rows of `width` * 3 bytes, no padding.
 struct RgbImage {
@@ -29,7 +32,8 @@ struct RgbImage {
 
 // Decodes an image file held in memory. `what` names the image in error messages (a file
 // name, a uri, "request 'q3'"); every failure (empty data, unknown format, truncated or corrupt
-// data, more than kMaxDecodedImagePixels pixels) throws moe::Error "<what>: <reason>".
+// data, a PNG without its IEND chunk, a JPEG without its end-of-image marker, a size beyond
+// kMaxDecodedImageSide or kMaxDecodedImagePixels) throws moe::Error "<what>: <reason>".
 RgbImage decode_image(const uint8_t* data, size_t size, const std::string& what);
 
 // Reads a whole file; throws moe::Error "image file '<path>' cannot be read: <reason>".
