@@ -107,6 +107,65 @@ TEST(Safetensors, RejectsOverlappingTensors) {
   expect_error([&] { parse(make_file(hdr, floats({1, 2, 3}))); }, {"'a'", "'b'", "overlap"});
 }
 
+TEST(Safetensors, RejectsOverlapHiddenByAnEmptyTensor) {
+  // Sorted by offset, the empty 'e' sits between 'a' and 'b', which share bytes 4..8.
+  const std::string hdr =
+      R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]},)"
+      R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})";
+  expect_error([&] { parse(make_file(hdr, floats({1, 2, 3}))); }, {"'a' (bytes 0..8)", "'b' (bytes 4..12)", "overlap"});
+  // An empty tensor inside another one's bytes, as the reference implementation refuses too.
+  expect_error(
+      [] {
+        parse(make_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+                        floats({1, 2})));
+      },
+      {"empty tensor 'e'", "byte 4", "inside tensor 'a'"});
+  // Between tensors, before the first and after the last, an empty tensor is fine.
+  const auto f = parse(make_file(
+      R"({"e0":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+      R"("e1":{"dtype":"I8","shape":[0,2],"data_offsets":[4,4]},"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},)"
+      R"("e2":{"dtype":"F16","shape":[0],"data_offsets":[8,8]}})",
+      floats({1, 2})));
+  EXPECT_EQ(f.names().size(), 5u);
+}
+
+TEST(Safetensors, RejectsGapsInTheDataSection) {
+  const std::string a = R"("a":{"dtype":"F32","shape":[1],"data_offsets":)";
+  const std::string b = R"("b":{"dtype":"F32","shape":[1],"data_offsets":)";
+  // Between two tensors, before the first, after the last.
+  expect_error([&] { parse(make_file("{" + a + "[0,4]}," + b + "[8,12]}}", floats({1, 2, 3}))); },
+               {"mem.safetensors", "bytes 4..8", "belong to no tensor", "before tensor 'b' (bytes 8..12)"});
+  expect_error([&] { parse(make_file("{" + a + "[4,8]}}", floats({1, 2}))); }, {"bytes 0..4", "before tensor 'a'"});
+  expect_error([&] { parse(make_file("{" + a + "[0,4]}}", floats({1, 2}))); }, {"bytes 4..8", "end of the data section"});
+  expect_error([] { parse(make_file(R"({"__metadata__":{"k":"v"}})", "xy")); }, {"bytes 0..2", "end of the data section"});
+  EXPECT_TRUE(parse(make_file(R"({"__metadata__":{"k":"v"}})", "")).names().empty());
+}
+
+TEST(Safetensors, RejectsRepeatedKeys) {
+  const std::string entry = R"({"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
+  // JSON-GLib would keep the last 'a'; the first would be lost without a word.
+  expect_error([&] { parse(make_file(R"({"a":)" + entry + R"(,"a":)" + entry + "}", floats({1}))); },
+               {"mem.safetensors", "key 'a' appears more than once in the header"});
+  expect_error(
+      [] { parse(make_file(R"({"a":{"dtype":"F16","dtype":"F32","shape":[1],"data_offsets":[0,4]}})", floats({1}))); },
+      {"key 'dtype' appears more than once in 'a'"});
+  expect_error([&] { parse(make_file(R"({"__metadata__":{"k":"1","k":"2"},"a":)" + entry + "}", floats({1}))); },
+               {"key 'k' appears more than once in '__metadata__'"});
+  expect_error([&] { parse(make_file(R"({"__metadata__":{},"a":)" + entry + R"(,"__metadata__":{}})", floats({1}))); },
+               {"key '__metadata__' appears more than once in the header"});
+}
+
+TEST(Safetensors, RejectsNulInStrings) {
+  // JSON-GLib would cut the name at the NUL and load tensor 'a'.
+  expect_error([] { parse(make_file(R"({"a\u0000b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", floats({1}))); },
+               {"mem.safetensors", R"("a\u0000b")", "NUL"});
+  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32\u0000x","shape":[1],"data_offsets":[0,4]}})", floats({1}))); },
+               {R"("F32\u0000x")", "NUL"});
+  // An escaped backslash followed by "u0000" is no NUL, and an escaped quote does not end the name.
+  const auto f = parse(make_file(R"({"a\\u0000\"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", floats({1})));
+  EXPECT_EQ(f.names(), std::vector<std::string>{"a\\u0000\"b"});
+}
+
 TEST(Safetensors, RejectsUnknownDtype) {
   expect_error([] { parse(make_file(R"({"a":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[0,1]}})", "x")); },
                {"'a'", "unsupported dtype 'F8_E4M3'"});

@@ -11,6 +11,8 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <set>
+#include <string_view>
 
 #include "json_util.h"
 #include "moe/error.h"
@@ -58,6 +60,99 @@ std::string dirname_of(const std::string& path) {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The first string of a (valid) JSON text that holds an escaped NUL (\u0000), as written, or "".
+// JSON-GLib ends a string at the NUL: tensor "a\u0000b" would silently become tensor 'a'.
+std::string string_with_nul(std::string_view json) {
+  for (size_t i = 0; i < json.size(); ++i) {
+    if (json[i] != '"') continue;  // outside strings, valid JSON has no quote or backslash
+    const size_t begin = i;
+    bool nul = false;
+    for (++i; i < json.size() && json[i] != '"'; ++i) {
+      if (json[i] != '\\') continue;
+      nul = nul || json.compare(i + 1, 5, "u0000") == 0;
+      ++i;  // the escaped character: \" does not end the string
+    }
+    if (nul) return std::string(json.substr(begin, i + 1 - begin));
+  }
+  return "";
+}
+
+// Every member of every object, as the parser reads it, and the first key an object repeats.
+struct KeysSeen {
+  std::map<JsonObject*, std::set<std::string>> keys;
+  JsonObject* repeated_in = nullptr;
+  std::string repeated;
+};
+
+void on_object_member(JsonParser*, JsonObject* object, const gchar* name, gpointer data) {
+  auto* seen = static_cast<KeysSeen*>(data);
+  if (!seen->keys[object].insert(name).second && seen->repeated_in == nullptr) {
+    seen->repeated_in = object;
+    seen->repeated = name;
+  }
+}
+
+// Where a JSON object text, already accepted by json::Document (valid, within its bounds),
+// repeats a key: "key 'k' appears more than once in <where>", or "". JSON-GLib keeps the last
+// value of a repeated key without a word, so the text is parsed again with the parser's
+// "object-member" signal watched, which fires for each member as written.
+std::string repeated_key(std::string_view json) {
+  KeysSeen seen;
+  JsonParser* parser = json_parser_new();
+  g_signal_connect(parser, "object-member", G_CALLBACK(on_object_member), &seen);
+  std::string found;
+  if (json_parser_load_from_data(parser, json.data(), static_cast<gssize>(json.size()), nullptr) &&
+      seen.repeated_in != nullptr) {
+    JsonObject* root = json_node_get_object(json_parser_get_root(parser));
+    std::string where = seen.repeated_in == root ? "the header" : "an object of the header";
+    GList* members = json_object_get_members(root);
+    for (GList* it = members; it; it = it->next) {
+      JsonNode* node = json_object_get_member(root, static_cast<const char*>(it->data));
+      if (JSON_NODE_HOLDS_OBJECT(node) && json_node_get_object(node) == seen.repeated_in)
+        where = "'" + std::string(static_cast<const char*>(it->data)) + "'";
+    }
+    g_list_free(members);
+    found = "key '" + seen.repeated + "' appears more than once in " + where;
+  }
+  g_object_unref(parser);
+  return found;
+}
+
+// The data section must be exactly the tensors' bytes, as the format's reference implementation
+// requires (InvalidOffset, MetadataIncompleteBuffer): sorted by offset, each non-empty tensor
+// begins where the previous one ends, the first at 0, the last at the section's end; an empty
+// tensor holds no bytes but lies between tensors, not inside one.
+void check_data_layout(const std::string& p, std::vector<const TensorInfo*> tensors, uint64_t data_size) {
+  std::sort(tensors.begin(), tensors.end(), [](const TensorInfo* a, const TensorInfo* b) {
+    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
+  });
+  auto bytes = [](const TensorInfo* t) {
+    return "'" + t->name + "' (bytes " + std::to_string(t->begin) + ".." + std::to_string(t->end) + ")";
+  };
+  uint64_t covered = 0;
+  const TensorInfo* prev = nullptr;  // the last non-empty tensor
+  for (const TensorInfo* t : tensors) {
+    if (t->begin == t->end) continue;
+    if (t->begin < covered)
+      throw Error(p + ": tensors " + bytes(prev) + " and " + bytes(t) + " overlap in the data section");
+    if (t->begin > covered)
+      throw Error(p + ": bytes " + std::to_string(covered) + ".." + std::to_string(t->begin) +
+                  " of the data section belong to no tensor (a gap before tensor " + bytes(t) + ")");
+    covered = t->end;
+    prev = t;
+  }
+  if (covered != data_size)
+    throw Error(p + ": bytes " + std::to_string(covered) + ".." + std::to_string(data_size) +
+                " at the end of the data section belong to no tensor");
+  prev = nullptr;
+  for (const TensorInfo* t : tensors) {
+    if (t->begin != t->end) prev = t;
+    else if (prev != nullptr && t->begin < prev->end)
+      throw Error(p + ": empty tensor '" + t->name + "' at byte " + std::to_string(t->begin) +
+                  " lies inside tensor " + bytes(prev));
+  }
 }
 
 // 64-bit FNV-1a: tiny, dependency-free and well spread; the fingerprint needs no cryptographic
@@ -142,10 +237,15 @@ SafetensorsFile SafetensorsFile::parse(const uint8_t* data, size_t size,
   const char* header = reinterpret_cast<const char*>(data + 8);
   if (!g_utf8_validate(header, static_cast<gssize>(header_len), nullptr))
     throw Error(p + ": header is not valid UTF-8");
-  json::Document doc(std::string_view(header, header_len), p + " header");
+  const std::string_view header_text(header, header_len);
+  json::Document doc(header_text, p + " header");
   JsonObject* root = doc.root_object();
+  const std::string nul = string_with_nul(header_text);
+  if (!nul.empty())
+    throw Error(p + ": header string " + nul + " holds a NUL character, which no tensor name, dtype or metadata string may hold");
+  const std::string repeated = repeated_key(header_text);
+  if (!repeated.empty()) throw Error(p + ": " + repeated);
 
-  std::vector<const TensorInfo*> by_offset;
   GList* members = json_object_get_members(root);
   for (GList* it = members; it; it = it->next) {
     const std::string key = static_cast<const char*>(it->data);
@@ -228,17 +328,9 @@ SafetensorsFile SafetensorsFile::parse(const uint8_t* data, size_t size,
   }
   g_list_free(members);
 
-  for (const auto& [k, info] : f.index_) by_offset.push_back(&info);
-  std::sort(by_offset.begin(), by_offset.end(), [](const TensorInfo* a, const TensorInfo* b) {
-    return a->begin != b->begin ? a->begin < b->begin : a->end < b->end;
-  });
-  for (size_t i = 1; i < by_offset.size(); ++i) {
-    const TensorInfo* prev = by_offset[i - 1];
-    const TensorInfo* cur = by_offset[i];
-    if (cur->begin < prev->end && cur->end > cur->begin)
-      throw Error(p + ": tensors '" + prev->name + "' and '" + cur->name +
-                  "' overlap in the data section");
-  }
+  std::vector<const TensorInfo*> tensors;
+  for (const auto& [k, info] : f.index_) tensors.push_back(&info);
+  check_data_layout(p, std::move(tensors), data_size);
   return f;
 }
 

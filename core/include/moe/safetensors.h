@@ -1,9 +1,11 @@
 // gst-moe: safetensors reader (single files and Hugging Face sharded checkpoints).
 //
 // The file is mmap-ed and every tensor is a zero-copy view into the mapping. The header is
-// validated completely before any tensor is handed out: dtype known, shape non-negative,
-// byte range inside the data section, byte count equal to numel * element size, no two tensors
-// overlapping. Every error names the file, the tensor and the reason.
+// validated completely before any tensor is handed out: no key repeated, no NUL in a string,
+// dtype known, shape non-negative, byte range inside the data section, byte count equal to
+// numel * element size, and the tensors covering the data section exactly (no gap, no overlap),
+// as the format's reference implementation requires. Every error names the file, the tensor and
+// the reason.
 #pragma once
 
 #include <cstdint>
