@@ -111,6 +111,33 @@ TEST(ClipModelLoad, ErrorsNameFileTensorAndReason) {
                {"not divisible"});
 }
 
+TEST(ClipConfig, RefusesSizesBeyondTheBounds) {
+  auto config = [](const std::string& root, const std::string& text, const std::string& vision) {
+    return moe::ClipConfig::from_json(R"({"model_type":"clip")" + root + R"(,"text_config":{)" + text +
+                                          R"(},"vision_config":{)" + vision + "}}",
+                                      "cfg.json");
+  };
+  // 100000 / 1 once overflowed int in num_positions() (and so named a wrong shape).
+  expect_error([&] { config("", "", R"("image_size":100000,"patch_size":1)"); },
+               {"cfg.json vision_config", "'image_size' is 100000", "1..4096"});
+  expect_error([&] { config("", "", R"("patch_size":5000)"); }, {"vision_config", "'patch_size' is 5000", "1..4096"});
+  expect_error([&] { config("", "", R"("num_channels":1000)"); }, {"vision_config", "'num_channels'", "1..64"});
+  expect_error([&] { config("", R"("hidden_size":131072)", ""); }, {"cfg.json text_config", "'hidden_size' is 131072", "1..65536"});
+  expect_error([&] { config("", "", R"("intermediate_size":4294967296)"); }, {"'intermediate_size' is 4294967296"});
+  expect_error([&] { config("", R"("num_hidden_layers":100000)", ""); }, {"'num_hidden_layers'", "1..1024"});
+  expect_error([&] { config("", R"("vocab_size":16777216)", ""); }, {"'vocab_size'", "1..1048576"});
+  expect_error([&] { config("", R"("max_position_embeddings":1000000)", ""); }, {"'max_position_embeddings'", "1..65536"});
+  expect_error([&] { config(R"(,"projection_dim":0)", "", ""); }, {"cfg.json", "'projection_dim' is 0"});
+  expect_error([&] { config("", R"("eos_token_id":4294967296)", ""); }, {"'eos_token_id' is 4294967296", "int range"});
+  // The largest image is accepted, its position table counted in 64 bits.
+  const moe::ClipConfig big = config("", "", R"("image_size":4096,"patch_size":1)");
+  EXPECT_EQ(big.vision.num_positions(), 4096 * 4096 + 1);
+  moe::ClipVisionConfig in_code;  // not bounded by the reader
+  in_code.image_size = 100000;
+  in_code.patch_size = 1;
+  EXPECT_EQ(in_code.num_positions(), int64_t{10'000'000'001});
+}
+
 // End to end from strings and raw RGB, with CLIP's real vocabulary (clip_tiny_bpe, fp16 weights).
 namespace {
 

@@ -1,5 +1,7 @@
 #include "moe/clip_config.h"
 
+#include <limits>
+
 #include "json_util.h"
 #include "moe/error.h"
 
@@ -17,18 +19,27 @@ const char* activation_name(Activation act) {
 
 namespace {
 
-int positive_int(JsonObject* obj, const char* key, int fallback, const std::string& what) {
+// A size or count: 1..max (the kMaxClip* bounds).
+int bounded_int(JsonObject* obj, const char* key, int fallback, int max, const std::string& what) {
   const int64_t v = json::get_int_or(obj, key, fallback, what);
-  if (v <= 0 || v > (1 << 24))
-    throw Error(what + ": '" + key + "' must be a positive integer, got " + std::to_string(v));
+  if (v <= 0 || v > max)
+    throw Error(what + ": '" + key + "' is " + std::to_string(v) + ", outside 1.." + std::to_string(max));
+  return static_cast<int>(v);
+}
+
+// A token id: any int (legacy configs use small ids such as 0 and 2), but not one that would wrap.
+int token_id(JsonObject* obj, const char* key, int fallback, const std::string& what) {
+  const int64_t v = json::get_int_or(obj, key, fallback, what);
+  if (v < std::numeric_limits<int>::min() || v > std::numeric_limits<int>::max())
+    throw Error(what + ": '" + key + "' is " + std::to_string(v) + ", outside the int range");
   return static_cast<int>(v);
 }
 
 void read_encoder(JsonObject* obj, ClipEncoderConfig& cfg, const std::string& what) {
-  cfg.hidden_size = positive_int(obj, "hidden_size", cfg.hidden_size, what);
-  cfg.intermediate_size = positive_int(obj, "intermediate_size", cfg.intermediate_size, what);
-  cfg.num_hidden_layers = positive_int(obj, "num_hidden_layers", cfg.num_hidden_layers, what);
-  cfg.num_attention_heads = positive_int(obj, "num_attention_heads", cfg.num_attention_heads, what);
+  cfg.hidden_size = bounded_int(obj, "hidden_size", cfg.hidden_size, kMaxClipWidth, what);
+  cfg.intermediate_size = bounded_int(obj, "intermediate_size", cfg.intermediate_size, kMaxClipWidth, what);
+  cfg.num_hidden_layers = bounded_int(obj, "num_hidden_layers", cfg.num_hidden_layers, kMaxClipLayers, what);
+  cfg.num_attention_heads = bounded_int(obj, "num_attention_heads", cfg.num_attention_heads, kMaxClipWidth, what);
   cfg.hidden_act = parse_activation(
       json::get_string_or(obj, "hidden_act", activation_name(cfg.hidden_act), what), what);
   cfg.layer_norm_eps = static_cast<float>(json::get_double_or(obj, "layer_norm_eps", cfg.layer_norm_eps, what));
@@ -56,26 +67,26 @@ ClipConfig config_from_document(const json::Document& doc) {
   const std::string mt = json::get_string_or(root, "model_type", "clip", src);
   if (mt != "clip")
     throw Error(src + ": model_type is '" + mt + "', expected 'clip' (a Hugging Face CLIPModel config)");
-  cfg.projection_dim = positive_int(root, "projection_dim", cfg.projection_dim, src);
+  cfg.projection_dim = bounded_int(root, "projection_dim", cfg.projection_dim, kMaxClipWidth, src);
 
   JsonObject* text = json::get_object_or_null(root, "text_config", src);
   if (!text) throw Error(src + ": missing 'text_config' (not a CLIPModel config.json?)");
   const std::string tw = src + " text_config";
   read_encoder(text, cfg.text, tw);
-  cfg.text.vocab_size = positive_int(text, "vocab_size", cfg.text.vocab_size, tw);
+  cfg.text.vocab_size = bounded_int(text, "vocab_size", cfg.text.vocab_size, kMaxClipVocabSize, tw);
   cfg.text.max_position_embeddings =
-      positive_int(text, "max_position_embeddings", cfg.text.max_position_embeddings, tw);
-  cfg.text.bos_token_id = static_cast<int>(json::get_int_or(text, "bos_token_id", cfg.text.bos_token_id, tw));
-  cfg.text.eos_token_id = static_cast<int>(json::get_int_or(text, "eos_token_id", cfg.text.eos_token_id, tw));
-  cfg.text.pad_token_id = static_cast<int>(json::get_int_or(text, "pad_token_id", cfg.text.pad_token_id, tw));
+      bounded_int(text, "max_position_embeddings", cfg.text.max_position_embeddings, kMaxClipPositions, tw);
+  cfg.text.bos_token_id = token_id(text, "bos_token_id", cfg.text.bos_token_id, tw);
+  cfg.text.eos_token_id = token_id(text, "eos_token_id", cfg.text.eos_token_id, tw);
+  cfg.text.pad_token_id = token_id(text, "pad_token_id", cfg.text.pad_token_id, tw);
 
   JsonObject* vision = json::get_object_or_null(root, "vision_config", src);
   if (!vision) throw Error(src + ": missing 'vision_config' (not a CLIPModel config.json?)");
   const std::string vw = src + " vision_config";
   read_encoder(vision, cfg.vision, vw);
-  cfg.vision.image_size = positive_int(vision, "image_size", cfg.vision.image_size, vw);
-  cfg.vision.patch_size = positive_int(vision, "patch_size", cfg.vision.patch_size, vw);
-  cfg.vision.num_channels = positive_int(vision, "num_channels", cfg.vision.num_channels, vw);
+  cfg.vision.image_size = bounded_int(vision, "image_size", cfg.vision.image_size, kMaxClipImageSize, vw);
+  cfg.vision.patch_size = bounded_int(vision, "patch_size", cfg.vision.patch_size, kMaxClipImageSize, vw);
+  cfg.vision.num_channels = bounded_int(vision, "num_channels", cfg.vision.num_channels, kMaxClipChannels, vw);
   if (cfg.vision.image_size % cfg.vision.patch_size != 0)
     throw Error(vw + ": image_size " + std::to_string(cfg.vision.image_size) +
                 " is not a multiple of patch_size " + std::to_string(cfg.vision.patch_size));

@@ -1,9 +1,21 @@
 // gst-moe: CLIP model configuration, read from a Hugging Face `config.json` (CLIPModel layout).
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace moe {
+
+// Upper bounds on config.json's sizes, each refused beyond with an error naming the field and the
+// bound. Far above any CLIP (ViT-bigG/14: width 1664, MLP 8192, 48 layers, image 224, patch 14;
+// text: 49408 tokens, 77 positions), and low enough that every product of them (tensor shapes,
+// the (image_size / patch_size)^2 position table) stays far inside int64.
+constexpr int kMaxClipWidth = 1 << 16;      // hidden_size, intermediate_size, num_attention_heads, projection_dim
+constexpr int kMaxClipLayers = 1024;        // num_hidden_layers
+constexpr int kMaxClipVocabSize = 1 << 20;  // vocab_size
+constexpr int kMaxClipPositions = 1 << 16;  // max_position_embeddings
+constexpr int kMaxClipImageSize = 4096;     // image_size, patch_size (as preprocessing's kMaxPreprocessSize)
+constexpr int kMaxClipChannels = 64;        // num_channels
 
 enum class Activation { QuickGelu, Gelu };
 
@@ -36,7 +48,8 @@ struct ClipVisionConfig : ClipEncoderConfig {
   int patch_size = 32;
   int num_channels = 3;
   int grid() const { return image_size / patch_size; }
-  int num_positions() const { return grid() * grid() + 1; }
+  // In 64 bits: a config built in code is not bounded by the reader's limits.
+  int64_t num_positions() const { return int64_t{grid()} * grid() + 1; }
 };
 
 struct ClipConfig {
