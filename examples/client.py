@@ -3,10 +3,14 @@
 
     examples/client.py "red striped mug" "small blue shoe" --image photo.png
         [--requests tcp://127.0.0.1:5555] [--results tcp://127.0.0.1:5556] [--k 5]
+        [--server-key server.key --client-key client.key_secret]
 
 Requests are PUSHed to the service's zmq-query; results are read from its zmq-publish stream
 and matched to the requests by id (docs/zmq-schema.md). Image files are sent as image_base64, so
-they need not be on the service's machine nor under its image-root. Needs python3-zmq (Debian).
+they need not be on the service's machine nor under its image-root. With --server-key and
+--client-key both sockets connect with CURVE (the service's public certificate and this client's
+secret certificate, as zmq.auth.create_certificates writes them). Results lost on the way show as
+gaps in "seq", reported on stderr. Needs python3-zmq (Debian).
 """
 import argparse
 import base64
@@ -17,6 +21,8 @@ import uuid
 
 import zmq
 
+from subscriber import GapCheck, curve_client
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -26,13 +32,20 @@ def main():
     ap.add_argument("--results", default="tcp://127.0.0.1:5556")
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for all results")
+    ap.add_argument("--server-key", help="the service's public certificate (CURVE)")
+    ap.add_argument("--client-key", help="this client's secret certificate, *.key_secret (CURVE)")
     args = ap.parse_args()
+    if bool(args.server_key) != bool(args.client_key):
+        ap.error("CURVE needs both --server-key and --client-key")
 
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
+    push = ctx.socket(zmq.PUSH)
+    if args.server_key:
+        curve_client(sub, args.server_key, args.client_key)
+        curve_client(push, args.server_key, args.client_key)
     sub.setsockopt_string(zmq.SUBSCRIBE, "")
     sub.connect(args.results)
-    push = ctx.socket(zmq.PUSH)
     push.setsockopt(zmq.LINGER, 1000)
     push.connect(args.requests)
     time.sleep(0.3)  # let the subscription reach the publisher before results flow
@@ -50,10 +63,12 @@ def main():
         push.send_string(json.dumps({"id": rid, "k": args.k, **body}))
 
     deadline = time.time() + args.timeout
+    gaps = GapCheck()  # a missed result may be one of ours: it then stays pending
     while pending and time.time() < deadline:
         if not sub.poll(200):
             continue
         doc = json.loads(sub.recv_multipart()[-1])
+        gaps.check(doc)
         req = pending.pop(doc.get("id"), None)
         if req is None:
             continue  # someone else's result

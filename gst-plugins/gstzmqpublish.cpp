@@ -3,19 +3,24 @@
  * Every buffer becomes one message on a ZeroMQ PUB socket: one frame, or two frames
  * [topic, payload] when `topic` is set so that subscribers can filter. A search service must
  * keep answering whatever its subscribers do, so nothing here ever waits on a peer: sends are
- * non-blocking, a message that a full subscriber queue cannot take is dropped and counted,
- * closing discards what is still queued (except for a bounded drain after EOS), and the sink
- * does not sync on the clock.
+ * non-blocking, a subscriber whose queue is full loses that message alone (the others still get
+ * it), closing discards what is still queued (except for a bounded drain after EOS), and the
+ * sink does not sync on the clock. libzmq reports no such loss to the publisher, so every JSON
+ * object document carries a sequence number and a stream id by which subscribers see their gaps.
  */
 #include "gstzmqpublish.h"
 
 #include <cerrno>
+#include <cstring>
 #include <string>
 
 #include "gstmoezmq.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_zmq_publish_debug);
 #define GST_CAT_DEFAULT gst_zmq_publish_debug
+
+// Hex digits of the random id that tells one start's stream from another's.
+#define STREAM_ID_LENGTH 16
 
 struct _GstZmqPublish {
   GstBaseSink parent;
@@ -26,21 +31,31 @@ struct _GstZmqPublish {
   gchar* topic;
   gint send_hwm;
   guint drain_timeout_ms;
+  gchar* curve_secret_key_file;
+  gchar* curve_allowed_keys;
 
   // Streaming state: used by start/stop and the streaming thread (render, event) only.
   gstmoe::ZmqSocket* zmq;
-  gchar* active_topic;  // `topic` and `send-hwm` as they were at start
-  gint active_send_hwm;
-  gint64 last_drop_warning_us;
-  guint64 drops_since_warning;
+  gchar* active_topic;  // `topic` as it was at start
 
-  // Statistics (object lock), reset at start.
+  // Statistics (object lock), reset at start. `stream` is written at start only.
   guint64 sent;
-  guint64 dropped;
   guint64 bytes;
+  guint64 seq;  // the last sequence number given; 0 before the first JSON object document
+  gchar stream[STREAM_ID_LENGTH + 1];
 };
 
-enum { PROP_0, PROP_ENDPOINT, PROP_BIND, PROP_TOPIC, PROP_SEND_HWM, PROP_DRAIN_TIMEOUT, PROP_STATS };
+enum {
+  PROP_0,
+  PROP_ENDPOINT,
+  PROP_BIND,
+  PROP_TOPIC,
+  PROP_SEND_HWM,
+  PROP_DRAIN_TIMEOUT,
+  PROP_CURVE_SECRET_KEY_FILE,
+  PROP_CURVE_ALLOWED_KEYS,
+  PROP_STATS
+};
 
 #define DEFAULT_ENDPOINT "tcp://127.0.0.1:5556"
 #define DEFAULT_BIND TRUE
@@ -49,8 +64,6 @@ enum { PROP_0, PROP_ENDPOINT, PROP_BIND, PROP_TOPIC, PROP_SEND_HWM, PROP_DRAIN_T
 #define MAX_SEND_HWM 10000000
 #define DEFAULT_DRAIN_TIMEOUT_MS 1000
 #define MAX_DRAIN_TIMEOUT_MS 3600000
-// Drops are logged at most this often, with the count since the previous warning.
-#define DROP_WARNING_INTERVAL_US G_USEC_PER_SEC
 
 static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS_ANY);
 
@@ -79,6 +92,14 @@ static void gst_zmq_publish_set_property(GObject* object, guint prop_id, const G
     case PROP_DRAIN_TIMEOUT:
       self->drain_timeout_ms = g_value_get_uint(value);
       break;
+    case PROP_CURVE_SECRET_KEY_FILE:
+      g_free(self->curve_secret_key_file);
+      self->curve_secret_key_file = g_value_dup_string(value);
+      break;
+    case PROP_CURVE_ALLOWED_KEYS:
+      g_free(self->curve_allowed_keys);
+      self->curve_allowed_keys = g_value_dup_string(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -105,10 +126,16 @@ static void gst_zmq_publish_get_property(GObject* object, guint prop_id, GValue*
     case PROP_DRAIN_TIMEOUT:
       g_value_set_uint(value, self->drain_timeout_ms);
       break;
+    case PROP_CURVE_SECRET_KEY_FILE:
+      g_value_set_string(value, self->curve_secret_key_file);
+      break;
+    case PROP_CURVE_ALLOWED_KEYS:
+      g_value_set_string(value, self->curve_allowed_keys);
+      break;
     case PROP_STATS:
-      g_value_take_boxed(value, gst_structure_new("zmq-publish-stats", "sent", G_TYPE_UINT64, self->sent, "dropped",
-                                                  G_TYPE_UINT64, self->dropped, "bytes", G_TYPE_UINT64, self->bytes,
-                                                  nullptr));
+      g_value_take_boxed(value, gst_structure_new("zmq-publish-stats", "sent", G_TYPE_UINT64, self->sent, "bytes",
+                                                  G_TYPE_UINT64, self->bytes, "seq", G_TYPE_UINT64, self->seq,
+                                                  "stream", G_TYPE_STRING, self->stream, nullptr));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -123,27 +150,32 @@ static gboolean gst_zmq_publish_start(GstBaseSink* sink) {
   const std::string endpoint = self->endpoint ? self->endpoint : "";
   const bool bind = self->bind;
   const int hwm = self->send_hwm;
-  self->active_topic = g_strdup(self->topic ? self->topic : "");
-  self->active_send_hwm = hwm;
-  self->sent = self->dropped = self->bytes = 0;
+  const std::string curve_secret_key_file = self->curve_secret_key_file ? self->curve_secret_key_file : "";
+  const std::string curve_allowed_keys = self->curve_allowed_keys ? self->curve_allowed_keys : "";
+  self->sent = self->bytes = self->seq = 0;
+  g_snprintf(self->stream, sizeof self->stream, "%08x%08x", g_random_int(), g_random_int());
   GST_OBJECT_UNLOCK(self);
-  self->last_drop_warning_us = 0;
-  self->drops_since_warning = 0;
 
+  std::optional<gstmoe::CurveServer> curve;
   try {
-    self->zmq = new gstmoe::ZmqSocket(zmq::socket_type::pub, endpoint, bind, [hwm](zmq::socket_t& s) {
-      s.set(zmq::sockopt::sndhwm, hwm);
-      // A full subscriber queue makes the send fail with EAGAIN instead of silently losing
-      // the message inside libzmq, so drops can be counted.
-      s.set(zmq::sockopt::xpub_nodrop, true);
-    });
+    curve = gstmoe::load_curve_server(curve_secret_key_file, curve_allowed_keys);
   } catch (const std::exception& e) {
-    GST_ELEMENT_ERROR(self, RESOURCE, OPEN_WRITE, ("%s", e.what()), (nullptr));
-    g_clear_pointer(&self->active_topic, g_free);
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("%s", e.what()), (nullptr));
     return FALSE;
   }
-  GST_INFO_OBJECT(self, "%s %s, topic '%s', send-hwm %d", bind ? "bound to" : "connected to", endpoint.c_str(),
-                  self->active_topic, hwm);
+  // Lossy PUB (no ZMQ_XPUB_NODROP): a message that a subscriber's full queue cannot take is lost
+  // for that subscriber alone. With NODROP, libzmq refuses the message for every subscriber while
+  // any one queue is full, so one subscriber that stops reading would silence them all.
+  try {
+    self->zmq = new gstmoe::ZmqSocket(zmq::socket_type::pub, endpoint, bind, curve,
+                                      [hwm](zmq::socket_t& s) { s.set(zmq::sockopt::sndhwm, hwm); });
+  } catch (const std::exception& e) {
+    GST_ELEMENT_ERROR(self, RESOURCE, OPEN_WRITE, ("%s", e.what()), (nullptr));
+    return FALSE;
+  }
+  self->active_topic = g_strdup(self->topic ? self->topic : "");
+  GST_INFO_OBJECT(self, "%s %s%s, topic '%s', send-hwm %d, stream %s", bind ? "bound to" : "connected to",
+                  endpoint.c_str(), curve ? " (CURVE)" : "", self->active_topic, hwm, self->stream);
   return TRUE;
 }
 
@@ -170,19 +202,29 @@ static gboolean gst_zmq_publish_event(GstBaseSink* sink, GstEvent* event) {
   return GST_BASE_SINK_CLASS(parent_class)->event(sink, event);
 }
 
-// Counts a message that a full subscriber queue refused, and says so in the log at most once
-// per DROP_WARNING_INTERVAL_US.
-static void gst_zmq_publish_note_drop(GstZmqPublish* self) {
-  ++self->drops_since_warning;
-  const gint64 now = g_get_monotonic_time();
-  if (self->last_drop_warning_us == 0 || now - self->last_drop_warning_us >= DROP_WARNING_INTERVAL_US) {
-    GST_WARNING_OBJECT(self,
-                       "a subscriber's queue is full (send-hwm %d): dropped %" G_GUINT64_FORMAT
-                       " message(s) since the last warning",
-                       self->active_send_hwm, self->drops_since_warning);
-    self->last_drop_warning_us = now;
-    self->drops_since_warning = 0;
+static bool is_json_space(guint8 c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+
+// The message for `payload`: a payload whose first byte other than JSON whitespace is '{' (a JSON
+// object document) gets "seq":SEQ,"stream":"STREAM" spliced in as its first members; any other
+// payload is copied as it is. Returns whether it was spliced.
+static bool build_message(const guint8* payload, gsize size, guint64 seq, const char* stream, zmq::message_t& message) {
+  gsize brace = 0;
+  while (brace < size && is_json_space(payload[brace])) ++brace;
+  if (brace == size || payload[brace] != '{') {
+    message.rebuild(payload, size);
+    return false;
   }
+  gsize after = brace + 1;
+  while (after < size && is_json_space(payload[after])) ++after;
+  const bool empty_object = after < size && payload[after] == '}';
+  const std::string members =
+      "\"seq\":" + std::to_string(seq) + ",\"stream\":\"" + stream + "\"" + (empty_object ? "" : ",");
+  message.rebuild(size + members.size());
+  guint8* out = message.data<guint8>();
+  memcpy(out, payload, brace + 1);
+  memcpy(out + brace + 1, members.data(), members.size());
+  memcpy(out + brace + 1 + members.size(), payload + brace + 1, size - brace - 1);
+  return true;
 }
 
 static GstFlowReturn gst_zmq_publish_render(GstBaseSink* sink, GstBuffer* buffer) {
@@ -192,38 +234,47 @@ static GstFlowReturn gst_zmq_publish_render(GstBaseSink* sink, GstBuffer* buffer
     GST_ELEMENT_ERROR(self, RESOURCE, READ, ("Could not map the buffer to publish."), (nullptr));
     return GST_FLOW_ERROR;
   }
+  // The number is taken whether or not the message then leaves: a message lost here shows as a
+  // gap, as one lost on the way does.
+  GST_OBJECT_LOCK(self);
+  const guint64 seq = self->seq + 1;
+  GST_OBJECT_UNLOCK(self);
+  zmq::message_t message;
+  const bool numbered = build_message(map.data, map.size, seq, self->stream, message);
+  gst_buffer_unmap(buffer, &map);
+  const gsize size = message.size();
+
+  // Never waits: a PUB socket takes every message, writing it whole (the high-water mark counts
+  // complete messages) to each subscriber queue that has room and to no other.
   zmq::socket_t& socket = self->zmq->socket();
   const zmq::send_flags dontwait = zmq::send_flags::dontwait;
   bool accepted = false;
   try {
+    // libzmq learns how far a subscriber has read (the room in its queue) only when the socket
+    // processes its commands, which a send does at most about once a millisecond. Reading
+    // ZMQ_EVENTS processes them now: otherwise a burst of more than send-hwm messages would be lost
+    // even by subscribers that keep up.
+    static_cast<void>(socket.get(zmq::sockopt::events));
     if (self->active_topic[0] != '\0') {
-      // With XPUB_NODROP, libzmq decides for a whole message at its first frame: the
-      // high-water mark counts complete messages, so once the topic frame is accepted the
-      // payload frame is too, and a refused message leaves nothing half-sent.
       accepted = socket.send(zmq::buffer(self->active_topic, strlen(self->active_topic)),
                              dontwait | zmq::send_flags::sndmore)
                      .has_value();
-      if (accepted) accepted = socket.send(zmq::const_buffer(map.data, map.size), dontwait).has_value();
+      if (accepted) accepted = socket.send(message, dontwait).has_value();
     } else {
-      accepted = socket.send(zmq::const_buffer(map.data, map.size), dontwait).has_value();
+      accepted = socket.send(message, dontwait).has_value();
     }
   } catch (const zmq::error_t& e) {
-    gst_buffer_unmap(buffer, &map);
     GST_ELEMENT_ERROR(self, RESOURCE, WRITE, ("Could not publish a message: %s", e.what()), (nullptr));
     return GST_FLOW_ERROR;
   }
-  const gsize size = map.size;
-  gst_buffer_unmap(buffer, &map);
 
   GST_OBJECT_LOCK(self);
+  if (numbered) self->seq = seq;
   if (accepted) {
     ++self->sent;
     self->bytes += size;
-  } else {
-    ++self->dropped;
   }
   GST_OBJECT_UNLOCK(self);
-  if (!accepted) gst_zmq_publish_note_drop(self);
   return GST_FLOW_OK;
 }
 
@@ -231,6 +282,8 @@ static void gst_zmq_publish_finalize(GObject* object) {
   GstZmqPublish* self = GST_ZMQ_PUBLISH(object);
   g_free(self->endpoint);
   g_free(self->topic);
+  g_free(self->curve_secret_key_file);
+  g_free(self->curve_allowed_keys);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -268,8 +321,9 @@ static void gst_zmq_publish_class_init(GstZmqPublishClass* klass) {
   g_object_class_install_property(
       gobject_class, PROP_SEND_HWM,
       g_param_spec_int("send-hwm", "Send high-water mark",
-                       "Messages queued per subscriber (ZMQ_SNDHWM) before further messages are dropped; "
-                       "0: unlimited (memory grows while a subscriber lags)",
+                       "Messages queued per subscriber (ZMQ_SNDHWM); a subscriber with this many queued loses "
+                       "the next messages until it catches up, the others still get them. 0: unlimited (memory "
+                       "grows while a subscriber lags)",
                        0, MAX_SEND_HWM, DEFAULT_SEND_HWM, rw_ready));
   g_object_class_install_property(
       gobject_class, PROP_DRAIN_TIMEOUT,
@@ -279,12 +333,15 @@ static void gst_zmq_publish_class_init(GstZmqPublishClass* klass) {
                         0, MAX_DRAIN_TIMEOUT_MS, DEFAULT_DRAIN_TIMEOUT_MS,
                         static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS |
                                                  GST_PARAM_MUTABLE_PLAYING)));
+  gstmoe::install_curve_properties(gobject_class, PROP_CURVE_SECRET_KEY_FILE, PROP_CURVE_ALLOWED_KEYS);
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       g_param_spec_boxed("stats", "Statistics",
-                         "zmq-publish-stats: sent (messages accepted by the socket, including those no subscriber "
-                         "wanted), dropped (refused because a subscriber's queue was full), bytes (payload bytes "
-                         "sent); reset at start",
+                         "zmq-publish-stats: sent (messages handed to the socket, including those no subscriber "
+                         "wanted; a subscriber whose queue was full lost its copy, which the publisher cannot see: "
+                         "subscribers see it as a seq gap), bytes (bytes of those payloads as sent, seq and stream "
+                         "included, topic frames not), seq (the last sequence number given: JSON object documents "
+                         "published), stream (this start's stream id); reset at start",
                          GST_TYPE_STRUCTURE, static_cast<GParamFlags>(G_PARAM_READABLE | G_PARAM_STATIC_STRINGS)));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
@@ -292,13 +349,16 @@ static void gst_zmq_publish_class_init(GstZmqPublishClass* klass) {
       element_class, "ZeroMQ publisher", "Sink/Network",
       "Publishes every buffer (usually a JSON result document from ann-query) as one message on a ZeroMQ PUB "
       "socket: one frame, or two frames [topic, payload] when topic is set.\n"
-      "It never blocks the pipeline: sends are non-blocking, and the socket uses ZMQ_XPUB_NODROP, with which "
-      "libzmq refuses a message (EAGAIN) while any subscriber it is meant for has send-hwm messages queued; such a "
-      "message is dropped for every subscriber and counted in stats.dropped (rate-limited warning in the log). "
-      "With no subscriber, or none subscribed to the topic, the PUB socket accepts and discards messages: they "
-      "count as sent. Subscribers that connect late miss what was published before their subscription arrived "
-      "(ZeroMQ's slow joiner). Buffers are published as they arrive (sync=false by default). Stopping discards "
-      "what is still queued, except after EOS, when it waits up to drain-timeout for it to be delivered.\n"
+      "A payload that is a JSON object document (its first byte other than whitespace is '{') gets two first "
+      "members, \"seq\":N,\"stream\":\"ID\": N counts these documents from 1 at every start, ID (16 hex digits) "
+      "is drawn at every start; other payloads go out unchanged, unnumbered.\n"
+      "It never blocks the pipeline: sends are non-blocking, and a subscriber that has send-hwm messages queued "
+      "loses the next ones until it catches up, while every other subscriber still gets them. libzmq reports no "
+      "such loss to the publisher; the subscriber sees it as a gap in seq. With no subscriber, or none subscribed "
+      "to the topic, the PUB socket accepts and discards messages: they count as sent. Subscribers that connect "
+      "late miss what was published before their subscription arrived (ZeroMQ's slow joiner). Buffers are "
+      "published as they arrive (sync=false by default). Stopping discards what is still queued, except after "
+      "EOS, when it waits up to drain-timeout for it to be delivered.\n"
       "Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! queue ! moe-encode model=clip ! "
       "moe-route model=adapter ! moe-expert model=adapter ! ann-query index=catalog.faiss ! "
       "zmq-publish endpoint=tcp://127.0.0.1:5556 topic=results",
