@@ -48,6 +48,8 @@ struct _GstZmqQuery {
   guint max_text_bytes;
   gchar* image_root;
   gint64 num_requests;
+  gchar* curve_secret_key_file;
+  gchar* curve_allowed_keys;
 
   // Streaming state: used by start/stop and the streaming thread (create) only.
   gstmoe::ZmqSocket* zmq;
@@ -71,6 +73,8 @@ enum {
   PROP_MAX_TEXT_BYTES,
   PROP_IMAGE_ROOT,
   PROP_NUM_REQUESTS,
+  PROP_CURVE_SECRET_KEY_FILE,
+  PROP_CURVE_ALLOWED_KEYS,
   PROP_STATS
 };
 
@@ -222,6 +226,14 @@ static void gst_zmq_query_set_property(GObject* object, guint prop_id, const GVa
     case PROP_NUM_REQUESTS:
       self->num_requests = g_value_get_int64(value);
       break;
+    case PROP_CURVE_SECRET_KEY_FILE:
+      g_free(self->curve_secret_key_file);
+      self->curve_secret_key_file = g_value_dup_string(value);
+      break;
+    case PROP_CURVE_ALLOWED_KEYS:
+      g_free(self->curve_allowed_keys);
+      self->curve_allowed_keys = g_value_dup_string(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -260,6 +272,12 @@ static void gst_zmq_query_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_NUM_REQUESTS:
       g_value_set_int64(value, self->num_requests);
       break;
+    case PROP_CURVE_SECRET_KEY_FILE:
+      g_value_set_string(value, self->curve_secret_key_file);
+      break;
+    case PROP_CURVE_ALLOWED_KEYS:
+      g_value_set_string(value, self->curve_allowed_keys);
+      break;
     case PROP_STATS:
       g_value_take_boxed(value, gst_structure_new("zmq-query-stats", "received", G_TYPE_UINT64, self->received,
                                                   "rejected", G_TYPE_UINT64, self->rejected, nullptr));
@@ -280,6 +298,8 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
   const guint64 max_message = self->max_message_bytes;
   const guint64 max_image = self->max_image_bytes;
   const std::string root = self->image_root ? self->image_root : "";
+  const std::string curve_secret_key_file = self->curve_secret_key_file ? self->curve_secret_key_file : "";
+  const std::string curve_allowed_keys = self->curve_allowed_keys ? self->curve_allowed_keys : "";
   self->router = self->socket_type == GST_ZMQ_QUERY_SOCKET_ROUTER;
   self->received = self->rejected = 0;
   GST_OBJECT_UNLOCK(self);
@@ -307,11 +327,18 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
                          max_message, max_image, moe::base64_request_bytes(max_image)),
                         (nullptr));
 
+  std::optional<gstmoe::CurveServer> curve;
+  try {
+    curve = gstmoe::load_curve_server(curve_secret_key_file, curve_allowed_keys);
+  } catch (const std::exception& e) {
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("%s", e.what()), (nullptr));
+    return FALSE;
+  }
   // ZeroMQ's "no limit" is -1.
   const int64_t max_msgsize = max_message == 0 ? -1 : static_cast<int64_t>(max_message);
   try {
     self->zmq = new gstmoe::ZmqSocket(self->router ? zmq::socket_type::router : zmq::socket_type::pull, endpoint,
-                                      bind, [hwm, max_msgsize](zmq::socket_t& s) {
+                                      bind, curve, [hwm, max_msgsize](zmq::socket_t& s) {
                                         s.set(zmq::sockopt::rcvhwm, hwm);
                                         s.set(zmq::sockopt::maxmsgsize, max_msgsize);
                                       });
@@ -446,6 +473,8 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
 static void gst_zmq_query_finalize(GObject* object) {
   g_free(GST_ZMQ_QUERY(object)->endpoint);
   g_free(GST_ZMQ_QUERY(object)->image_root);
+  g_free(GST_ZMQ_QUERY(object)->curve_secret_key_file);
+  g_free(GST_ZMQ_QUERY(object)->curve_allowed_keys);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -527,6 +556,7 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
       g_param_spec_int64("num-requests", "Number of requests",
                          "End the stream (EOS) after this many requests, valid or not; -1: never", -1, G_MAXINT64,
                          DEFAULT_NUM_REQUESTS, rw_ready));
+  gstmoe::install_curve_properties(gobject_class, PROP_CURVE_SECRET_KEY_FILE, PROP_CURVE_ALLOWED_KEYS);
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       g_param_spec_boxed("stats", "Statistics",

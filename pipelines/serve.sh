@@ -9,6 +9,10 @@
 # NUM_REQUESTS=n makes the service stop after n requests (-1: run until interrupted).
 # IMAGE_ROOT=DIR also serves {"id": "q3", "image": "photo.png"} requests naming files under DIR
 # (relative to it, or absolute paths inside it); without it such requests are refused.
+# CURVE_KEY=FILE CURVE_ALLOWED=DIR_OR_FILE put both sockets under CURVE: FILE is the service's
+# secret certificate (server.key_secret of zmq.auth.create_certificates), DIR_OR_FILE the clients'
+# public certificates (*.key) or a list of their public keys; only those clients may send requests
+# or receive results (docs/zmq-schema.md#access-control-curve). Without them: plain ZeroMQ.
 # DEVICE, EXPERT_DEVICE and PRECISION choose where and how the models compute (pipelines/env.sh),
 # e.g. DEVICE=auto EXPERT_DEVICE=all PRECISION=fp16 on a GPU machine.
 set -euo pipefail
@@ -18,21 +22,29 @@ QUERY_ENDPOINT=${QUERY_ENDPOINT:-tcp://127.0.0.1:5555}
 RESULT_ENDPOINT=${RESULT_ENDPOINT:-tcp://127.0.0.1:5556}
 NUM_REQUESTS=${NUM_REQUESTS:--1}
 IMAGE_ROOT=${IMAGE_ROOT:-}
+CURVE_KEY=${CURVE_KEY:-}
+CURVE_ALLOWED=${CURVE_ALLOWED:-}
+# The same key pair and allow-list on both sockets; an element refuses to start with only one set.
+curve=()
+if [ -n "$CURVE_KEY" ]; then curve+=(curve-secret-key-file="$CURVE_KEY"); fi
+if [ -n "$CURVE_ALLOWED" ]; then curve+=(curve-allowed-keys="$CURVE_ALLOWED"); fi
 
 # zmq-query     PULL socket: one buffer per request (text, or image bytes), request id in the meta;
-#               image-root is set only when IMAGE_ROOT is (gst-launch cannot take an empty value)
+#               image-root is set only when IMAGE_ROOT is (gst-launch cannot take an empty value);
+#               CURVE when CURVE_KEY and CURVE_ALLOWED are set, on this socket and zmq-publish's
 # moe-encode    CLIP text/image towers; batches up to 16 requests, waits at most 5 ms for a batch;
 #               on DEVICE, weights in PRECISION
 # moe-route     router: top-k experts per query
 # moe-expert    runs the experts on EXPERT_DEVICE (preloaded there by moe-route), L2-normalises
 # ann-query     searches the index (a flat one GPU-resident when DEVICE is a GPU): one JSON result
 #               (or error) document per request
-# zmq-publish   PUB socket; never blocks on slow or absent subscribers
+# zmq-publish   PUB socket; never blocks on slow or absent subscribers (one that falls behind loses
+#               its own messages and sees the gap in "seq")
 exec gst-launch-1.0 -e \
-  zmq-query endpoint="$QUERY_ENDPOINT" num-requests="$NUM_REQUESTS" ${IMAGE_ROOT:+image-root="$IMAGE_ROOT"} \
+  zmq-query endpoint="$QUERY_ENDPOINT" num-requests="$NUM_REQUESTS" ${IMAGE_ROOT:+image-root="$IMAGE_ROOT"} "${curve[@]}" \
   ! queue \
   ! moe-encode model="$MODEL" max-batch=16 max-latency=5000000 device="$DEVICE" precision="$PRECISION" \
   ! moe-route model="$ADAPTER" \
   ! moe-expert model="$ADAPTER" device="$EXPERT_DEVICE" precision="$PRECISION" \
   ! ann-query index="$INDEX" k=10 device="$DEVICE" \
-  ! zmq-publish endpoint="$RESULT_ENDPOINT"
+  ! zmq-publish endpoint="$RESULT_ENDPOINT" "${curve[@]}"
