@@ -33,12 +33,30 @@ constexpr int kWidth = 16;                                // clip_tiny_bpe's pro
 constexpr guint64 kNeverFlush = 3600 * GST_SECOND;        // max-latency that never fires in a test
 constexpr double kTolerance = 1e-6;
 
+// GST_PLUGIN_PATH_1_0 as this process was started with (SetUp removes it).
+std::string& plugin_path_at_start() {
+  static std::string path;
+  return path;
+}
+
 class GstEnvironment : public ::testing::Environment {
  public:
   void SetUp() override {
+    // This binary links the elements and registers them itself, so libgstmoe.so must never be
+    // loaded into it as well. When the registry is rebuilt in-process (GST_REGISTRY_FORK=no, or a
+    // plugin scanner that cannot run), the .so registers GstMoeEncode, GstMoeBatchMetaAPI... first
+    // and this binary's copies stay unregistered: the tests then get the .so's elements, whose
+    // metas gst_buffer_get_moe_batch_meta() here cannot find. So: no plugin path, and a registry
+    // of its own (the shared one lists the plugin, for the other suites).
+    if (const gchar* path = g_getenv("GST_PLUGIN_PATH_1_0")) plugin_path_at_start() = path;
+    g_unsetenv("GST_PLUGIN_PATH_1_0");
+    g_unsetenv("GST_PLUGIN_PATH");
+    if (const gchar* shared = g_getenv("GST_REGISTRY_1_0"))
+      g_setenv("GST_REGISTRY_1_0", (std::string(shared) + ".static-elements").c_str(), TRUE);
     gst_init(nullptr, nullptr);
-    GST_ELEMENT_REGISTER(moe_encode, nullptr);
-    GST_ELEMENT_REGISTER(moe_catalog_src, nullptr);
+    ASSERT_TRUE(GST_ELEMENT_REGISTER(moe_encode, nullptr));
+    ASSERT_TRUE(GST_ELEMENT_REGISTER(moe_catalog_src, nullptr));
+    ASSERT_NE(GST_MOE_BATCH_META_API_TYPE, G_TYPE_INVALID) << "GstMoeBatchMetaAPI was registered by another copy";
     // appsrc/appsink from libgstapp, without depending on the system plugin being installed.
     if (GstElementFactory* f = gst_element_factory_find("appsrc"))
       gst_object_unref(f);
@@ -76,22 +94,31 @@ struct Output {
   const float* row(size_t i) const { return data.data() + i * kWidth; }
 };
 
-Output take(GstBuffer* buf) {
-  Output out;
-  EXPECT_NE(buf, nullptr);
-  if (buf == nullptr) return out;
-  out.pts = GST_BUFFER_PTS(buf);
+// The records of a buffer's GstMoeBatchMeta; null when it has none.
+const gstmoe::BatchRecords* batch_records(GstBuffer* buf) {
+  const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+  return meta != nullptr ? meta->records : nullptr;
+}
+
+struct BufferUnref {
+  void operator()(GstBuffer* buf) const { gst_buffer_unref(buf); }
+};
+
+// Copies an output buffer into `out` and unrefs it. Call through ASSERT_NO_FATAL_FAILURE: a
+// missing buffer or meta ends the test there, before anything reads rows that are not there.
+void take(GstBuffer* buf, Output* out) {
+  ASSERT_NE(buf, nullptr) << "no output buffer";
+  const std::unique_ptr<GstBuffer, BufferUnref> owned(buf);
+  out->pts = GST_BUFFER_PTS(buf);
   EXPECT_FALSE(GST_BUFFER_DTS_IS_VALID(buf));
   EXPECT_FALSE(GST_BUFFER_DURATION_IS_VALID(buf));
-  EXPECT_EQ(gst_buffer_get_size(buf) % (kWidth * sizeof(float)), 0u);
-  out.data.resize(gst_buffer_get_size(buf) / sizeof(float));
-  if (!out.data.empty()) gst_buffer_extract(buf, 0, out.data.data(), gst_buffer_get_size(buf));
-  const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
-  EXPECT_NE(meta, nullptr);
-  if (meta != nullptr) out.records = *meta->records;
-  EXPECT_EQ(out.records.rows.size(), out.rows()) << "one record per row";
-  gst_buffer_unref(buf);
-  return out;
+  ASSERT_EQ(gst_buffer_get_size(buf) % (kWidth * sizeof(float)), 0u);
+  out->data.resize(gst_buffer_get_size(buf) / sizeof(float));
+  if (!out->data.empty()) gst_buffer_extract(buf, 0, out->data.data(), gst_buffer_get_size(buf));
+  const gstmoe::BatchRecords* records = batch_records(buf);
+  ASSERT_NE(records, nullptr) << "output buffer without GstMoeBatchMeta";
+  out->records = *records;
+  ASSERT_EQ(out->records.rows.size(), out->rows()) << "one record per row";
 }
 
 double max_abs_diff(const float* got, const moe::Tensor& want, int64_t want_row) {
@@ -158,7 +185,8 @@ TEST(MoeEncode, TextBatchesOfMaxBatchThenRestAtEos) {
   const size_t sizes[] = {3, 3, 1};
   size_t next = 0;
   for (size_t b = 0; b < 3; ++b) {
-    const Output out = take(gst_harness_pull(h));
+    Output out;
+    ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
     ASSERT_EQ(out.rows(), sizes[b]) << "batch " << b;
     EXPECT_EQ(out.pts, next * GST_SECOND) << "PTS of the batch's first request";
     EXPECT_TRUE(out.records.failed.empty());
@@ -189,7 +217,8 @@ TEST(MoeEncode, IdsComeFromBufferOffsets) {
     GST_BUFFER_OFFSET(buf) = off;
     ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
   }
-  const Output out = take(gst_harness_pull(h));
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
   ASSERT_EQ(out.rows(), 2u);
   EXPECT_EQ(out.records.rows[0].id, "100");
   EXPECT_EQ(out.records.rows[1].id, "101");
@@ -201,7 +230,8 @@ TEST(MoeEncode, InvalidUtf8FailsOnlyThatRequest) {
   ASSERT_EQ(gst_harness_push(h, text_buffer("hello")), GST_FLOW_OK);
   ASSERT_EQ(gst_harness_push(h, text_buffer("bad \xff\xfe bytes")), GST_FLOW_OK);
   ASSERT_EQ(gst_harness_push(h, text_buffer("world")), GST_FLOW_OK);
-  const Output out = take(gst_harness_pull(h));
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
   ASSERT_EQ(out.rows(), 2u);
   EXPECT_EQ(out.records.rows[0].id, "0");
   EXPECT_EQ(out.records.rows[1].id, "2");
@@ -215,7 +245,8 @@ TEST(MoeEncode, InvalidUtf8FailsOnlyThatRequest) {
   // A C string pushed with its terminator: the reason names the NUL.
   ASSERT_EQ(gst_harness_push(h, bytes_buffer("mug", 4)), GST_FLOW_OK);
   ASSERT_EQ(gst_harness_push_event(h, gst_event_new_eos()), TRUE);
-  const Output nul = take(gst_harness_pull(h));
+  Output nul;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &nul));
   ASSERT_EQ(nul.records.failed.size(), 1u);
   EXPECT_NE(nul.records.failed[0].reason.find("NUL byte at offset 3"), std::string::npos)
       << nul.records.failed[0].reason;
@@ -232,7 +263,8 @@ TEST(MoeEncode, AllFailedBatchIsPushedWithZeroRows) {
   GstBuffer* buf = gst_harness_pull(h);
   ASSERT_NE(buf, nullptr);
   EXPECT_EQ(gst_buffer_get_size(buf), 0u);
-  const Output out = take(buf);
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(buf, &out));
   EXPECT_EQ(out.rows(), 0u);
   ASSERT_EQ(out.records.failed.size(), 1u);
   EXPECT_EQ(out.records.failed[0].request.id, "0");
@@ -261,7 +293,8 @@ TEST(MoeEncode, SrcCapsWidthIsProjectionDim) {
 TEST(MoeEncode, MaxLatencyPushesPartialBatchWithoutEos) {
   GstHarness* h = encode_harness(8, 5 * GST_MSECOND, "text/x-raw, format=(string)utf8");
   ASSERT_EQ(gst_harness_push(h, text_buffer("lonely query")), GST_FLOW_OK);
-  const Output out = take(gst_harness_pull(h));  // blocks until the timer pushes it
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));  // blocks until the timer pushes it
   ASSERT_EQ(out.rows(), 1u);
   EXPECT_EQ(out.records.rows[0].text, "lonely query");
   const moe::Tensor want = model()->encode_texts({"lonely query"}).embeds;
@@ -290,7 +323,8 @@ TEST(MoeEncode, TimerAndStreamingThreadKeepOrderAndAnswerEachRequestOnce) {
   ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
   std::vector<std::string> ids;
   for (GstBuffer* buf; (buf = gst_harness_try_pull(h)) != nullptr;) {
-    const Output out = take(buf);
+    Output out;
+    ASSERT_NO_FATAL_FAILURE(take(buf, &out));
     EXPECT_GE(out.rows(), 1u);
     EXPECT_LE(out.rows(), 5u);
     for (const gstmoe::RequestRecord& r : out.records.rows) ids.push_back(r.id);
@@ -312,7 +346,8 @@ TEST(MoeEncode, FlushDropsThePendingBatch) {
   ASSERT_EQ(gst_harness_push(h, text_buffer("kept")), GST_FLOW_OK);
   ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
   ASSERT_EQ(gst_harness_buffers_in_queue(h), 1u);
-  const Output out = take(gst_harness_pull(h));
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
   ASSERT_EQ(out.rows(), 1u);
   EXPECT_EQ(out.records.rows[0].text, "kept");
   gst_harness_teardown(h);
@@ -341,7 +376,8 @@ TEST(MoeEncode, RgbFramesWithPaddedStride) {
     GST_BUFFER_PTS(buf) = i * 40 * GST_MSECOND;
     ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
   }
-  const Output out = take(gst_harness_pull(h));
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
   ASSERT_EQ(out.rows(), 2u);
   const moe::Tensor want = model()->encode_images({view_of(images[0], w, h_px), view_of(images[1], w, h_px)}).embeds;
   for (int i = 0; i < 2; ++i) {
@@ -391,7 +427,8 @@ TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
   gst_video_frame_unmap(&frame);
 
   ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
-  const Output out = take(gst_harness_pull(h));
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
   ASSERT_EQ(out.rows(), 1u);
   const moe::Tensor want = model()->encode_images({view_of(rgb, w, h_px)}).embeds;
   EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
@@ -422,7 +459,8 @@ TEST(MoeEncode, RequestBuffersMixTextAndImagesAndCarryFailures) {
   gst_buffer_add_moe_batch_meta(upstream_failure, failed);
   ASSERT_EQ(gst_harness_push(h, upstream_failure), GST_FLOW_OK);
 
-  const Output out = take(gst_harness_pull(h));
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
   ASSERT_EQ(out.rows(), 2u);
   EXPECT_EQ(out.records.rows[0].id, "img-ok");
   EXPECT_EQ(out.records.rows[0].uri, "file:///cat/ok.png");
@@ -552,8 +590,10 @@ TEST(MoeEncode, NullPlayingNullCyclesWork) {
     ASSERT_EQ(gst_app_src_end_of_stream(GST_APP_SRC(in)), GST_FLOW_OK);
     GstSample* sample = gst_app_sink_pull_sample(GST_APP_SINK(out));  // the batch, pushed at EOS
     ASSERT_NE(sample, nullptr) << cycle;
-    const Output o = take(gst_buffer_ref(gst_sample_get_buffer(sample)));
+    GstBuffer* batch = gst_buffer_ref(gst_sample_get_buffer(sample));
     gst_sample_unref(sample);
+    Output o;
+    ASSERT_NO_FATAL_FAILURE(take(batch, &o));
     ASSERT_EQ(o.rows(), 1u) << cycle;
     EXPECT_EQ(o.records.rows[0].id, "0") << "the counter restarts with each stream";
     EXPECT_LE(max_abs_diff(o.row(0), want, 0), kTolerance);
@@ -563,6 +603,55 @@ TEST(MoeEncode, NullPlayingNullCyclesWork) {
   gst_object_unref(in);
   gst_object_unref(out);
   gst_object_unref(pipeline);
+}
+
+/* ----- this binary's elements ----- */
+
+TEST(MoeEncode, ElementsAndMetaAreThisBinarysOwn) {
+  GstElementFactory* factory = gst_element_factory_find("moe-encode");
+  ASSERT_NE(factory, nullptr);
+  EXPECT_EQ(gst_element_factory_get_element_type(factory), GST_TYPE_MOE_ENCODE);
+  gst_object_unref(factory);
+  EXPECT_EQ(g_type_from_name("GstMoeBatchMetaAPI"), GST_MOE_BATCH_META_API_TYPE);
+  // An installed plugin may be listed (found by the forked scanner), but never loaded here.
+  if (GstPlugin* plugin = gst_registry_find_plugin(gst_registry_get(), "moe")) {
+    EXPECT_FALSE(gst_plugin_is_loaded(plugin))
+        << GST_STR_NULL(gst_plugin_get_filename(plugin)) << " is loaded into this process";
+    gst_object_unref(plugin);
+  }
+}
+
+// What once crashed this suite: the plugin's folder on GST_PLUGIN_PATH_1_0 and a registry
+// rebuilt in-process (no forked scanner) loaded libgstmoe.so into the tests, whose output
+// buffers then carried a meta that this binary's GstMoeBatchMetaAPI (left unregistered) could
+// not find. Reruns a test of this binary in exactly those conditions.
+TEST(MoeEncode, RunsWhenTheRegistryIsRebuiltInProcessWithThePluginOnThePath) {
+  if (plugin_path_at_start().empty()) GTEST_SKIP() << "GST_PLUGIN_PATH_1_0 (the plugin's build folder) was not set";
+  TempDir dir;
+  const std::string no_system_plugins = dir.file("system-plugins");  // the scan stays short
+  ASSERT_EQ(g_mkdir_with_parents(no_system_plugins.c_str(), 0700), 0);
+  gchar* self = g_file_read_link("/proc/self/exe", nullptr);
+  ASSERT_NE(self, nullptr);
+  gchar* argv[] = {self, const_cast<gchar*>("--gtest_filter=MoeEncode.TextBatchesOfMaxBatchThenRestAtEos"), nullptr};
+  gchar** env = g_get_environ();
+  env = g_environ_setenv(env, "GST_REGISTRY_FORK", "no", TRUE);
+  env = g_environ_setenv(env, "GST_REGISTRY_1_0", dir.file("registry.bin").c_str(), TRUE);
+  env = g_environ_setenv(env, "GST_PLUGIN_SYSTEM_PATH_1_0", no_system_plugins.c_str(), TRUE);
+  env = g_environ_setenv(env, "GST_PLUGIN_PATH_1_0", plugin_path_at_start().c_str(), TRUE);
+  gchar* out = nullptr;
+  gchar* err = nullptr;
+  gint status = -1;
+  GError* error = nullptr;
+  const gboolean spawned =
+      g_spawn_sync(nullptr, argv, env, G_SPAWN_DEFAULT, nullptr, nullptr, &out, &err, &status, &error);
+  g_strfreev(env);
+  g_free(self);
+  ASSERT_TRUE(spawned) << error->message;
+  const std::string output = std::string(out) + err;
+  g_free(out);
+  g_free(err);
+  EXPECT_TRUE(g_spawn_check_wait_status(status, nullptr)) << output;
+  EXPECT_NE(output.find("[  PASSED  ] 1 test"), std::string::npos) << output;
 }
 
 /* ----- device and precision ----- */
@@ -594,7 +683,8 @@ TEST(MoeEncode, AutoDeviceInHalfPrecisionEncodesWithThatModel) {
   gst_harness_set_src_caps_str(h, "text/x-raw, format=(string)utf8");
   ASSERT_EQ(gst_harness_push(h, text_buffer("a red mug")), GST_FLOW_OK);
   ASSERT_EQ(gst_harness_push(h, text_buffer("sunset")), GST_FLOW_OK);
-  const Output out = take(gst_harness_pull(h));
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
   ASSERT_EQ(out.rows(), 2u);
   // The element's model is the cache's for (dir, the device "auto" means here, bf16).
   moe::ComputeOptions options;
@@ -689,13 +779,13 @@ TEST(MoeCatalogSrc, CatalogItemsThenEos) {
   for (const Want& w : want) {
     GstBuffer* buf = gst_harness_pull(h);
     ASSERT_NE(buf, nullptr) << w.id;
-    const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
-    ASSERT_NE(meta, nullptr) << w.id;
+    const gstmoe::BatchRecords* records = batch_records(buf);
+    ASSERT_NE(records, nullptr) << w.id << ": no GstMoeBatchMeta";
     const gstmoe::RequestRecord* rec;
     if (w.ok) {
-      ASSERT_EQ(meta->records->rows.size(), 1u) << w.id;
-      EXPECT_TRUE(meta->records->failed.empty());
-      rec = &meta->records->rows[0];
+      ASSERT_EQ(records->rows.size(), 1u) << w.id;
+      EXPECT_TRUE(records->failed.empty());
+      rec = &records->rows[0];
       gchar* bytes = nullptr;
       gsize size = 0;
       ASSERT_TRUE(g_file_get_contents(fx.dir.file(w.file).c_str(), &bytes, &size, nullptr));
@@ -703,10 +793,10 @@ TEST(MoeCatalogSrc, CatalogItemsThenEos) {
       EXPECT_EQ(gst_buffer_memcmp(buf, 0, bytes, size), 0) << "payload = the file's bytes";
       g_free(bytes);
     } else {
-      EXPECT_TRUE(meta->records->rows.empty());
+      EXPECT_TRUE(records->rows.empty());
       EXPECT_EQ(gst_buffer_get_size(buf), 0u);
-      ASSERT_EQ(meta->records->failed.size(), 1u) << w.id;
-      const gstmoe::FailedRequest& f = meta->records->failed[0];
+      ASSERT_EQ(records->failed.size(), 1u) << w.id;
+      const gstmoe::FailedRequest& f = records->failed[0];
       EXPECT_EQ(f.stage, "moe-catalog-src");
       EXPECT_NE(f.reason.find(fx.dir.file(w.file)), std::string::npos) << f.reason;
       rec = &f.request;
@@ -730,12 +820,12 @@ TEST(MoeCatalogSrc, FolderWithoutCatalogListsImagesByName) {
   for (const char* id : {"a", "b", "c"}) {
     GstBuffer* buf = gst_harness_pull(h);
     ASSERT_NE(buf, nullptr);
-    const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
-    ASSERT_NE(meta, nullptr);
-    ASSERT_EQ(meta->records->rows.size(), 1u);
-    EXPECT_EQ(meta->records->rows[0].id, id);
-    EXPECT_EQ(meta->records->rows[0].uri, file_uri(fx.dir.file(std::string(id) + ".png")));
-    EXPECT_EQ(meta->records->rows[0].text, "");
+    const gstmoe::BatchRecords* records = batch_records(buf);
+    ASSERT_NE(records, nullptr) << id << ": no GstMoeBatchMeta";
+    ASSERT_EQ(records->rows.size(), 1u);
+    EXPECT_EQ(records->rows[0].id, id);
+    EXPECT_EQ(records->rows[0].uri, file_uri(fx.dir.file(std::string(id) + ".png")));
+    EXPECT_EQ(records->rows[0].text, "");
     gst_buffer_unref(buf);
   }
   expect_eos_next(h);
@@ -750,13 +840,18 @@ TEST(MoeCatalogSrc, MalformedLinesBecomeFailedRequests) {
   GstHarness* h = catalog_harness(catalog);
   GstBuffer* first = gst_harness_pull(h);
   ASSERT_NE(first, nullptr);
-  EXPECT_EQ(gst_buffer_get_moe_batch_meta(first)->records->rows.at(0).id, "a");
+  const gstmoe::BatchRecords* first_records = batch_records(first);
+  ASSERT_NE(first_records, nullptr) << "no GstMoeBatchMeta";
+  ASSERT_EQ(first_records->rows.size(), 1u);
+  EXPECT_EQ(first_records->rows[0].id, "a");
   gst_buffer_unref(first);
   const char* reasons[] = {"line 2", "line 3"};
   for (const char* reason : reasons) {
     GstBuffer* buf = gst_harness_pull(h);
     ASSERT_NE(buf, nullptr);
-    const gstmoe::BatchRecords& r = *gst_buffer_get_moe_batch_meta(buf)->records;
+    const gstmoe::BatchRecords* records = batch_records(buf);
+    ASSERT_NE(records, nullptr) << reason << ": no GstMoeBatchMeta";
+    const gstmoe::BatchRecords& r = *records;
     EXPECT_TRUE(r.rows.empty());
     ASSERT_EQ(r.failed.size(), 1u);
     EXPECT_EQ(r.failed[0].stage, "moe-catalog-src");
@@ -789,7 +884,8 @@ TEST(MoeCatalogSrc, ChainedIntoEncodeGivesRowsAndFailures) {
   std::vector<std::vector<float>> embeddings;
   GstBuffer* buf = nullptr;
   while (gst_harness_pull_until_eos(h, &buf) && buf != nullptr) {
-    const Output out = take(buf);
+    Output out;
+    ASSERT_NO_FATAL_FAILURE(take(buf, &out));
     for (size_t r = 0; r < out.rows(); ++r) {
       rows.push_back(out.records.rows[r]);
       embeddings.emplace_back(out.row(r), out.row(r) + kWidth);
