@@ -1,13 +1,18 @@
 // End to end, as users run it: the index-build pipeline script builds an index from generated
-// images and records the models that made it; the serving pipeline answers text and image
-// queries over loopback ZeroMQ; the embedding application and the serving script work as
-// written; queries from other models than the index's get error documents.
+// images and records the models that made it (and, interrupted, keeps the index it would have
+// replaced); the serving pipeline answers text and image queries over loopback ZeroMQ; the
+// embedding application and the serving script work as written; queries from other models than
+// the index's get error documents.
+#include <fcntl.h>
 #include <gdk-pixbuf/gdk-pixbuf.h>
 #include <gst/app/gstappsink.h>
 #include <gst/app/gstappsrc.h>
 #include <gst/gst.h>
 #include <gtest/gtest.h>
 #include <json-glib/json-glib.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -101,6 +106,113 @@ int run(const std::vector<std::string>& argv, const std::vector<std::string>& ex
   g_free(err);
   return g_spawn_check_wait_status(status, nullptr) ? 0 : (WIFEXITED(status) ? WEXITSTATUS(status) : 128);
 }
+
+std::string file_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::set<std::string> folder_names(const std::string& dir) {
+  std::set<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) names.insert(entry.path().filename().string());
+  return names;
+}
+
+// A script started in the background, its stdout and stderr read together as they come.
+class RunningScript {
+ public:
+  RunningScript(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env) {
+    std::vector<const gchar*> args;
+    for (const auto& a : argv) args.push_back(a.c_str());
+    args.push_back(nullptr);
+    gchar** env = g_get_environ();
+    for (const auto& kv : extra_env) {
+      const auto eq = kv.find('=');
+      env = g_environ_setenv(env, kv.substr(0, eq).c_str(), kv.substr(eq + 1).c_str(), TRUE);
+    }
+    int fds[2];
+    if (pipe2(fds, O_CLOEXEC) != 0) {
+      output_ = std::string("pipe: ") + g_strerror(errno);
+      g_strfreev(env);
+      return;
+    }
+    GError* error = nullptr;
+    // The signals at their defaults: bash cannot trap one that it was started with ignored.
+    const GSpawnChildSetupFunc default_signals = [](gpointer) {
+      signal(SIGINT, SIG_DFL);
+      signal(SIGTERM, SIG_DFL);
+    };
+    if (!g_spawn_async_with_pipes_and_fds(nullptr, args.data(), env, G_SPAWN_DO_NOT_REAP_CHILD, default_signals,
+                                          nullptr, -1, fds[1], fds[1], nullptr, nullptr, 0, &pid_, nullptr, nullptr,
+                                          nullptr, &error)) {
+      output_ = error->message;
+      g_error_free(error);
+      pid_ = 0;
+    }
+    g_strfreev(env);
+    close(fds[1]);
+    fd_ = fds[0];
+  }
+  ~RunningScript() {
+    if (pid_ > 0) {  // a test that failed half-way
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (fd_ >= 0) close(fd_);
+  }
+  RunningScript(const RunningScript&) = delete;
+  RunningScript& operator=(const RunningScript&) = delete;
+
+  bool started() const { return pid_ > 0; }
+  const std::string& output() const { return output_; }
+  void signal_it(int sig) const { kill(pid_, sig); }
+
+  // Reads until the output holds `text` (true), or until its end or kPatience (false).
+  bool read_until(const std::string& text) {
+    const auto deadline = std::chrono::steady_clock::now() + kPatience;
+    while (output_.find(text) == std::string::npos) {
+      if (!read_some(deadline)) return false;
+    }
+    return true;
+  }
+  // Reads the output to its end and returns the script's wait status (-1: still running after
+  // kPatience).
+  int finish() {
+    const auto deadline = std::chrono::steady_clock::now() + kPatience;
+    while (read_some(deadline)) {
+    }
+    int status = -1;
+    if (pid_ > 0 && waitpid(pid_, &status, fd_ < 0 ? 0 : WNOHANG) == pid_) pid_ = 0;
+    return pid_ == 0 ? status : -1;
+  }
+
+ private:
+  // Appends what the pipe has; false at its end (the pipe is then closed) or at `deadline`.
+  bool read_some(std::chrono::steady_clock::time_point deadline) {
+    if (fd_ < 0) return false;
+    using std::chrono::milliseconds;
+    const auto left = std::chrono::duration_cast<milliseconds>(deadline - std::chrono::steady_clock::now());
+    if (left.count() <= 0) return false;
+    pollfd p{fd_, POLLIN, 0};
+    const int ready = poll(&p, 1, static_cast<int>(left.count()));
+    if (ready < 0 && errno == EINTR) return true;
+    if (ready <= 0) return false;
+    char chunk[4096];
+    const ssize_t n = read(fd_, chunk, sizeof chunk);
+    if (n > 0) {
+      output_.append(chunk, static_cast<size_t>(n));
+      return true;
+    }
+    if (n < 0 && errno == EINTR) return true;
+    close(fd_);
+    fd_ = -1;
+    return false;
+  }
+
+  GPid pid_ = 0;
+  int fd_ = -1;
+  std::string output_;
+};
 
 struct Doc {
   JsonParser* parser = nullptr;
@@ -246,6 +358,53 @@ TEST_F(E2E, BuildPipelineWritesIndexAndItems) {
   int lines = 0;
   while (std::getline(items, line)) ++lines;
   EXPECT_EQ(lines, kItems + 1);  // header + one line per image
+}
+
+// An interrupted build exits with the signal's status, says what became of the index, keeps an
+// earlier one byte for byte, and leaves no partial files beside it.
+TEST_F(E2E, InterruptedBuildKeepsTheOldIndex) {
+  // Far more items than can be indexed before the signal lands (the e2e images, over and over),
+  // so that the build is still running: gst-launch prints PREROLLING when the source has started,
+  // and the pipeline prerolls only at EOS, once the whole catalog is indexed.
+  moe::test::TempDir catalog_dir;
+  {
+    std::ofstream jsonl(catalog_dir.file("catalog.jsonl"));
+    for (int i = 0; i < 50000; ++i)
+      jsonl << R"({"path": ")" << catalog().paths[i % kItems] << R"(", "id": "copy)" << i << "\"}\n";
+  }
+  struct Case {
+    int signal, exit_status;
+    bool old_index;
+    const char* message;
+  };
+  const Case cases[] = {{SIGINT, 130, true, "the old index at "}, {SIGTERM, 143, false, "no index was written"}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.signal == SIGINT ? "SIGINT" : "SIGTERM");
+    moe::test::TempDir out;
+    const std::string index = out.file("index.faiss"), items = index + ".items.jsonl";
+    if (c.old_index) {
+      std::filesystem::copy_file(catalog().index, index);
+      std::filesystem::copy_file(catalog().index + ".items.jsonl", items);
+    }
+    const std::string index_before = file_bytes(index), items_before = file_bytes(items);
+    const std::set<std::string> names_before = folder_names(out.path());
+
+    RunningScript build({kSource + "/pipelines/build-index.sh", catalog_dir.path(), index},
+                        {"MODEL=" + kModel, "ADAPTER=" + kAdapter});
+    ASSERT_TRUE(build.started()) << build.output();
+    ASSERT_TRUE(build.read_until("Pipeline is PREROLLING")) << build.output();
+    build.signal_it(c.signal);
+    const int status = build.finish();
+    const std::string& output = build.output();
+    ASSERT_TRUE(WIFEXITED(status)) << "status " << status << "\n" << output;
+    EXPECT_EQ(WEXITSTATUS(status), c.exit_status) << output;
+    const std::string message =
+        std::string("build-index: interrupted: ") + c.message + (c.old_index ? index + " was kept" : "");
+    EXPECT_NE(output.find(message), std::string::npos) << output;
+    EXPECT_TRUE(file_bytes(index) == index_before) << index << " changed";  // not EXPECT_EQ: binary dumps
+    EXPECT_TRUE(file_bytes(items) == items_before) << items << " changed";
+    EXPECT_EQ(folder_names(out.path()), names_before) << "partial files left beside the index";
+  }
 }
 
 TEST_F(E2E, ServingPipelineAnswersEveryRequestOnce) {
