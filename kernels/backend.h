@@ -10,6 +10,14 @@
 // [out, in] ("Linear weights") stored as f32, f16 or bf16 and always accumulated in f32; sizes are
 // element counts; pointers passed to operations point into this backend's memory unless stated.
 //
+// Activations against f16/bf16 weights (linear, grouped_swiglu): the CPU multiplies the f32
+// activations by the widened weights. CUDA rounds the activations (x, and in grouped_swiglu also
+// the SwiGLU product) to the weight's type first, as cuBLAS takes one input type: one more
+// rounding per product, relative 2^-11 (f16) or 2^-8 (bf16), so the backends agree within about
+// 1e-2 relative there, not 1e-4 (tests/test_backend.cpp, test_compute.cpp). f16 ends at 65504:
+// before an f16 GEMM, CUDA scales each activation row that exceeds it by a power of two that fits
+// it and scales the output row back (exact), so large activations do not overflow to inf.
+//
 // Threads: copy_from_host_async, event_complete and memory_info may be called from any thread,
 // concurrently with everything else; all other members from one thread at a time.
 #pragma once
@@ -116,13 +124,16 @@ class Backend {
   // CUDA: head_dim ≤ 128 (moe::Error otherwise); meant for short sequences (≤ a few hundred).
   virtual void attention(const float* qkv, float* out, const std::vector<int64_t>& seq_lens, int64_t heads,
                          int64_t head_dim, bool causal) = 0;
-  // In place: x / max(‖x‖₂, eps) per row.
+  // In place: x / max(‖x‖₂, eps) per row. A row holding a NaN becomes all NaN (its norm is NaN,
+  // which the eps clamp keeps), as torch's normalize does.
   virtual void l2_normalize_rows(float* x, int64_t rows, int64_t cols, float eps) = 0;
 
   // Router: softmax over `experts` logits per row (f32), the top_k largest (descending, ties to
   // the lower index) into ids [rows, top_k] (int32) and weights [rows, top_k], divided by their
-  // sum when `renormalize`. Logits must not be NaN: such a row's ids and weights are unspecified
-  // (CUDA: an id outside [0, experts), which moe_permute then rejects).
+  // sum when `renormalize`. A row whose logits are all -inf (a router that masks every expert) is
+  // routed as if they were equal: ids 0..top_k-1, weights 1/experts (1/top_k renormalised).
+  // Logits must not be NaN or +inf: such a row's ids and weights are unspecified (CUDA: possibly
+  // an id outside [0, experts), which moe_permute then rejects).
   virtual void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
                             int32_t* ids, float* weights) = 0;
   // Groups rows per expert: counts the (row, j) slots of each expert, prefix-sums them and
@@ -160,8 +171,15 @@ std::unique_ptr<Backend> make_cpu_backend(const CpuBackendOptions& options = {})
 // Number of usable CUDA devices; 0 when built without CUDA or when no driver/device is present.
 // `why`, when given, receives the reason for 0 in words.
 int cuda_device_count(std::string* why = nullptr);
+// Whether device `device` can run this build: it exists, a context can be created on it, and the
+// build has code for its compute capability (e.g. a build for sm_80/sm_90 with compute_90 PTX has
+// none for sm_75). `why`, when given, receives the reason for false in words (without the device
+// name). Creates the device's context; leaves the calling thread's current device as it was.
+bool cuda_device_usable(int device, std::string* why = nullptr);
 // A backend on CUDA device `device`. Throws moe::Error saying why when that is impossible
-// (built with -Dcuda=disabled, no driver, no such device).
+// (built with -Dcuda=disabled, no driver, no such device, cuda_device_usable false). The backend
+// reads MOE_CUDA_SYNC once, here: when set (not "0"), every operation waits for its kernels, so
+// that a kernel fault is reported by the operation, and the test, that caused it.
 std::unique_ptr<Backend> make_cuda_backend(int device);
 
 }  // namespace moe::kernels

@@ -10,6 +10,8 @@ int cuda_device_count(std::string* why) {
   return 0;
 }
 
+bool cuda_device_usable(int, std::string* why) { return cuda_device_count(why) > 0; }
+
 std::unique_ptr<Backend> make_cuda_backend(int device) {
   throw Error("cuda:" + std::to_string(device) +
               ": gst-moe was built without CUDA (-Dcuda=disabled, or nvcc/cuBLAS not found)");

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "compute_util.h"
 #include "cpu_ops.h"
 #include "moe/error.h"
 #include "moe/tensor.h"
@@ -331,12 +332,18 @@ TEST(CpuBackend, LayerNormAndElementwiseMatchNaiveLoops) {
 
 TEST(CpuBackend, L2NormalizeRows) {
   auto cpu = moe::kernels::make_cpu_backend();
-  std::vector<float> x = {3, 4, 0, 0, 0, 0, 1, 1, 1};
-  cpu->l2_normalize_rows(x.data(), 3, 3, 1e-12f);
+  std::vector<float> x = {3, 4, 0, 0, 0, 0, 1, 1, 1, 1, NAN, 2, 1, INFINITY, 2};
+  cpu->l2_normalize_rows(x.data(), 5, 3, 1e-12f);
   EXPECT_FLOAT_EQ(x[0], 0.6f);
   EXPECT_FLOAT_EQ(x[1], 0.8f);
   EXPECT_EQ(x[3], 0.0f);  // a zero row stays zero (eps clamp), no NaN
   EXPECT_NEAR(x[6], 1.0f / std::sqrt(3.0f), 1e-7);
+  // A NaN makes its whole row NaN (the eps clamp keeps a NaN norm), as torch's normalize.
+  for (int c = 9; c < 12; ++c) EXPECT_TRUE(std::isnan(x[c])) << c;
+  // An inf: finite values become 0, the inf NaN (inf / inf).
+  EXPECT_EQ(x[12], 0.0f);
+  EXPECT_TRUE(std::isnan(x[13]));
+  EXPECT_EQ(x[14], 0.0f);
 }
 
 TEST(CpuBackend, AttentionOverPackedSequencesMatchesNaiveLoop) {
@@ -375,6 +382,32 @@ TEST(CpuBackend, TopkSoftmaxMatchesNaiveLoopWithTies) {
   float w;
   expect_error([&] { cpu->topk_softmax(logits.data(), 1, experts, experts + 1, true, &id, &w); },
                {"cpu", "topk_softmax", "top_k 8"});
+}
+
+TEST(CpuBackend, TopkSoftmaxRoutesAnAllMinusInfRowAsEqualLogits) {
+  auto cpu = moe::kernels::make_cpu_backend();
+  const int64_t experts = 5, top_k = 2;
+  // Row 0: every expert masked; row 1: all but experts 3 and 1.
+  const std::vector<float> logits = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY,
+                                     -INFINITY, 0.5f,      -INFINITY, 2.0f,      -INFINITY};
+  for (bool renorm : {false, true}) {
+    std::vector<int32_t> ids(4);
+    std::vector<float> w(4);
+    cpu->topk_softmax(logits.data(), 2, experts, top_k, renorm, ids.data(), w.data());
+    EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 3, 1}));
+    const float equal = renorm ? 0.5f : 1.0f / experts;
+    EXPECT_EQ(w[0], equal);
+    EXPECT_EQ(w[1], equal);
+    const Routing ref = naive_topk_softmax({logits.begin() + experts, logits.end()}, 1, experts, top_k, renorm);
+    EXPECT_NEAR(w[2], ref.weights[0], 1e-6);
+    EXPECT_NEAR(w[3], ref.weights[1], 1e-6);
+    // The ids are valid for the next step.
+    const std::vector<float> x(2 * 3, 1.0f);
+    std::vector<float> xs(4 * 3);
+    std::vector<int32_t> slot_of(4);
+    EXPECT_EQ(cpu->moe_permute(ids.data(), 2, top_k, experts, x.data(), 3, xs.data(), slot_of.data()),
+              (std::vector<int64_t>{0, 1, 3, 3, 4, 4}));
+  }
 }
 
 namespace {
@@ -555,9 +588,11 @@ TEST(CpuBackend, AsyncCopiesRunOnTheCopyQueueWhileOperationsRun) {
 // CUDA backend against the CPU backend
 // =================================================================================================
 
-// Tolerances (max |gpu - cpu| / max |cpu|): f32 paths 1e-4. With f16/bf16 weights the GPU rounds
-// the activations to the weight's type before the tensor-core GEMM (cuBLAS needs one input type)
-// while the CPU keeps them in f32: 1e-2 (bf16 keeps 8 significant bits, about 4e-3 per value).
+// Tolerances (max |gpu - cpu| / max |cpu|), as backend.h's contract states: f32 paths 1e-4. With
+// f16/bf16 weights the GPU rounds the activations (x, and the SwiGLU product in grouped_swiglu) to
+// the weight's type before the tensor-core GEMM (cuBLAS needs one input type) while the CPU keeps
+// them in f32: 1e-2 (bf16 keeps 8 significant bits, about 4e-3 per value). Activations beyond
+// f16's 65504 are scaled per row into its range first: the same 1e-2, and never inf.
 namespace {
 
 constexpr double kF32Tol = 1e-4;
@@ -576,7 +611,7 @@ class DeviceBuffer {
   }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { b_.deallocate(p_); }
+  ~DeviceBuffer() { moe::detail::deallocate_noexcept(b_, p_); }
   T* get() const { return p_; }
   std::vector<T> host() const {
     std::vector<T> v(n_);
@@ -728,6 +763,40 @@ TEST(CudaBackend, LinearMatchesCpuForEveryWeightType) {
   }
 }
 
+TEST(CudaBackend, F16LinearScalesActivationsBeyondItsRange) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto gpu = moe::kernels::make_cuda_backend(0);
+  auto cpu = moe::kernels::make_cpu_backend();
+  const int64_t m = 6, n = 300, k = 512;
+  // Rows of growing magnitude: 1 (no scaling), then up to 1e30 (far beyond 65504), and a row
+  // with an inf, which stays inf/NaN as in f32.
+  std::vector<float> x = random_values(static_cast<size_t>(m * k), 53);
+  const float row_scale[m] = {1.0f, 3e4f, 1e5f, 1e9f, 1e30f, 1.0f};
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < k; ++c) x[r * k + c] *= row_scale[r];
+  x[5 * k + 7] = INFINITY;
+  const std::vector<float> bias = random_values(static_cast<size_t>(n), 54);
+  const HostWeight w = make_weight(WeightType::F16, n, k, 55, 0.05f);
+  DeviceBuffer<float> dx(*gpu, x), dbias(*gpu, bias), dy(*gpu, static_cast<size_t>(m * n));
+  DeviceWeight dw(*gpu, w);
+  std::vector<float> ref(static_cast<size_t>(m * n));
+  cpu->linear(x.data(), w.ref(), bias.data(), ref.data(), m, n, k);
+  gpu->linear(dx.get(), dw.ref(), dbias.get(), dy.get(), m, n, k);
+  const std::vector<float> got = dy.host();
+  for (int64_t r = 0; r < m; ++r) {
+    const std::vector<float> got_row(got.begin() + r * n, got.begin() + (r + 1) * n);
+    const std::vector<float> ref_row(ref.begin() + r * n, ref.begin() + (r + 1) * n);
+    if (r == 5) {
+      for (int64_t j = 0; j < n; ++j)
+        EXPECT_EQ(std::isfinite(got_row[j]), std::isfinite(ref_row[j])) << "row with an inf, column " << j;
+      continue;
+    }
+    EXPECT_TRUE(std::all_of(got_row.begin(), got_row.end(), [](float v) { return std::isfinite(v); })) << "row " << r;
+    EXPECT_LT(rel_error(got_row, ref_row), kHalfTol) << "row " << r << " (activations ~" << row_scale[r] << ")";
+  }
+}
+
 TEST(CudaBackend, LayerNormAndElementwiseMatchCpu) {
   std::string why;
   if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
@@ -776,6 +845,19 @@ TEST(CudaBackend, L2NormalizeMatchesCpu) {
     host = dev.host();
     for (size_t i = 0; i < host.size(); ++i) ASSERT_NEAR(host[i], ref[i], 1e-6) << rows << "x" << cols << " at " << i;
   }
+  // A row with a NaN (all NaN, not values scaled by 1/eps), one with an inf, a zero row.
+  const std::vector<float> special = {1, NAN, 2, 3, 1, INFINITY, 2, 3, 0, 0, 0, 0, 3, 4, 0, 0};
+  std::vector<float> ref = special;
+  moe::kernels::cpu::l2_normalize_rows(ref.data(), 4, 4);
+  DeviceBuffer<float> dev(*gpu, special);
+  gpu->l2_normalize_rows(dev.get(), 4, 4, 1e-12f);
+  const std::vector<float> got = dev.host();
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_EQ(std::isnan(got[i]), std::isnan(ref[i])) << "special rows at " << i << ": " << got[i] << " vs " << ref[i];
+    if (!std::isnan(ref[i])) {
+      EXPECT_NEAR(got[i], ref[i], 1e-6) << "special rows at " << i;
+    }
+  }
 }
 
 TEST(CudaBackend, AttentionMatchesCpu) {
@@ -797,6 +879,7 @@ TEST(CudaBackend, AttentionMatchesCpu) {
       {{197, 0, 50, 1}, 4, 128, false, "head_dim 128, an empty and a one-row sequence"},
       {{77, 5}, 3, 80, true, "head_dim 80 (not a multiple of 32)"},
       {{9}, 2, 1, false, "head_dim 1"},
+      {std::vector<int64_t>(300, 3), 2, 32, true, "300 sequences: their offsets span two upload chunks"},
   };
   for (const Case& c : cases) {
     int64_t total = 0;
@@ -827,10 +910,12 @@ TEST(CudaBackend, TopkSoftmaxMatchesCpu) {
                         Case{100, 256, 8, false}, Case{10, 7, 7, true}, Case{50, 3000, 3, true}}) {
     std::vector<float> logits = random_values(static_cast<size_t>(c.rows * c.experts), 80, 2.0f);
     // Ties: the first row all equal, the last row with its first half repeated in the second.
+    // With 3 rows or more, the middle row all -inf (routed as equal logits by both backends).
     std::fill(logits.begin(), logits.begin() + c.experts, 0.25f);
     float* last = logits.data() + (c.rows - 1) * c.experts;
     if (c.rows > 1)
       for (int64_t e = c.experts / 2; e < c.experts; ++e) last[e] = last[e - c.experts / 2];
+    if (c.rows > 2) std::fill_n(logits.data() + (c.rows / 2) * c.experts, c.experts, -INFINITY);
     std::vector<int32_t> ids(static_cast<size_t>(c.rows * c.top_k));
     std::vector<float> w(ids.size());
     cpu->topk_softmax(logits.data(), c.rows, c.experts, c.top_k, c.renormalize, ids.data(), w.data());
@@ -851,6 +936,7 @@ struct MoeCase {
   int64_t rows, d, inter, experts, top_k;
   bool renormalize;
   std::vector<WeightType> types;  // cycled over the experts
+  float x_stddev = 1.0f;          // 1e5: beyond f16's range (65504)
 };
 
 void check_cuda_moe(Backend& gpu, Backend& cpu, const MoeCase& c) {
@@ -858,7 +944,7 @@ void check_cuda_moe(Backend& gpu, Backend& cpu, const MoeCase& c) {
                            std::to_string(c.experts) + " experts top-" + std::to_string(c.top_k) + ", " +
                            moe::kernels::weight_type_name(c.types[0]) + (c.types.size() > 1 ? " (mixed)" : "");
   const int64_t slots = c.rows * c.top_k, empty = c.experts - 1;
-  const std::vector<float> x = random_values(static_cast<size_t>(c.rows * c.d), 90);
+  const std::vector<float> x = random_values(static_cast<size_t>(c.rows * c.d), 90, c.x_stddev);
   std::vector<float> logits = random_values(static_cast<size_t>(c.rows * c.experts), 91, 2.0f);
   for (int64_t r = 0; r < c.rows; ++r) logits[r * c.experts + empty] = -100.0f;  // never chosen
   std::vector<int32_t> ids(static_cast<size_t>(slots));
@@ -901,7 +987,9 @@ void check_cuda_moe(Backend& gpu, Backend& cpu, const MoeCase& c) {
   EXPECT_EQ(dxs.host(), xs) << what;
   gpu.grouped_swiglu(dxs.get(), goffsets, gpu_experts, c.d, c.inter, dos.get());
   const double tol = c.types.size() > 1 ? kHalfTol : tolerance(c.types[0]);
-  EXPECT_LT(rel_error(dos.host(), os), tol) << what;
+  const std::vector<float> gos = dos.host();
+  EXPECT_TRUE(std::all_of(gos.begin(), gos.end(), [](float v) { return std::isfinite(v); })) << what;
+  EXPECT_LT(rel_error(gos, os), tol) << what;
   gpu.moe_unpermute(dos.get(), dslot.get(), dweights.get(), c.rows, c.top_k, c.d, dy.get());
   EXPECT_LT(rel_error(dy.host(), y), tol) << what;
   DeviceBuffer<float> cpu_os(gpu, os);
@@ -923,6 +1011,9 @@ TEST(CudaBackend, MoePermuteSwigluUnpermuteMatchCpu) {
   check_cuda_moe(*gpu, *cpu, {300, 768, 512, 8, 2, true, bf16});
   check_cuda_moe(*gpu, *cpu, {100, 512, 256, 60, 4, false, f32});  // Qwen2-MoE-like routing
   check_cuda_moe(*gpu, *cpu, {50, 512, 256, 8, 2, true, {WeightType::F32, WeightType::F16, WeightType::BF16}});
+  // Activations and SwiGLU products far beyond f16's 65504: scaled into range per row, not inf.
+  check_cuda_moe(*gpu, *cpu, {64, 512, 256, 8, 2, true, f16, 1e5f});
+  check_cuda_moe(*gpu, *cpu, {64, 512, 256, 8, 2, true, {WeightType::F16, WeightType::F32, WeightType::BF16}, 1e5f});
 
   const std::vector<int32_t> ids = {0, 1, 2, 9};
   DeviceBuffer<int32_t> dids(*gpu, ids);
@@ -1008,10 +1099,23 @@ TEST(CudaBackend, InnerProductTopkMatchesCpu) {
                {"cuda:0", "inner_product_topk", "k = 1025"});
 }
 
+TEST(CudaBackend, DeviceUsableFindsThisBuildsCode) {
+  std::string why;
+  const int n = moe::kernels::cuda_device_count(&why);
+  if (n == 0) GTEST_SKIP() << why;
+  EXPECT_TRUE(moe::kernels::cuda_device_usable(0, &why)) << why;  // the build has code for this GPU
+  EXPECT_FALSE(moe::kernels::cuda_device_usable(n, &why));
+  EXPECT_NE(why.find("no such device"), std::string::npos) << why;
+  expect_error([n] { moe::kernels::make_cuda_backend(n); }, {"cuda:" + std::to_string(n), "no such device"});
+}
+
 TEST(CudaBackend, UnavailableBackendSaysWhy) {
   std::string why;
   if (moe::kernels::cuda_device_count(&why) > 0) GTEST_SKIP() << "a CUDA device is present";
   EXPECT_FALSE(why.empty());
+  std::string usable_why;
+  EXPECT_FALSE(moe::kernels::cuda_device_usable(0, &usable_why));
+  EXPECT_EQ(usable_why, why);
   try {
     moe::kernels::make_cuda_backend(0);
     ADD_FAILURE() << "make_cuda_backend succeeded without a device";

@@ -1,6 +1,7 @@
-// Device selection (cpu | cuda:N | auto), weight precision (f32 | f16 | bf16), and the engine
-// (ClipModel, MoeLayer, MoeAdapter) on every backend and precision against the same fixtures as
-// test_clip / test_moe. GPU tests skip, with the reason, when no CUDA device is usable.
+// Device selection (cpu | cuda:N | auto), weight precision (f32 | f16 | bf16), releases that fail
+// in destructors, and the engine (ClipModel, MoeLayer, MoeAdapter) on every backend and precision
+// against the same fixtures as test_clip / test_moe. GPU tests skip, with the reason, when no
+// CUDA device is usable.
 #include <gtest/gtest.h>
 
 #include <glib.h>
@@ -10,9 +11,13 @@
 #include <thread>
 #include <vector>
 
+#include "compute_util.h"
+#include "device_buffer.h"
 #include "moe/clip_model.h"
 #include "moe/compute.h"
 #include "moe/error.h"
+#include "moe/expert_cache.h"
+#include "moe/expert_store.h"
 #include "moe/model_cache.h"
 #include "moe/moe_layer.h"
 #include "random_moe.h"
@@ -41,8 +46,10 @@ constexpr double kClipBF16 = 2e-2;  // the issue's bound for embeddings
 constexpr double kMoeF16 = 2e-3;    // MoE block / adapter outputs
 constexpr double kMoeBF16 = 1e-2;
 // CUDA against the CPU backend at the same precision: f32 as the backend tests; with f16/bf16
-// weights CUDA also rounds the activations to the weight type before each GEMM (cuBLAS takes one
-// input type), so the two differ by about one more rounding per Linear.
+// weights CUDA also rounds the activations (each Linear's input, and the experts' SwiGLU product)
+// to the weight type before each GEMM (cuBLAS takes one input type; backend.h's contract), so the
+// two differ by about one more rounding per Linear. Rows beyond f16's 65504 are scaled into its
+// range first (exactly), so f16 keeps the same bound there.
 constexpr double kCudaF32 = 1e-4;
 constexpr double kCudaF16 = 1e-2;
 constexpr double kCudaBF16 = 4e-2;
@@ -143,6 +150,148 @@ TEST(OpenBackend, RejectsUnknownDevices) {
   const int n = moe::kernels::cuda_device_count(&why);
   if (n > 0)
     expect_error([n] { moe::open_backend("cuda:" + std::to_string(n)); }, {"no such CUDA device"});
+}
+
+TEST(OpenBackend, AutoChecksTheDeviceCanRunThisBuild) {
+  std::string why;
+  if (!have_cuda(&why)) {
+    // Without a device cuda_device_usable gives cuda_device_count's reason, and auto uses the CPU.
+    std::string usable_why;
+    EXPECT_FALSE(moe::kernels::cuda_device_usable(0, &usable_why));
+    EXPECT_EQ(usable_why, why);
+    EXPECT_EQ(moe::resolve_device("auto"), "cpu");
+    return;
+  }
+  // On a GPU machine the check decides between cuda:0 and the CPU, and says why.
+  std::string reason;
+  const bool usable = moe::kernels::cuda_device_usable(0, &why);
+  EXPECT_EQ(moe::resolve_device("auto", &reason), usable ? "cuda:0" : "cpu") << reason;
+  if (!usable) {
+    EXPECT_NE(reason.find("device 'auto': cuda:0: " + why), std::string::npos) << reason;
+  }
+  EXPECT_TRUE(usable) << "this build cannot run on cuda:0: " << why;  // the GPU check's machine must run it
+}
+
+// ---- releases that fail in destructors ---------------------------------------------------------
+
+namespace {
+
+// The CPU backend (asynchronous copies) whose releases throw, as a CUDA backend's do after a fault
+// (the sticky error comes back from cudaFree, cudaFreeHost and cudaEventQuery), once `broken`.
+class BrokenReleases final : public moe::kernels::Backend {
+ public:
+  bool broken = false;
+  int deallocations = 0;  // attempts while broken
+
+  std::string name() const override { return "fake"; }
+  bool is_host_memory() const override { return true; }
+  moe::kernels::MemoryInfo memory_info() const override { return cpu_->memory_info(); }
+  void* allocate(size_t bytes) override { return cpu_->allocate(bytes); }
+  void deallocate(void* ptr) override {
+    if (broken) {
+      ++deallocations;
+      throw moe::Error("fake: deallocate: cudaFree: cudaErrorIllegalAddress (sticky)");
+    }
+    cpu_->deallocate(ptr);
+  }
+  void* allocate_host_staging(size_t bytes) override { return cpu_->allocate_host_staging(bytes); }
+  void free_host_staging(void* ptr) override {
+    if (broken) throw moe::Error("fake: free_host_staging: cudaFreeHost: cudaErrorIllegalAddress (sticky)");
+    cpu_->free_host_staging(ptr);
+  }
+  bool shares_staging_with(const Backend& owner) const override { return cpu_->shares_staging_with(owner); }
+  void copy_from_host(void* dst, const void* src, size_t bytes) override { cpu_->copy_from_host(dst, src, bytes); }
+  void copy_to_host(void* dst, const void* src, size_t bytes) override { cpu_->copy_to_host(dst, src, bytes); }
+  void copy_on_device(void* dst, const void* src, size_t bytes) override { cpu_->copy_on_device(dst, src, bytes); }
+  void copy_to_peer(Backend& peer, void* dst, const void* src, size_t bytes) override {
+    cpu_->copy_to_peer(peer, dst, src, bytes);
+  }
+  std::shared_ptr<moe::kernels::Event> copy_from_host_async(void* dst, const void* src, size_t bytes) override {
+    return cpu_->copy_from_host_async(dst, src, bytes);
+  }
+  bool event_complete(const moe::kernels::Event& event) override {
+    if (broken) throw moe::Error("fake: event_complete: cudaEventQuery: cudaErrorIllegalAddress (sticky)");
+    return cpu_->event_complete(event);
+  }
+  void wait_event(const moe::kernels::Event& event) override { cpu_->wait_event(event); }
+  void synchronize() override { cpu_->synchronize(); }
+  void linear(const float* x, moe::kernels::WeightRef w, const float* bias, float* y, int64_t m, int64_t n,
+              int64_t k) override {
+    cpu_->linear(x, w, bias, y, m, n, k);
+  }
+  void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
+                  float eps) override {
+    cpu_->layer_norm(x, gamma, beta, y, rows, cols, eps);
+  }
+  void gelu(float* x, int64_t n) override { cpu_->gelu(x, n); }
+  void quick_gelu(float* x, int64_t n) override { cpu_->quick_gelu(x, n); }
+  void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {
+    cpu_->silu_mul(gate, up, out, n);
+  }
+  void add(float* y, const float* x, int64_t n) override { cpu_->add(y, x, n); }
+  void attention(const float* qkv, float* out, const std::vector<int64_t>& seq_lens, int64_t heads, int64_t head_dim,
+                 bool causal) override {
+    cpu_->attention(qkv, out, seq_lens, heads, head_dim, causal);
+  }
+  void l2_normalize_rows(float* x, int64_t rows, int64_t cols, float eps) override {
+    cpu_->l2_normalize_rows(x, rows, cols, eps);
+  }
+  void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize, int32_t* ids,
+                    float* weights) override {
+    cpu_->topk_softmax(logits, rows, experts, top_k, renormalize, ids, weights);
+  }
+  std::vector<int64_t> moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t experts, const float* x,
+                                   int64_t cols, float* x_sorted, int32_t* slot_of) override {
+    return cpu_->moe_permute(ids, rows, top_k, experts, x, cols, x_sorted, slot_of);
+  }
+  void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
+                      const std::vector<moe::kernels::ExpertWeights>& experts, int64_t d, int64_t inter,
+                      float* out_sorted) override {
+    cpu_->grouped_swiglu(x_sorted, offsets, experts, d, inter, out_sorted);
+  }
+  void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
+                     int64_t top_k, int64_t cols, float* y) override {
+    cpu_->moe_unpermute(out_sorted, slot_of, weights, rows, top_k, cols, y);
+  }
+  void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,
+                          int64_t* ids, float* scores) override {
+    cpu_->inner_product_topk(queries, nq, base, nb, d, k, ids, scores);
+  }
+
+ private:
+  std::unique_ptr<Backend> cpu_ = moe::kernels::make_cpu_backend({/*async_copies=*/true});
+};
+
+}  // namespace
+
+// After a GPU fault every release fails: the destructors must not throw (std::terminate would
+// lose the fault's message and the test report). The first failure of the process is logged;
+// this is the only test of this binary that makes releases fail, so it sees that first one.
+TEST(ReleaseFailures, DestructorsLogTheFirstAndLeakInsteadOfThrowing) {
+  const MoeLayer layer = moe::test::random_moe_layer(4, 8, 8, 2, 3);
+  BrokenReleases backend;
+  LogCapture log;
+  {
+    moe::DeviceBuffer buffer(backend, 256);
+    moe::detail::Workspace workspace(backend);
+    workspace.f32(16);
+    auto store =
+        std::make_unique<moe::HostExpertStore>(moe::HostExpertStore::from_layer(backend, layer, WeightType::F32));
+    auto cache = std::make_unique<moe::ExpertCache>(backend, *store);
+    cache->prefetch({0, 1, 2})->release();  // slot copies whose completion nobody observed yet
+    backend.broken = true;
+    cache.reset();  // waiting for the copies fails: the slots are leaked, not freed under a copy
+    EXPECT_EQ(backend.deallocations, 0);
+    store.reset();
+  }  // the workspace's block and the buffer: two more failed frees
+  EXPECT_EQ(backend.deallocations, 2);
+  ASSERT_EQ(log.lines().size(), 1u);
+  EXPECT_EQ(log.lines()[0],
+            "fake: expert cache: waiting for slot copies failed: fake: event_complete: cudaEventQuery: "
+            "cudaErrorIllegalAddress (sticky) (leaked; later release failures are not logged)");
+  EXPECT_TRUE(moe::detail::try_release("anything", [] {}));
+  EXPECT_FALSE(moe::detail::try_release("anything", [] { throw 42; }));
+  EXPECT_EQ(log.lines().size(), 1u);
 }
 
 // ---- the engine in f16 / bf16 on the CPU backend --------------------------------------------------

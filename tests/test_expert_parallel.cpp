@@ -2,6 +2,7 @@
 // CPU backends against the single-process MoeLayer::run_experts; the NCCL transport where built.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <functional>
 #include <numeric>
 #include <thread>
@@ -121,6 +122,31 @@ TEST(InProcessTransport, AFailingRankFailsTheOthersInsteadOfHanging) {
   });
 }
 
+TEST(CollectiveWait, ReturnsOnCompletionPropagatesFailuresAndTimesOut) {
+  moe::CollectiveWait wait;
+  wait.timeout = std::chrono::milliseconds(50);
+  wait.poll_interval = std::chrono::microseconds(10);
+  int polls = 0;
+  moe::wait_for_collective(wait, "done on the third poll", [&] { return ++polls == 3; });
+  EXPECT_EQ(polls, 3);
+  expect_error([&] { moe::wait_for_collective(wait, "fails", [&]() -> bool { throw moe::Error("peer error"); }); },
+               {"peer error"});
+  expect_error([&] { moe::wait_for_collective(wait, "all_to_all", [] { return false; }); },
+               {"all_to_all: not complete after 50 ms", "a peer rank failed, hung"});
+}
+
+TEST(InProcessTransport, ARankThatNeverComesTimesOutAndFailsTheGroup) {
+  moe::CollectiveWait wait;
+  wait.timeout = std::chrono::milliseconds(100);
+  auto transports = moe::make_in_process_transports(2, wait);
+  // Rank 1 hangs before the collective: rank 0 gives up after the timeout and aborts the group.
+  expect_error([&] { transports[0]->exchange_counts({1, 2}); },
+               {"in-process transport (rank 0): barrier: not complete after 100 ms"});
+  // When rank 1 comes, it learns why instead of waiting for rank 0.
+  expect_error([&] { transports[1]->exchange_counts({3, 4}); },
+               {"the group failed", "rank 0", "not complete after 100 ms"});
+}
+
 TEST(ExpertParallelMoe, MatchesRunExpertsOnTwoToFourRanks) {
   const MoeLayer layer = moe::test::random_moe_layer(8, 32, 48, 2, 21);
   for (int world : {1, 2, 3, 4}) {
@@ -225,6 +251,10 @@ TEST(NcclTransport, SingleRankRoundTripOnTheGpu) {
   EXPECT_EQ(back, host);
   backend->deallocate(send);
   backend->deallocate(recv);
+  // After an abort the transport refuses collectives, and is destroyed by abort, not destroy
+  // (which can hang after a failure).
+  t->abort("a peer failed");
+  expect_error([&] { t->exchange_counts({1}); }, {"NCCL transport (rank 0)", "aborted: a peer failed"});
 #endif
 }
 

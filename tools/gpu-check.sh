@@ -16,10 +16,19 @@
 #             tools/gpu-check-bundle.sh (same CUDA major version), run directly.
 # GPU_CHECK_MODE=build|prebuilt forces one.
 #
+# Tests: each suite runs alone, in its own step with its own timeout, with MOE_CUDA_SYNC=1 (a
+# kernel fault is reported by the operation and the test that caused it); the NCCL suite runs
+# last, with NCCL_DEBUG=WARN and NCCL_SOCKET_IFNAME=lo. The parent merges whatever each suite left
+# into tests.xml: its gtest/JUnit XML, or, for a suite that hung or crashed before writing it, the
+# tests its output shows as finished plus a failure for the one that did not finish.
+#
 # Environment: OUT, GPU_CHECK_MODE, GPU_CHECK_BUILD_DIR (default build-gpu), GPU_CHECK_JOBS (nproc),
 # GPU_CHECK_BUDGET_S (default 510: the whole check, every step's timeout is cut to fit),
-# GPU_CHECK_ALLOW_NO_GPU=1 (go on without a GPU: a dry run of the plumbing; still fails, since
-# the GPU tests then skip).
+# GPU_CHECK_TESTS_S (default 240: all test suites together), GPU_CHECK_SUITE_TIMEOUT_S (default
+# 120: one suite), GPU_CHECK_ALLOW_NO_GPU=1 (go on without a GPU: a dry run of the plumbing; still
+# fails, since the GPU tests then skip), GPU_CHECK_FAKE_SUITES (dry runs of the result handling:
+# extra suites run after the real ones, any of "fail" (a failing test), "hang" (a test that never
+# ends: the suite's timeout stops it) and "crash" (a test that dies of SIGSEGV)).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -30,6 +39,10 @@ case "$OUT" in /*) ;; *) OUT="$root/$OUT" ;; esac
 build=${GPU_CHECK_BUILD_DIR:-$root/build-gpu}
 case "$build" in /*) ;; *) build="$root/$build" ;; esac
 budget=${GPU_CHECK_BUDGET_S:-510}
+tests_budget=${GPU_CHECK_TESTS_S:-240}
+suite_timeout=${GPU_CHECK_SUITE_TIMEOUT_S:-120}
+# Each suite's XML, output and exit status; outside OUT, which must stay flat and small.
+parts_dir=${TMPDIR:-/tmp}/gst-moe-gpu-check-parts
 mode=${GPU_CHECK_MODE:-auto}
 jobs=${GPU_CHECK_JOBS:-$(nproc)}
 mkdir -p "$OUT"
@@ -157,15 +170,14 @@ build_targets() {
   meson compile -C "$build" -j "$jobs" "${targets[@]}"
 }
 
-# meson test over the suites; copies the JUnit log to $1.
-run_meson_tests() {
-  local xml=$1
-  shift
-  local rc=0
-  # shellcheck disable=SC2086
-  meson test -C "$build" --no-rebuild --print-errorlogs --num-processes 4 "$@" $SUITES || rc=$?
-  cp "$build/meson-logs/testlog.junit.xml" "$xml" 2>/dev/null || true
-  return $rc
+# The --timeout-multiplier that makes meson's own timeout for suite $1 (300 or 600 s in
+# tests/meson.build) end 15 s before the step's limit $2, so that meson still writes its JUnit log.
+meson_timeout_multiplier() {
+  meson introspect --tests "$build" | python3 -c '
+import json, sys
+limit, margin = int(sys.argv[2]), 15
+declared = {t["name"]: t["timeout"] for t in json.load(sys.stdin)}.get(sys.argv[1]) or 30
+print(f"{max(limit - margin, 5) / declared:.3f}")' "$1" "$2"
 }
 
 # ---- prebuilt mode ------------------------------------------------------------------------------
@@ -214,36 +226,173 @@ prebuilt_setup() {
   return $bad
 }
 
-# Runs the suites' binaries directly; merges their gtest XML into $1.
-run_prebuilt_tests() {
-  local xml=$1
-  shift
-  local rc=0 s parts=()
-  export LD_LIBRARY_PATH
-  LD_LIBRARY_PATH=$(cat "$bundle_dir/ld_library_path")
-  for s in $SUITES; do
-    if [ ! -x "$bundle_dir/tests/test_$s" ]; then
-      echo "suite $s: not in the bundle"
-      rc=1
+# ---- the test suites (both modes) --------------------------------------------------------------
+
+# Suites whose tests use NCCL (run last, with NCCL's environment).
+is_nccl_suite() { grep -Eq "^TEST(_F)?\([A-Za-z0-9_]*Nccl" "tests/test_$1.cpp" 2>/dev/null; }
+
+# A dry-run stand-in for a suite's binary (GPU_CHECK_FAKE_SUITES): gtest's progress lines for a
+# passing test, then a second test that fails (with its XML written), hangs or crashes.
+fake_suite() {
+  local behaviour=$1 xml=${2#--gtest_output=xml:} second
+  case $behaviour in fail) second=Fails ;; hang) second=Hangs ;; crash) second=Crashes ;;
+    *) echo "fake suite: unknown behaviour '$behaviour' (fail, hang or crash)"; return 2 ;; esac
+  printf '[ RUN      ] FakeGpu.Passes\n[       OK ] FakeGpu.Passes (1 ms)\n[ RUN      ] FakeGpu.%s\n' "$second"
+  case $behaviour in
+    fail)
+      echo "fake_suite: a deliberate failure"
+      echo "[  FAILED  ] FakeGpu.Fails (1 ms)"
+      printf '<testsuites><testsuite name="FakeGpu"><testcase classname="FakeGpu" name="Passes"/><testcase classname="FakeGpu" name="Fails"><failure message="a deliberate failure"/></testcase></testsuite></testsuites>\n' >"$xml"
+      return 1 ;;
+    hang) sleep 100000 ;;
+    crash) kill -SEGV $BASHPID ;;
+  esac
+}
+
+# Runs suite $1 (mode $2, step limit $3 s) alone: the bundle's binary or `meson test`, or a fake.
+# Leaves $parts_dir/$1.xml (when the suite got that far) and $parts_dir/$1.log.
+run_suite() {
+  local s=$1 mode=$2 limit=$3 xml=$parts_dir/$1.xml log=$parts_dir/$1.log
+  local env=(OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MOE_CUDA_SYNC=1) cmd
+  is_nccl_suite "$s" && env+=(NCCL_DEBUG=WARN NCCL_SOCKET_IFNAME=lo)
+  case $s in
+    fake_*) cmd=(bash -c 'fake_suite "$@"' fake_suite "${s#fake_}" "--gtest_output=xml:$xml") ;;
+    *) if [ "$mode" = prebuilt ]; then
+         [ -x "$bundle_dir/tests/test_$s" ] || { echo "suite $s: not in the bundle" | tee "$log"; return 1; }
+         cmd=("$bundle_dir/tests/test_$s" "--gtest_output=xml:$xml")
+       else
+         # --verbose streams the tests' output, so a suite stopped by the step's timeout still
+         # shows which tests finished.
+         cmd=(meson test -C "$build" --no-rebuild --print-errorlogs --verbose
+              --timeout-multiplier "$(meson_timeout_multiplier "$s" "$limit")" "$s")
+         rm -f "$build/meson-logs/testlog.junit.xml"  # not the previous suite's, should this one write none
+       fi ;;
+  esac
+  echo "--- ${env[*]} ${cmd[*]}"
+  env "${env[@]}" "${cmd[@]}" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  if [ "$mode" = build ] && [[ $s != fake_* ]]; then cp "$build/meson-logs/testlog.junit.xml" "$xml" 2>/dev/null; fi
+  return "$rc"
+}
+
+# Runs every suite of $SUITES (then the fake ones) as its own step, within the tests' budget, and
+# merges what they left into $2 (mode $1); the per-suite table goes to $parts_dir/suites.md.
+run_test_suites() {
+  local mode=$1 xml=$2 s limit left order=() last=()
+  rm -rf "$parts_dir" && mkdir -p "$parts_dir"
+  # The NCCL suite last: should it hang, the others have had their turn.
+  for s in $SUITES; do if is_nccl_suite "$s"; then last+=("$s"); else order+=("$s"); fi; done
+  order+=("${last[@]}")
+  for s in ${GPU_CHECK_FAKE_SUITES:-}; do order+=("fake_$s"); done
+  local tests_end=$(($(date +%s) + tests_budget))
+  for s in "${order[@]}"; do
+    left=$((tests_end - $(date +%s)))
+    [ "$left" -gt $(($(remaining) - 5)) ] && left=$(($(remaining) - 5))
+    limit=$suite_timeout
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt 10 ]; then
+      echo "=== suite $s: not run, the time budget is spent"
+      steps+=("suite $s|not run (budget)|0")
+      failures+=("suite $s: not run (time budget spent)")
+      echo "- $limit" >"$parts_dir/$s.status"
       continue
     fi
-    echo "--- test_$s $*"
-    OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 "$bundle_dir/tests/test_$s" "$@" \
-      --gtest_output="xml:$bundle_dir/part-$s.xml" || rc=1
-    parts+=("$bundle_dir/part-$s.xml")
+    step "suite $s" "$limit" run_suite "$s" "$mode" "$limit"
+    echo "$? $limit" >"$parts_dir/$s.status"
   done
-  python3 - "$xml" "${parts[@]}" <<'PY'
-import sys, xml.etree.ElementTree as ET
+  merge_results "$xml" "${order[@]}" >"$parts_dir/suites.md"
+}
+
+# Merges each suite's results into one JUnit file $1 and prints a Markdown table of the suites
+# ($2...).
+# A suite without XML (stopped by its timeout, crashed) contributes the tests its output shows
+# as finished, and a failure for the test it was running; one that did not start, a failure.
+merge_results() {
+  python3 - "$parts_dir" "$@" <<'PY'
+import os, re, sys, xml.etree.ElementTree as ET
+parts, out_xml, suites = sys.argv[1], sys.argv[2], sys.argv[3:]
 out = ET.Element("testsuites")
-for p in sys.argv[2:]:
+rows = []
+
+def read_status(s):
     try:
-        out.extend(ET.parse(p).getroot().findall("testsuite"))
-    except Exception as e:
-        print(f"cannot read {p}: {e}")
-ET.ElementTree(out).write(sys.argv[1])
+        rc, limit = open(os.path.join(parts, s + ".status")).read().split()
+        return (None if rc == "-" else int(rc)), limit
+    except Exception:
+        return None, "?"
+
+def from_xml(path):
+    try:
+        root = ET.parse(path).getroot()
+    except Exception:
+        return []
+    found = [root] if root.tag == "testsuite" else root.findall("testsuite")
+    return [t for t in found if t.find("testcase") is not None]
+
+def from_log(s, why):
+    suite = ET.Element("testsuite", name=s)
+    try:
+        lines = open(os.path.join(parts, s + ".log"), errors="replace").read().splitlines()
+    except Exception:
+        lines = []
+    running, text = None, []
+    end = re.compile(r"^\[ +(OK|FAILED|SKIPPED) +\] (\S+)\.(\S+) \(\d+ ms\)")
+    for line in lines:
+        m = re.match(r"^\[ RUN +\] (\S+)\.(\S+)$", line)
+        if m:
+            running, text = m.groups(), []
+            continue
+        m = end.match(line)
+        if m and running == (m.group(2), m.group(3)):
+            case = ET.SubElement(suite, "testcase", classname=running[0], name=running[1])
+            if m.group(1) == "FAILED":
+                ET.SubElement(case, "failure", message="\n".join(text[-20:]))
+            elif m.group(1) == "SKIPPED":
+                ET.SubElement(case, "skipped", message="\n".join(text[-1:]))
+            running = None
+        elif running and not line.startswith("["):
+            text.append(line)
+    if running:
+        case = ET.SubElement(suite, "testcase", classname=running[0], name=running[1])
+        ET.SubElement(case, "failure", message=f"did not finish: {why}")
+    if suite.find("testcase") is None:
+        case = ET.SubElement(suite, "testcase", classname=f"suite_{s}", name="whole_suite")
+        ET.SubElement(case, "failure", message=why)
+    return [suite]
+
+for s in suites:
+    rc, limit = read_status(s)
+    got = from_xml(os.path.join(parts, s + ".xml"))
+    if rc is None:
+        result = "not run (budget)"
+    elif rc in (124, 137):
+        result = f"TIMEOUT after {limit}s"
+    elif rc == 0:
+        result = "ok"
+    elif rc > 128:
+        result = f"CRASHED (signal {rc - 128})"
+    else:
+        result = f"FAILED (exit {rc})"
+    if got:
+        source = "XML"
+    else:
+        why = ("the suite was not run: the time budget was spent" if rc is None else
+               f"the suite timed out after {limit}s" if rc in (124, 137) else
+               f"the suite died of signal {rc - 128} before writing its XML" if rc > 128 else
+               f"the suite ended with exit {rc} before writing its XML")
+        got = from_log(s, why)
+        source = "output (no XML)"
+    out.extend(got)
+    cases = [c for t in got for c in t.iter("testcase")]
+    failed = sum(1 for c in cases if c.find("failure") is not None or c.find("error") is not None)
+    skipped = sum(1 for c in cases if c.find("skipped") is not None)
+    rows.append((s, result, len(cases) - failed - skipped, failed, skipped, source))
+ET.ElementTree(out).write(out_xml)
+print("| suite | result | passed | failed | skipped | results from |")
+print("|---|---|---|---|---|---|")
+for r in rows:
+    print("| " + " | ".join(str(v) for v in r) + " |")
 PY
-  rm -f "${parts[@]}"
-  return $rc
 }
 
 # ---- results ------------------------------------------------------------------------------------
@@ -397,7 +546,6 @@ main() {
   if [ "$mode" = build ]; then
     if step configure 150 build_configure "$(gpu_arch)" && step build 330 build_targets; then
       bin_dir=$build
-      step "suites with GPU tests ($SUITES)" 240 run_meson_tests "$OUT/tests.xml"
     elif [ $auto = 1 ] && [ -f "$root/.gpu-bundle/gpu-bundle.tar.gz" ]; then
       # The build failure stays a failure; the bundle still gets the tests and figures run.
       echo "build failed: going on with the prebuilt bundle"
@@ -418,12 +566,17 @@ main() {
     # prebuilt_setup ran in a child: the tests and benches need its library path here too.
     export LD_LIBRARY_PATH
     LD_LIBRARY_PATH=$(cat "$bundle_dir/ld_library_path")
-    step "suites with GPU tests ($SUITES)" 240 run_prebuilt_tests "$OUT/tests.xml"
   fi
 
+  run_test_suites "$mode" "$OUT/tests.xml"
+  local table
+  table=$(cat "$parts_dir/suites.md" 2>/dev/null)
   echo "=== test results"
   tests=$(check_tests "$OUT/tests.xml" "suites with GPU tests" "$gpu_pattern" "$wanted") || {
     failures+=("tests: failures, unexpected GPU-test skips, or GPU tests not run"); }
+  tests="$table
+
+$tests"
   echo "$tests"
 
   # Benchmarks in GPU mode (full sizes on cuda:0); the encoders on cuda:0 in fp32 and fp16.
@@ -439,8 +592,9 @@ main() {
   [ ${#failures[@]} -eq 0 ]
 }
 
-export -f preflight gpu_arch build_configure build_targets run_meson_tests prebuilt_setup run_prebuilt_tests
-export root OUT build jobs bundle_dir
+export -f preflight gpu_arch build_configure build_targets meson_timeout_multiplier prebuilt_setup is_nccl_suite \
+  fake_suite run_suite
+export root OUT build jobs bundle_dir parts_dir
 export SUITES=""
 main "$@" 2>&1 | tee "$OUT/gpu-check.log"
 exit "${PIPESTATUS[0]}"

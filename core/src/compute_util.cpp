@@ -1,5 +1,8 @@
 #include "compute_util.h"
 
+#include <glib.h>
+
+#include <atomic>
 #include <cstring>
 
 #include "moe/error.h"
@@ -26,18 +29,31 @@ ModelBackend ModelBackend::open(const ComputeOptions& options) {
   return m;
 }
 
-namespace {
-
-// Frees backend memory from a destructor: a failure (e.g. a CUDA runtime already shut down at
-// process exit) must not escape.
-void release(kernels::Backend& backend, void* p) noexcept {
+bool try_release(const std::string& what, const std::function<void()>& release) noexcept {
+  static std::atomic<bool> logged{false};
+  std::string why;
   try {
-    backend.deallocate(p);
+    release();
+    return true;
+  } catch (const std::exception& e) {
+    why = e.what();
   } catch (...) {
+    why = "unknown exception";
   }
+  // The first failure names the cause; later ones repeat the same sticky error.
+  if (!logged.exchange(true))
+    g_log("moe", G_LOG_LEVEL_MESSAGE, "%s failed: %s (leaked; later release failures are not logged)", what.c_str(),
+          why.c_str());
+  return false;
 }
 
-}  // namespace
+void deallocate_noexcept(kernels::Backend& backend, void* ptr) noexcept {
+  try_release(backend.name() + ": freeing device memory", [&] { backend.deallocate(ptr); });
+}
+
+void free_host_staging_noexcept(kernels::Backend& backend, void* ptr) noexcept {
+  try_release(backend.name() + ": freeing staging memory", [&] { backend.free_host_staging(ptr); });
+}
 
 Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
   if (!host.is_host() || (host.dtype() != DType::F32 && host.dtype() != DType::F16 && host.dtype() != DType::BF16))
@@ -71,14 +87,14 @@ Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
     b.copy_from_host(dst, src, bytes);
     b.synchronize();  // `src` goes out of scope here
   } catch (...) {
-    release(b, dst);
+    deallocate_noexcept(b, dst);
     throw;
   }
   if (lock.owns_lock()) lock.unlock();
   std::shared_ptr<void> owner(dst, [keep = backend, guard = mutex](void* p) {
     std::unique_lock<std::mutex> held;
     if (guard) held = std::unique_lock<std::mutex>(*guard);
-    release(*keep, p);
+    deallocate_noexcept(*keep, p);
   });
   return Tensor::view(type, host.shape(), dst, std::move(owner), b.is_host_memory() ? Placement{} : placement);
 }
@@ -113,7 +129,7 @@ kernels::WeightRef weight_ref(const Tensor& t) {
 
 Workspace::~Workspace() {
   const auto held = lock_if(guard_);
-  for (const Block& b : blocks_) release(*backend_, b.ptr);
+  for (const Block& b : blocks_) deallocate_noexcept(*backend_, b.ptr);
 }
 
 void* Workspace::bytes(size_t n) {
@@ -152,10 +168,8 @@ Call::Call(const ModelBackend& model, std::unique_ptr<Workspace>& cached)
 
 Call::~Call() {
   if (host_) return;
-  try {
-    backend_->synchronize();  // an exception may have left copies from the staging buffers queued
-  } catch (...) {
-  }
+  // An exception may have left copies from the staging buffers queued.
+  try_release(backend_->name() + ": waiting for the call's queued work", [this] { backend_->synchronize(); });
 }
 
 float* Call::host_f32(int64_t n) { return host_f32_.emplace_back(static_cast<size_t>(n)).data(); }

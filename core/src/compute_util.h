@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -18,6 +19,16 @@
 namespace moe::detail {
 
 DType dtype_of(kernels::WeightType type);
+
+// Destructors release backend resources (memory, staging, waits on copies) through these. After a
+// CUDA fault every later CUDA call returns the same sticky error, and at process exit the runtime
+// may be gone: a release that throws out of a destructor calls std::terminate, which hides the
+// error being reported and loses the test report. Instead the first failure in the process is
+// logged (a GLib message in the "moe" domain: not a warning, which test harnesses make fatal) and
+// the resource is leaked. try_release returns whether `release` completed.
+bool try_release(const std::string& what, const std::function<void()>& release) noexcept;
+void deallocate_noexcept(kernels::Backend& backend, void* ptr) noexcept;
+void free_host_staging_noexcept(kernels::Backend& backend, void* ptr) noexcept;
 
 // A lock on `mutex` (a backend's, from backend_mutex), or no lock when it is null (host-memory
 // backends need none).

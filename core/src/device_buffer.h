@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "backend.h"
+#include "compute_util.h"
 
 namespace moe {
 
@@ -14,7 +15,7 @@ class DeviceBuffer {
   // At least 64 bytes, so that an empty buffer is still a valid pointer for the backend.
   DeviceBuffer(kernels::Backend& b, size_t bytes) : b_(&b), p_(b.allocate(std::max<size_t>(bytes, 64))) {}
   ~DeviceBuffer() {
-    if (p_) b_->deallocate(p_);
+    if (p_) detail::deallocate_noexcept(*b_, p_);
   }
   DeviceBuffer(DeviceBuffer&& o) noexcept : b_(o.b_), p_(std::exchange(o.p_, nullptr)) {}
   DeviceBuffer& operator=(DeviceBuffer&&) = delete;

@@ -8,6 +8,7 @@
 #include <thread>
 #include <tuple>
 
+#include "compute_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -72,10 +73,14 @@ struct BatchLease::Core {
 
   ~Core() {
     // A copy may still be writing into a slot: wait for every one before freeing the memory.
-    for (auto& copy : slot_copy)
-      if (copy)
-        while (!backend.event_complete(*copy)) std::this_thread::sleep_for(std::chrono::microseconds(50));
-    if (memory) backend.deallocate(memory);
+    // When the wait itself fails (a CUDA fault), the slots are leaked rather than freed under a
+    // copy that might still run.
+    const bool copies_done = detail::try_release(backend.name() + ": expert cache: waiting for slot copies", [this] {
+      for (auto& copy : slot_copy)
+        if (copy)
+          while (!backend.event_complete(*copy)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    });
+    if (memory && copies_done) detail::deallocate_noexcept(backend, memory);
   }
 
   void* slot_ptr(int slot) const { return memory + slot_bytes * static_cast<size_t>(slot); }

@@ -469,10 +469,9 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
     hb.copy_to_host(y.data<float>(), y_home, static_cast<size_t>(N * D) * fbytes);
   } catch (...) {
     // Work still queued may read the pinned slots and the batch's buffers: let it finish first.
-    for (State::Device& dev : st.devices) try {
-        dev.backend->synchronize();
-      } catch (...) {
-      }
+    for (State::Device& dev : st.devices)
+      detail::try_release(dev.name + ": waiting for queued work after a failed batch",
+                          [&] { dev.backend->synchronize(); });
     release();
     throw;
   }

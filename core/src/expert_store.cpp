@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "compute_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -117,7 +118,7 @@ HostExpertStore& HostExpertStore::operator=(HostExpertStore&& o) noexcept {
 HostExpertStore::~HostExpertStore() { release(); }
 
 void HostExpertStore::release() {
-  if (data_) backend_->free_host_staging(data_);
+  if (data_) detail::free_host_staging_noexcept(*backend_, data_);
   data_ = nullptr;
 }
 

@@ -1,11 +1,11 @@
 #include "moe/expert_transport.h"
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <thread>
 
 #include "device_buffer.h"
 #include "moe/error.h"
@@ -13,18 +13,29 @@
 
 namespace moe {
 
+void wait_for_collective(const CollectiveWait& wait, const std::string& what, const std::function<bool()>& poll) {
+  const auto deadline = std::chrono::steady_clock::now() + wait.timeout;
+  while (!poll()) {
+    if (std::chrono::steady_clock::now() >= deadline)
+      throw Error(what + ": not complete after " + std::to_string(wait.timeout.count()) +
+                  " ms (a peer rank failed, hung, aborted, or is still busy)");
+    std::this_thread::sleep_for(wait.poll_interval);
+  }
+}
+
 // ---- in-process transport ----------------------------------------------------------------------
 
 namespace {
 
 // What N threads share: published buffers and an abortable barrier.
 struct InProcessGroup {
-  explicit InProcessGroup(int n) : n(n), counts(static_cast<size_t>(n)), send(static_cast<size_t>(n)),
-                                   send_counts(static_cast<size_t>(n)), cols(static_cast<size_t>(n)) {}
+  InProcessGroup(int n, const CollectiveWait& wait)
+      : n(n), wait(wait), counts(static_cast<size_t>(n)), send(static_cast<size_t>(n)),
+        send_counts(static_cast<size_t>(n)), cols(static_cast<size_t>(n)) {}
 
   const int n;
+  const CollectiveWait wait;
   std::mutex mu;
-  std::condition_variable cv;
   int arrived = 0;
   uint64_t generation = 0;
   bool broken = false;
@@ -40,29 +51,32 @@ struct InProcessGroup {
     if (broken) throw Error("in-process transport: the group failed: " + why);
   }
 
-  void barrier() {
-    std::unique_lock<std::mutex> lock(mu);
-    check_broken();
-    const uint64_t gen = generation;
-    if (++arrived == n) {
-      arrived = 0;
-      ++generation;
-      cv.notify_all();
-      return;
+  // Waits, as `wait` says, for every rank to arrive; throws once the group is broken.
+  void barrier(int rank) {
+    uint64_t gen;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      check_broken();
+      gen = generation;
+      if (++arrived == n) {
+        arrived = 0;
+        ++generation;
+        return;
+      }
     }
-    cv.wait(lock, [&] { return generation != gen || broken; });
-    check_broken();
+    wait_for_collective(wait, "in-process transport (rank " + std::to_string(rank) + "): barrier", [&] {
+      std::lock_guard<std::mutex> lock(mu);
+      check_broken();
+      return generation != gen;
+    });
   }
 
   void abort(int rank, const std::string& msg) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!broken) {
-        broken = true;
-        why = "rank " + std::to_string(rank) + ": " + msg;
-      }
+    std::lock_guard<std::mutex> lock(mu);
+    if (!broken) {
+      broken = true;
+      why = "rank " + std::to_string(rank) + ": " + msg;
     }
-    cv.notify_all();
   }
 };
 
@@ -80,7 +94,7 @@ class InProcessTransport final : public ExpertTransport {
         throw Error("exchange_counts: " + std::to_string(send_counts.size()) + " counts for " + std::to_string(g.n) +
                     " ranks x " + std::to_string(per_rank));
       g.counts[static_cast<size_t>(rank_)] = send_counts;
-      g.barrier();
+      g.barrier(rank_);
       std::vector<int64_t> recv(n * per);
       for (size_t p = 0; p < n; ++p) {
         const std::vector<int64_t>& c = g.counts[p];
@@ -90,7 +104,7 @@ class InProcessTransport final : public ExpertTransport {
         std::copy(c.begin() + static_cast<std::ptrdiff_t>(rank_ * per),
                   c.begin() + static_cast<std::ptrdiff_t>((rank_ + 1) * per), recv.begin() + static_cast<std::ptrdiff_t>(p * per));
       }
-      g.barrier();  // every rank has read before anyone publishes again
+      g.barrier(rank_);  // every rank has read before anyone publishes again
       return recv;
     });
   }
@@ -105,7 +119,7 @@ class InProcessTransport final : public ExpertTransport {
       g.send[r] = send;
       g.send_counts[r] = send_counts;
       g.cols[r] = cols;
-      g.barrier();
+      g.barrier(rank_);
       int64_t dst = 0;
       for (size_t p = 0; p < n; ++p) {
         const std::vector<int64_t>& sc = g.send_counts[p];
@@ -120,7 +134,7 @@ class InProcessTransport final : public ExpertTransport {
           std::memcpy(recv + dst * cols, g.send[p] + src * cols, static_cast<size_t>(sc[r] * cols) * sizeof(float));
         dst += sc[r];
       }
-      g.barrier();  // senders' buffers stay untouched until everyone copied
+      g.barrier(rank_);  // senders' buffers stay untouched until everyone copied
       return 0;
     });
   }
@@ -146,9 +160,10 @@ class InProcessTransport final : public ExpertTransport {
 
 }  // namespace
 
-std::vector<std::unique_ptr<ExpertTransport>> make_in_process_transports(int world_size) {
+std::vector<std::unique_ptr<ExpertTransport>> make_in_process_transports(int world_size,
+                                                                         const CollectiveWait& wait) {
   if (world_size < 1) throw Error("in-process transport: world size " + std::to_string(world_size) + " < 1");
-  auto group = std::make_shared<InProcessGroup>(world_size);
+  auto group = std::make_shared<InProcessGroup>(world_size, wait);
   std::vector<std::unique_ptr<ExpertTransport>> out;
   for (int r = 0; r < world_size; ++r) out.push_back(std::make_unique<InProcessTransport>(group, r));
   return out;
@@ -159,7 +174,8 @@ NcclUniqueId nccl_unique_id() {
   throw Error("NCCL transport: gst-moe was built without CUDA/NCCL (-Dcuda=disabled, or nccl.h/libnccl not found)");
 }
 
-std::unique_ptr<ExpertTransport> make_nccl_transport(int rank, int, const NcclUniqueId&, int device) {
+std::unique_ptr<ExpertTransport> make_nccl_transport(int rank, int, const NcclUniqueId&, int device,
+                                                     const CollectiveWait&) {
   throw Error("NCCL transport (rank " + std::to_string(rank) + ", cuda:" + std::to_string(device) +
               "): gst-moe was built without CUDA/NCCL (-Dcuda=disabled, or nccl.h/libnccl not found)");
 }

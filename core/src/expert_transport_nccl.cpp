@@ -1,4 +1,9 @@
 // The NCCL ExpertTransport: built only with CUDA and NCCL (meson: have_nccl).
+//
+// Every collective is: enqueue inside one NCCL group on the transport's stream, then a polled wait
+// (cudaStreamQuery for completion, ncclCommGetAsyncError for failures, CollectiveWait's timeout
+// for a peer that never comes). Any failure aborts the communicator: a blocking wait after a
+// peer's abort would never return, and ncclCommDestroy can hang after a failure.
 #include <cuda_runtime.h>
 #include <nccl.h>
 
@@ -15,22 +20,40 @@ namespace {
 
 static_assert(sizeof(ncclUniqueId) == sizeof(NcclUniqueId::bytes), "ncclUniqueId size changed");
 
+std::string prefix(int rank) { return "NCCL transport (rank " + std::to_string(rank) + "): "; }
+
 void check_nccl(ncclResult_t r, const char* what, int rank) {
-  if (r != ncclSuccess)
-    throw Error(std::string("NCCL transport (rank ") + std::to_string(rank) + "): " + what + ": " +
-                ncclGetErrorString(r));
+  if (r != ncclSuccess) throw Error(prefix(rank) + what + ": " + ncclGetErrorString(r));
 }
 
 void check_cuda(cudaError_t r, const char* what, int rank) {
-  if (r != cudaSuccess)
-    throw Error(std::string("NCCL transport (rank ") + std::to_string(rank) + "): " + what + ": " +
-                cudaGetErrorString(r));
+  if (r != cudaSuccess) throw Error(prefix(rank) + what + ": " + cudaGetErrorString(r));
 }
+
+// ncclGroupStart ... ncclGroupEnd, closed on every exit: a call inside that throws must not leave
+// the group open (it would swallow this thread's later NCCL calls).
+class NcclGroup {
+ public:
+  explicit NcclGroup(int rank) : rank_(rank) { check_nccl(ncclGroupStart(), "ncclGroupStart", rank); }
+  ~NcclGroup() {
+    if (open_) ncclGroupEnd();  // unwinding: the caller aborts the communicator next
+  }
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+  void end() {
+    open_ = false;
+    check_nccl(ncclGroupEnd(), "ncclGroupEnd", rank_);
+  }
+
+ private:
+  int rank_;
+  bool open_ = true;
+};
 
 class NcclTransport final : public ExpertTransport {
  public:
-  NcclTransport(int rank, int world_size, const NcclUniqueId& id, int device)
-      : rank_(rank), world_(world_size), device_(device) {
+  NcclTransport(int rank, int world_size, const NcclUniqueId& id, int device, const CollectiveWait& wait)
+      : rank_(rank), world_(world_size), device_(device), wait_(wait) {
     if (world_size < 1 || rank < 0 || rank >= world_size)
       throw Error("NCCL transport: rank " + std::to_string(rank) + " outside [0, " + std::to_string(world_size) + ")");
     check_cuda(cudaSetDevice(device), "cudaSetDevice", rank);
@@ -46,8 +69,8 @@ class NcclTransport final : public ExpertTransport {
 
   ~NcclTransport() override {
     cudaSetDevice(device_);
+    if (comm_) ncclCommDestroy(comm_);  // healthy: every error path aborted and cleared it
     if (counts_) cudaFree(counts_);
-    if (comm_) ncclCommDestroy(comm_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -58,7 +81,8 @@ class NcclTransport final : public ExpertTransport {
     if (!comm_) return;
     aborted_ = why;
     cudaSetDevice(device_);
-    ncclCommAbort(comm_);  // peers blocked in a collective with this rank return an error
+    // The peers blocked in a collective with this rank are not woken: their waits time out.
+    ncclCommAbort(comm_);
     comm_ = nullptr;
   }
 
@@ -68,28 +92,35 @@ class NcclTransport final : public ExpertTransport {
     if (per_rank < 1 || send_counts.size() != n * per)
       throw Error("NCCL transport: exchange_counts got " + std::to_string(send_counts.size()) + " counts for " +
                   std::to_string(world_) + " ranks x " + std::to_string(per_rank));
-    check_cuda(cudaSetDevice(device_), "cudaSetDevice", rank_);
-    const size_t need = 2 * n * per;
-    if (need > counts_capacity_) {
-      if (counts_) cudaFree(counts_);
-      counts_ = nullptr;
-      check_cuda(cudaMalloc(reinterpret_cast<void**>(&counts_), need * sizeof(int64_t)), "cudaMalloc", rank_);
-      counts_capacity_ = need;
-    }
-    int64_t* d_send = counts_;
-    int64_t* d_recv = counts_ + n * per;
     std::vector<int64_t> recv(n * per);
-    check_cuda(cudaMemcpyAsync(d_send, send_counts.data(), n * per * sizeof(int64_t), cudaMemcpyHostToDevice, stream_),
-               "cudaMemcpyAsync", rank_);
-    check_nccl(ncclGroupStart(), "ncclGroupStart", rank_);
-    for (int p = 0; p < world_; ++p) {
-      check_nccl(ncclSend(d_send + p * per, per, ncclInt64, p, comm_, stream_), "ncclSend", rank_);
-      check_nccl(ncclRecv(d_recv + p * per, per, ncclInt64, p, comm_, stream_), "ncclRecv", rank_);
-    }
-    check_nccl(ncclGroupEnd(), "ncclGroupEnd", rank_);
-    check_cuda(cudaMemcpyAsync(recv.data(), d_recv, n * per * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_),
-               "cudaMemcpyAsync", rank_);
-    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", rank_);
+    collective("exchange_counts", [&] {
+      const size_t need = 2 * n * per;
+      if (need > counts_capacity_) {
+        if (counts_) check_cuda(cudaFree(counts_), "cudaFree", rank_);
+        counts_ = nullptr;
+        counts_capacity_ = 0;
+        check_cuda(cudaMalloc(reinterpret_cast<void**>(&counts_), need * sizeof(int64_t)), "cudaMalloc", rank_);
+        counts_capacity_ = need;
+      }
+      // The stream is idle (the previous collective was awaited): this copy does not block on it.
+      check_cuda(cudaMemcpyAsync(counts_, send_counts.data(), n * per * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                 stream_),
+                 "cudaMemcpyAsync", rank_);
+      NcclGroup group(rank_);
+      for (int p = 0; p < world_; ++p) {
+        check_nccl(ncclSend(counts_ + p * per, per, ncclInt64, p, comm_, stream_), "ncclSend", rank_);
+        check_nccl(ncclRecv(counts_ + (n + p) * per, per, ncclInt64, p, comm_, stream_), "ncclRecv", rank_);
+      }
+      group.end();
+    });
+    // After the wait, on the idle stream: the copy back cannot block on a collective that never
+    // completes.
+    or_abort([&] {
+      check_cuda(cudaMemcpyAsync(recv.data(), counts_ + n * per, n * per * sizeof(int64_t), cudaMemcpyDeviceToHost,
+                                 stream_),
+                 "cudaMemcpyAsync", rank_);
+      check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", rank_);
+    });
     return recv;
   }
 
@@ -99,36 +130,74 @@ class NcclTransport final : public ExpertTransport {
     const size_t n = static_cast<size_t>(world_);
     if (send_counts.size() != n || recv_counts.size() != n || cols <= 0)
       throw Error("NCCL transport: all_to_all needs " + std::to_string(world_) + " send and receive counts and cols > 0");
-    check_cuda(cudaSetDevice(device_), "cudaSetDevice", rank_);
-    int64_t so = 0, ro = 0;
-    check_nccl(ncclGroupStart(), "ncclGroupStart", rank_);
-    for (int p = 0; p < world_; ++p) {
-      const int64_t sc = send_counts[static_cast<size_t>(p)], rc = recv_counts[static_cast<size_t>(p)];
-      if (sc > 0)
-        check_nccl(ncclSend(send + so * cols, static_cast<size_t>(sc * cols), ncclFloat32, p, comm_, stream_),
-                   "ncclSend", rank_);
-      if (rc > 0)
-        check_nccl(ncclRecv(recv + ro * cols, static_cast<size_t>(rc * cols), ncclFloat32, p, comm_, stream_),
-                   "ncclRecv", rank_);
-      so += sc;
-      ro += rc;
-    }
-    check_nccl(ncclGroupEnd(), "ncclGroupEnd", rank_);
-    check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", rank_);
+    collective("all_to_all", [&] {
+      int64_t so = 0, ro = 0;
+      NcclGroup group(rank_);
+      for (int p = 0; p < world_; ++p) {
+        const int64_t sc = send_counts[static_cast<size_t>(p)], rc = recv_counts[static_cast<size_t>(p)];
+        if (sc > 0)
+          check_nccl(ncclSend(send + so * cols, static_cast<size_t>(sc * cols), ncclFloat32, p, comm_, stream_),
+                     "ncclSend", rank_);
+        if (rc > 0)
+          check_nccl(ncclRecv(recv + ro * cols, static_cast<size_t>(rc * cols), ncclFloat32, p, comm_, stream_),
+                     "ncclRecv", rank_);
+        so += sc;
+        ro += rc;
+      }
+      group.end();
+    });
   }
 
  private:
-  int rank_, world_, device_;
   // Throws once abort() was called.
   void check_usable() const {
-    if (!comm_)
-      throw Error("NCCL transport (rank " + std::to_string(rank_) + "): aborted: " + aborted_);
+    if (!comm_) throw Error(prefix(rank_) + "aborted: " + aborted_);
   }
 
+  // Runs `fn`; on any failure aborts the communicator (the transport is unusable from then on)
+  // and rethrows.
+  template <typename Fn>
+  void or_abort(Fn&& fn) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      abort(e.what());
+      throw;
+    }
+  }
+
+  // Enqueues one collective on the stream and waits for it, or_abort.
+  template <typename Enqueue>
+  void collective(const char* what, Enqueue&& enqueue) {
+    or_abort([&] {
+      check_cuda(cudaSetDevice(device_), "cudaSetDevice", rank_);
+      enqueue();
+      wait_for_collective(wait_, prefix(rank_) + what, [this] { return complete(); });
+    });
+  }
+
+  // Whether the stream's work is done; throws on an asynchronous NCCL error or a CUDA error.
+  bool complete() {
+    ncclResult_t async = ncclSuccess;
+    check_nccl(ncclCommGetAsyncError(comm_, &async), "ncclCommGetAsyncError", rank_);
+    if (async != ncclSuccess && async != ncclInProgress) check_nccl(async, "asynchronous error", rank_);
+    const cudaError_t state = cudaStreamQuery(stream_);
+    if (state == cudaErrorNotReady) {
+      // Not an error, but the runtime may keep it as the thread's last error, which the CUDA
+      // backend's next launch check (same thread) would report.
+      if (cudaPeekAtLastError() == cudaErrorNotReady) cudaGetLastError();
+      return false;
+    }
+    check_cuda(state, "cudaStreamQuery", rank_);
+    return true;
+  }
+
+  int rank_, world_, device_;
+  CollectiveWait wait_;
   ncclComm_t comm_ = nullptr;
   std::string aborted_;
   cudaStream_t stream_ = nullptr;
-  int64_t* counts_ = nullptr;
+  int64_t* counts_ = nullptr;  // [send | recv] counts on the device
   size_t counts_capacity_ = 0;
 };
 
@@ -142,8 +211,9 @@ NcclUniqueId nccl_unique_id() {
   return id;
 }
 
-std::unique_ptr<ExpertTransport> make_nccl_transport(int rank, int world_size, const NcclUniqueId& id, int device) {
-  return std::make_unique<NcclTransport>(rank, world_size, id, device);
+std::unique_ptr<ExpertTransport> make_nccl_transport(int rank, int world_size, const NcclUniqueId& id, int device,
+                                                     const CollectiveWait& wait) {
+  return std::make_unique<NcclTransport>(rank, world_size, id, device, wait);
 }
 
 }  // namespace moe

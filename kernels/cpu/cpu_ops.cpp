@@ -84,7 +84,8 @@ void l2_normalize_rows(float* x, int64_t rows, int64_t cols, float eps) {
     float* xr = x + r * cols;
     double ss = 0.0;
     for (int64_t c = 0; c < cols; ++c) ss += static_cast<double>(xr[c]) * xr[c];
-    const float inv = 1.0f / std::max(static_cast<float>(std::sqrt(ss)), eps);
+    const float norm = static_cast<float>(std::sqrt(ss));
+    const float inv = 1.0f / (norm < eps ? eps : norm);  // a NaN norm stays NaN
     for (int64_t c = 0; c < cols; ++c) xr[c] *= inv;
   }
 }
@@ -117,6 +118,8 @@ void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t to
   std::vector<int32_t> order(static_cast<size_t>(experts));
   for (int64_t r = 0; r < rows; ++r) {
     std::copy(logits + r * experts, logits + (r + 1) * experts, probs.begin());
+    // All -inf: routed as equal logits (softmax of -inf - -inf would be NaN).
+    if (*std::max_element(probs.begin(), probs.end()) == -INFINITY) std::fill(probs.begin(), probs.end(), 0.0f);
     softmax_rows(probs.data(), 1, experts);
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t a, int32_t b) {

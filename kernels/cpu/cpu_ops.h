@@ -34,7 +34,8 @@ void silu_mul(const float* gate, const float* up, float* out, int64_t n);
 // In place, numerically stable softmax over each row.
 void softmax_rows(float* x, int64_t rows, int64_t cols);
 
-// In place: x / max(‖x‖₂, eps) per row (torch.nn.functional.normalize semantics).
+// In place: x / max(‖x‖₂, eps) per row (torch.nn.functional.normalize semantics: a row holding a
+// NaN becomes all NaN).
 void l2_normalize_rows(float* x, int64_t rows, int64_t cols, float eps = 1e-12f);
 
 // y += x (n elements).
@@ -49,7 +50,8 @@ void attention(const float* q, const float* k, const float* v, int64_t ld, float
 
 // Router: softmax over all `experts` logits of each row in fp32, then the `top_k` largest
 // (descending; ties to the lower index). With `renormalize` the chosen weights are divided by
-// their sum (Mixtral); without, they stay softmax probabilities (Qwen2-MoE default).
+// their sum (Mixtral); without, they stay softmax probabilities (Qwen2-MoE default). A row whose
+// logits are all -inf is routed as if they were equal (Backend::topk_softmax).
 void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k,
                   bool renormalize, int32_t* ids, float* weights);
 

@@ -97,11 +97,7 @@ void attention(Ctx& ctx, const float* qkv, float* out, const std::vector<int64_t
   std::vector<int64_t> starts(seq_lens.size() + 1, 0);
   for (size_t s = 0; s < seq_lens.size(); ++s) starts[s + 1] = starts[s] + seq_lens[s];
   int64_t* dev_starts = reinterpret_cast<int64_t*>(scratch(ctx, starts.size() * sizeof(int64_t), "attention"));
-  // From pageable memory: staged before the call returns, so `starts` may go out of scope.
-  check(ctx, "attention",
-        cudaMemcpyAsync(dev_starts, starts.data(), starts.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                        ctx.stream),
-        "cudaMemcpyAsync(sequence starts)");
+  upload(ctx, "attention", dev_starts, starts.data(), starts.size() * sizeof(int64_t));
   const float scale = 1.0f / sqrtf(static_cast<float>(head_dim));
   attention_kernel<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, ctx.stream>>>(
       qkv, out, dev_starts, static_cast<int64_t>(seq_lens.size()), total_rows, static_cast<int>(heads),

@@ -5,6 +5,7 @@
 // Every CUDA and cuBLAS call is checked; errors are moe::Error "cuda:N: <operation>: <call>: <reason>".
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -54,6 +55,29 @@ void check_launch(const Ctx& ctx, const char* op, const char* kernel) {
   if (ctx.sync_each_op) check(ctx, op, cudaStreamSynchronize(ctx.stream), (std::string("running ") + kernel).c_str());
 }
 
+namespace {
+
+constexpr size_t kUploadChunkBytes = 2048;  // well within the 4 KiB of kernel parameters
+struct UploadChunk {
+  unsigned char bytes[kUploadChunkBytes];
+};
+
+__global__ void upload_kernel(UploadChunk chunk, unsigned char* dst, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = chunk.bytes[i];
+}
+
+}  // namespace
+
+void upload(Ctx& ctx, const char* op, void* dst, const void* src, size_t bytes) {
+  for (size_t done = 0; done < bytes; done += kUploadChunkBytes) {
+    const size_t n = std::min(kUploadChunkBytes, bytes - done);
+    UploadChunk chunk;
+    std::memcpy(chunk.bytes, static_cast<const unsigned char*>(src) + done, n);
+    upload_kernel<<<1, 256, 0, ctx.stream>>>(chunk, static_cast<unsigned char*>(dst) + done, static_cast<int>(n));
+    check_launch(ctx, op, "upload_kernel");
+  }
+}
+
 char* scratch(Ctx& ctx, size_t bytes, const char* op) {
   if (bytes > ctx.scratch_bytes) {
     // Work queued earlier may still use the old buffer.
@@ -75,11 +99,32 @@ namespace {
 
 using cuda::check;
 
+// Makes `device` the calling thread's current device for the scope, then restores the previous
+// one: destructors and probes run on any thread and must not change its device.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    result_ = previous_ == device ? cudaSuccess : cudaSetDevice(device);
+    if (previous_ == device) previous_ = -1;  // nothing to restore
+  }
+  ~ScopedDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  cudaError_t result() const { return result_; }
+
+ private:
+  int previous_ = -1;
+  cudaError_t result_ = cudaSuccess;
+};
+
 class CudaEvent final : public Event {
  public:
   CudaEvent(const void* owner, int device, cudaEvent_t event) : owner(owner), device(device), event(event) {}
   ~CudaEvent() override {
-    cudaSetDevice(device);
+    const ScopedDevice on(device);
     cudaEventDestroy(event);  // fine while pending: resources are released once it completes
   }
   const void* owner;
@@ -108,7 +153,7 @@ class CudaBackend final : public Backend {
     }
   }
   ~CudaBackend() override {
-    cudaSetDevice(ctx_.device);
+    const ScopedDevice on(ctx_.device);
     // Drain both queues before the buffers they may use go away.
     if (ctx_.stream) cudaStreamSynchronize(ctx_.stream);
     if (copy_stream_) cudaStreamSynchronize(copy_stream_);
@@ -368,12 +413,41 @@ int cuda_device_count(std::string* why) {
   return n;
 }
 
+bool cuda_device_usable(int device, std::string* why) {
+  const auto no = [why](const std::string& reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  std::string reason;
+  const int n = cuda_device_count(&reason);
+  if (n == 0) return no(reason);
+  if (device < 0 || device >= n) return no("no such device (" + std::to_string(n) + " present)");
+  const auto cuda_error = [](cudaError_t err) {
+    cudaGetLastError();  // a non-sticky error must not surface in a later check
+    return std::string(cudaGetErrorName(err)) + " (" + cudaGetErrorString(err) + ")";
+  };
+  cudaDeviceProp prop{};
+  if (const cudaError_t err = cudaGetDeviceProperties(&prop, device); err != cudaSuccess)
+    return no("cudaGetDeviceProperties: " + cuda_error(err));
+  const std::string what = std::string(prop.name) + ", compute capability " + std::to_string(prop.major) + "." +
+                           std::to_string(prop.minor);
+  const ScopedDevice on(device);
+  if (on.result() != cudaSuccess) return no(what + ": cudaSetDevice: " + cuda_error(on.result()));
+  // Creates the device's context and looks up this build's code for its compute capability (one
+  // kernel stands for all: they are built with the same targets).
+  cudaFuncAttributes attributes{};
+  if (const cudaError_t err = cudaFuncGetAttributes(&attributes, cuda::upload_kernel); err != cudaSuccess) {
+    if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction ||
+        err == cudaErrorUnsupportedPtxVersion)
+      return no(what + ": this build has no kernels for it (built for " MOE_GPU_TARGETS "): " + cuda_error(err));
+    return no(what + ": cannot create a context or load the kernels: " + cuda_error(err));
+  }
+  return true;
+}
+
 std::unique_ptr<Backend> make_cuda_backend(int device) {
   std::string why;
-  const int n = cuda_device_count(&why);
-  if (n == 0) throw Error("cuda:" + std::to_string(device) + ": " + why);
-  if (device < 0 || device >= n)
-    throw Error("cuda:" + std::to_string(device) + ": no such device (" + std::to_string(n) + " present)");
+  if (!cuda_device_usable(device, &why)) throw Error("cuda:" + std::to_string(device) + ": " + why);
   return std::make_unique<CudaBackend>(device);
 }
 

@@ -1,5 +1,5 @@
 // Internal to the CUDA backend: the per-backend context every launcher receives, error checks
-// that name the backend, the operation and the failing call, and the scratch arena.
+// that name the backend, the operation and the failing call, small uploads, and the scratch arena.
 #pragma once
 
 #include <cublas_v2.h>
@@ -36,6 +36,12 @@ void check(const Ctx& ctx, const char* op, cublasStatus_t status, const char* ca
 // After a kernel launch: the launch error, and with sync_each_op the execution error.
 void check_launch(const Ctx& ctx, const char* op, const char* kernel);
 
+// Copies `bytes` of host memory to `dst` on the compute stream. The bytes travel as kernel
+// arguments (2 KiB per launch), so the host neither waits for the stream, as a copy from pageable
+// memory may, nor has to keep a page-locked source alive until the copy ran. For small arrays
+// (GEMM pointer arrays, sequence offsets).
+void upload(Ctx& ctx, const char* op, void* dst, const void* src, size_t bytes);
+
 // A device buffer of at least `bytes` (256-byte aligned), valid until the next call. Growing it
 // waits for the compute stream first, so work still using the old buffer is finished.
 char* scratch(Ctx& ctx, size_t bytes, const char* op);
@@ -71,10 +77,21 @@ inline unsigned grid_for(int64_t n, int threads) {
 void gelu(Ctx& ctx, float* x, int64_t n);
 void quick_gelu(Ctx& ctx, float* x, int64_t n);
 void silu_mul(Ctx& ctx, const float* gate, const float* up, float* out, int64_t n);
+// out = silu(gate · s) · (up · s) with s = row_scale[row] over rows of `cols`; out may alias gate or up.
+void silu_mul_scaled_rows(Ctx& ctx, const char* op, const float* gate, const float* up, const float* row_scale,
+                          int64_t rows, int64_t cols, float* out);
 void add(Ctx& ctx, float* y, const float* x, int64_t n);
-void add_bias(Ctx& ctx, float* y, const float* bias, int64_t m, int64_t n);
+// y[r, c] = y[r, c] · row_scale[r] + bias[c] over y [m, n]; either may be null (then skipped).
+void scale_rows_add_bias(Ctx& ctx, const char* op, float* y, const float* row_scale, const float* bias, int64_t m,
+                         int64_t n);
 // out[i] = x[i] rounded to `type` (F16 or BF16), round to nearest even. `op` names the caller.
 void cast_from_f32(Ctx& ctx, const char* op, const float* x, void* out, WeightType type, int64_t n);
+// Activations for an f16 GEMM, whose inputs end at 65504: each row of x [rows, cols] times the
+// largest power of two s ≤ 1 that brings it within that range (s = 1 for most rows, and for rows
+// holding inf/NaN), into `out` as `type` (F32, may alias x; or F16); unscale[row] = 1/s, by which
+// the GEMM's output rows are scaled back (exactly: powers of two).
+void fit_rows_to_f16(Ctx& ctx, const char* op, const float* x, int64_t rows, int64_t cols, void* out, WeightType type,
+                     float* unscale);
 void layer_norm(Ctx& ctx, const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
                 float eps);
 void l2_normalize_rows(Ctx& ctx, float* x, int64_t rows, int64_t cols, float eps);

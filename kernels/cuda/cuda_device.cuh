@@ -34,6 +34,22 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
   return shared[32];
 }
 
+// Maximum over the block, as block_sum.
+__device__ __forceinline__ float block_max(float v, float* shared) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();  // a previous call's readers are done with `shared`
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float t = lane < warps ? shared[lane] : -INFINITY;
+    t = warp_max(t);
+    if (lane == 0) shared[32] = t;
+  }
+  __syncthreads();
+  return shared[32];
+}
+
 // Exclusive prefix sum of `v` over the block in thread order; *total receives the block's sum.
 // `shared` holds 33 ints; consecutive calls may reuse it.
 __device__ __forceinline__ int block_exclusive_scan(int v, int* shared, int* total) {

@@ -26,10 +26,13 @@ __global__ void quick_gelu_kernel(float* x, int64_t n) {
   }
 }
 
-__global__ void silu_mul_kernel(const float* gate, const float* up, float* out, int64_t n) {
+// row_scale (rows of `cols`) may be null: then no scaling.
+__global__ void silu_mul_kernel(const float* gate, const float* up, const float* row_scale, int64_t cols, float* out,
+                                int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
-    const float g = gate[i];
-    out[i] = g / (1.0f + expf(-g)) * up[i];
+    const float s = row_scale ? row_scale[i / cols] : 1.0f;
+    const float g = gate[i] * s;
+    out[i] = g / (1.0f + expf(-g)) * (up[i] * s);
   }
 }
 
@@ -38,10 +41,15 @@ __global__ void add_kernel(float* y, const float* x, int64_t n) {
     y[i] += x[i];
 }
 
-__global__ void add_bias_kernel(float* y, const float* bias, int64_t m, int64_t n) {
+// row_scale and bias may be null.
+__global__ void scale_rows_add_bias_kernel(float* y, const float* row_scale, const float* bias, int64_t m, int64_t n) {
   const int64_t total = m * n;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x)
-    y[i] += bias[i % n];
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < total; i += int64_t{gridDim.x} * blockDim.x) {
+    float v = y[i];
+    if (row_scale) v *= row_scale[i / n];
+    if (bias) v += bias[i % n];
+    y[i] = v;
+  }
 }
 
 __global__ void to_f16_kernel(const float* x, __half* out, int64_t n) {
@@ -52,6 +60,28 @@ __global__ void to_f16_kernel(const float* x, __half* out, int64_t n) {
 __global__ void to_bf16_kernel(const float* x, __nv_bfloat16* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x)
     out[i] = __float2bfloat16_rn(x[i]);
+}
+
+__device__ __forceinline__ void store(float* out, int64_t i, float v) { out[i] = v; }
+__device__ __forceinline__ void store(__half* out, int64_t i, float v) { out[i] = __float2half_rn(v); }
+
+// One block per row: s = the largest power of two ≤ 1 with max |x| · s ≤ 65504 (the largest finite
+// f16); 1 for a row holding inf or NaN, which stays inf/NaN as it would in f32. out = x · s (exact:
+// a power of two), unscale = 1/s. out may alias x (every thread reads its elements before the
+// block's reduction completes, and writes only its own).
+template <typename Out>
+__global__ void fit_rows_to_f16_kernel(const float* x, int64_t cols, Out* out, float* unscale) {
+  __shared__ float shared[33];
+  const float* xr = x + blockIdx.x * cols;
+  float m = 0.0f;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) m = fmaxf(m, fabsf(xr[c]));
+  m = block_max(m, shared);
+  float s = 1.0f;
+  if (isfinite(m))
+    while (m * s > 65504.0f) s *= 0.5f;
+  Out* outr = out + blockIdx.x * cols;
+  for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) store(outr, c, xr[c] * s);
+  if (threadIdx.x == 0) unscale[blockIdx.x] = 1.0f / s;
 }
 
 // Two passes over the row (mean, then the centred sum of squares: no cancellation), fp32.
@@ -79,7 +109,9 @@ __global__ void l2_normalize_rows_kernel(float* x, int64_t cols, float eps) {
   float* row = x + blockIdx.x * cols;
   float ss = 0.0f;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) ss += row[c] * row[c];
-  const float inv = 1.0f / fmaxf(sqrtf(block_sum(ss, shared)), eps);
+  const float norm = sqrtf(block_sum(ss, shared));
+  // Not fmaxf, which drops a NaN norm: a row holding a NaN becomes all NaN, as on the CPU.
+  const float inv = 1.0f / (norm < eps ? eps : norm);
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) row[c] *= inv;
 }
 
@@ -99,8 +131,16 @@ void quick_gelu(Ctx& ctx, float* x, int64_t n) {
 
 void silu_mul(Ctx& ctx, const float* gate, const float* up, float* out, int64_t n) {
   if (n <= 0) return;
-  silu_mul_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream>>>(gate, up, out, n);
+  silu_mul_kernel<<<grid_for(n, kThreads), kThreads, 0, ctx.stream>>>(gate, up, nullptr, 1, out, n);
   check_launch(ctx, "silu_mul", "silu_mul_kernel");
+}
+
+void silu_mul_scaled_rows(Ctx& ctx, const char* op, const float* gate, const float* up, const float* row_scale,
+                          int64_t rows, int64_t cols, float* out) {
+  if (rows <= 0 || cols <= 0) return;
+  silu_mul_kernel<<<grid_for(rows * cols, kThreads), kThreads, 0, ctx.stream>>>(gate, up, row_scale, cols, out,
+                                                                                rows * cols);
+  check_launch(ctx, op, "silu_mul_kernel");
 }
 
 void add(Ctx& ctx, float* y, const float* x, int64_t n) {
@@ -109,10 +149,25 @@ void add(Ctx& ctx, float* y, const float* x, int64_t n) {
   check_launch(ctx, "add", "add_kernel");
 }
 
-void add_bias(Ctx& ctx, float* y, const float* bias, int64_t m, int64_t n) {
-  if (m <= 0 || n <= 0) return;
-  add_bias_kernel<<<grid_for(m * n, kThreads), kThreads, 0, ctx.stream>>>(y, bias, m, n);
-  check_launch(ctx, "linear", "add_bias_kernel");
+void scale_rows_add_bias(Ctx& ctx, const char* op, float* y, const float* row_scale, const float* bias, int64_t m,
+                         int64_t n) {
+  if (m <= 0 || n <= 0 || (!row_scale && !bias)) return;
+  scale_rows_add_bias_kernel<<<grid_for(m * n, kThreads), kThreads, 0, ctx.stream>>>(y, row_scale, bias, m, n);
+  check_launch(ctx, op, "scale_rows_add_bias_kernel");
+}
+
+void fit_rows_to_f16(Ctx& ctx, const char* op, const float* x, int64_t rows, int64_t cols, void* out, WeightType type,
+                     float* unscale) {
+  if (rows <= 0 || cols <= 0) return;
+  if (rows > INT32_MAX) fail(ctx, op, "more than 2^31 rows");
+  const auto blocks = static_cast<unsigned>(rows);
+  if (type == WeightType::F16)
+    fit_rows_to_f16_kernel<<<blocks, kThreads, 0, ctx.stream>>>(x, cols, static_cast<__half*>(out), unscale);
+  else if (type == WeightType::F32)
+    fit_rows_to_f16_kernel<<<blocks, kThreads, 0, ctx.stream>>>(x, cols, static_cast<float*>(out), unscale);
+  else
+    fail(ctx, op, std::string("fit_rows_to_f16 writes f32 or f16, not ") + weight_type_name(type));
+  check_launch(ctx, op, "fit_rows_to_f16_kernel");
 }
 
 void cast_from_f32(Ctx& ctx, const char* op, const float* x, void* out, WeightType type, int64_t n) {

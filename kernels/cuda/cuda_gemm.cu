@@ -2,7 +2,9 @@
 // output. Row-major y[m,n] = x[m,k] · w[n,k]ᵀ is column-major yᵀ = op_T(w) · xᵀ: cuBLAS sees
 // A = w (k × n, lda k, transposed), B = x (k × m, ldb k), C = y (n × m, ldc n).
 // f16/bf16 weights: the activations are rounded to the weight's type in scratch (cuBLAS needs
-// A and B of one type), products are accumulated in fp32.
+// A and B of one type), products are accumulated in fp32. f16 activations are first scaled per
+// row by a power of two where they exceed f16's range (fit_rows_to_f16), and the output rows
+// scaled back.
 #include <cublas_api.h>
 
 #include <algorithm>
@@ -43,6 +45,7 @@ void gemm_one(Ctx& ctx, const char* op, WeightType type, const GemmProblem& p) {
 
 void linear(Ctx& ctx, const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
   if (m == 0 || n == 0) return;
+  float* unscale = nullptr;  // f16 weights: per row, what the GEMM's output is scaled back by
   for (auto [v, what] : {std::pair<int64_t, const char*>{m, "m"}, {n, "n"}, {k, "k"}}) check_int(ctx, "linear", v, what);
   if (k == 0) {
     check(ctx, "linear", cudaMemsetAsync(y, 0, static_cast<size_t>(m * n) * sizeof(float), ctx.stream),
@@ -50,13 +53,25 @@ void linear(Ctx& ctx, const float* x, WeightRef w, const float* bias, float* y, 
   } else {
     const void* b = x;
     if (w.type != WeightType::F32) {
-      void* xc = scratch(ctx, static_cast<size_t>(m * k) * weight_type_size(w.type), "linear");
-      cast_from_f32(ctx, "linear", x, xc, w.type, m * k);
+      // Scratch: x in the weight's type, then (f16) the rows' unscale factors.
+      void* xc;
+      const auto layout = [&](Carver& c) {
+        xc = c.take<uint16_t>(static_cast<size_t>(m * k));
+        unscale = w.type == WeightType::F16 ? c.take<float>(static_cast<size_t>(m)) : nullptr;
+      };
+      Carver measure;
+      layout(measure);
+      Carver carve(scratch(ctx, measure.bytes(), "linear"));
+      layout(carve);
+      if (w.type == WeightType::F16)
+        fit_rows_to_f16(ctx, "linear", x, m, k, xc, WeightType::F16, unscale);
+      else
+        cast_from_f32(ctx, "linear", x, xc, w.type, m * k);
       b = xc;
     }
     gemm_one(ctx, "linear", w.type, GemmProblem{w.data, b, y, m, n, k, k, k, n});
   }
-  if (bias) add_bias(ctx, y, bias, m, n);
+  scale_rows_add_bias(ctx, "linear", y, unscale, bias, m, n);
   if (ctx.sync_each_op) check(ctx, "linear", cudaStreamSynchronize(ctx.stream), "cudaStreamSynchronize");
 }
 
@@ -98,9 +113,7 @@ void grouped_gemm(Ctx& ctx, const char* op, WeightType type, const std::vector<G
       ptrs[g + i] = const_cast<void*>(p.b);
       ptrs[2 * g + i] = p.c;
     }
-    check(ctx, op,
-          cudaMemcpyAsync(dev_ptrs, ptrs.data(), ptrs.size() * sizeof(void*), cudaMemcpyHostToDevice, ctx.stream),
-          "cudaMemcpyAsync(grouped GEMM pointers)");
+    upload(ctx, op, dev_ptrs, ptrs.data(), ptrs.size() * sizeof(void*));
     const cudaDataType_t t = data_type(type);
     const cublasStatus_t status = cublasGemmGroupedBatchedEx(
         ctx.blas, ta.data(), tb.data(), m.data(), n.data(), k.data(), alpha.data(), dev_ptrs, t, lda.data(),

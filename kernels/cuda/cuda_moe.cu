@@ -1,9 +1,9 @@
 // MoE routing and grouped expert execution.
 //
-// topk_softmax: one warp per row. The row's softmax (fp32: max, Σexp, ×1/Σ as the CPU does) goes
-//   to shared memory; then top_k passes of a warp argmax (ties to the lower index), the winner
-//   masked with -inf after each pass. Renormalisation divides by the chosen weights' sum,
-//   accumulated in selection order.
+// topk_softmax: one warp per row. The row's softmax (fp32: max, Σexp, ×1/Σ as the CPU does; a
+//   row of -inf as equal logits) goes to shared memory; then top_k passes of a warp argmax (ties
+//   to the lower index), the winner masked with -inf after each pass. Renormalisation divides by
+//   the chosen weights' sum, accumulated in selection order.
 // moe_permute: (1) count slots per expert with atomics (order-independent, so deterministic) and
 //   note the first invalid id; (2) one block scans the counts into offsets; (3) one block per
 //   expert walks the slots in (row, j) order and ranks its matches with a block scan
@@ -11,7 +11,8 @@
 //   every slot; (4) one block per slot gathers its row. The offsets (and the invalid-id flag)
 //   come back to the host with one copy.
 // grouped_swiglu: cublasGemmGroupedBatchedEx, one group per active expert: w1 and w3 in one call,
-//   silu_mul, then w2 (per weight type present; f16/bf16 cast the activations first).
+//   silu_mul, then w2 (per weight type present; f16/bf16 cast the activations first, scaled per
+//   row into f16's range where a stage has an f16 weight).
 // moe_unpermute: one block per row sums its top_k weighted slots in j order (no atomics).
 #include <algorithm>
 #include <climits>
@@ -36,9 +37,11 @@ __global__ void topk_softmax_kernel(const float* logits, int64_t rows, int exper
   float mx = -INFINITY;
   for (int e = lane; e < experts; e += 32) mx = fmaxf(mx, l[e]);
   mx = warp_max(mx);
+  // All -inf: routed as equal logits, every exp(0) = 1 (exp(-inf - -inf) would be NaN).
+  const bool all_minus_inf = mx == -INFINITY;
   float sum = 0.0f;
   for (int e = lane; e < experts; e += 32) {
-    const float v = expf(l[e] - mx);
+    const float v = all_minus_inf ? 1.0f : expf(l[e] - mx);
     p[e] = v;
     sum += v;
   }
@@ -240,15 +243,24 @@ void grouped_swiglu(Ctx& ctx, const float* x_sorted, const std::vector<int64_t>&
     down_type[static_cast<int>(experts[e].w2.type)] = true;
   }
   const WeightType kHalfTypes[2] = {WeightType::F16, WeightType::BF16};
-  // Scratch: gate and up [total, inter] f32, the activations rounded to each half type that
-  // occurs, and room for the device pointer arrays of the largest grouped call (w1 + w3).
-  float *gate, *up;
+  // A stage (w1/w3, then w2) with an f16 weight feeds every one of its GEMMs the activations
+  // scaled per row to fit f16's range (fit_rows_to_f16; exact for f32/bf16 too), so that one
+  // factor per row scales all its outputs back: in the SwiGLU product, then in out_sorted.
+  const bool fit_in = in_type[static_cast<int>(WeightType::F16)];
+  const bool fit_down = down_type[static_cast<int>(WeightType::F16)];
+  // Scratch: gate and up [total, inter] f32, the scaled inputs [total, d] and the per-row factors
+  // where a stage needs them, the activations rounded to each half type that occurs, and room for
+  // the device pointer arrays of the largest grouped call (w1 + w3).
+  float *gate, *up, *x_fit, *in_unscale, *down_unscale;
   void* x_half[3] = {nullptr, nullptr, nullptr};
   void* h_half[3] = {nullptr, nullptr, nullptr};
   void** ptrs;
   const auto layout = [&](Carver& c) {
     gate = c.take<float>(static_cast<size_t>(total * inter));
     up = c.take<float>(static_cast<size_t>(total * inter));
+    x_fit = fit_in ? c.take<float>(static_cast<size_t>(total * d)) : nullptr;
+    in_unscale = fit_in ? c.take<float>(static_cast<size_t>(total)) : nullptr;
+    down_unscale = fit_down ? c.take<float>(static_cast<size_t>(total)) : nullptr;
     for (WeightType t : kHalfTypes) {
       const int i = static_cast<int>(t);
       x_half[i] = in_type[i] ? c.take<uint16_t>(static_cast<size_t>(total * d)) : nullptr;
@@ -261,24 +273,30 @@ void grouped_swiglu(Ctx& ctx, const float* x_sorted, const std::vector<int64_t>&
   Carver carve(scratch(ctx, measure.bytes(), op));
   layout(carve);
 
+  const float* x_in = x_sorted;
+  if (fit_in) {
+    fit_rows_to_f16(ctx, op, x_sorted, total, d, x_fit, WeightType::F32, in_unscale);
+    x_in = x_fit;
+  }
   for (WeightType t : kHalfTypes)
-    if (in_type[static_cast<int>(t)]) cast_from_f32(ctx, op, x_sorted, x_half[static_cast<int>(t)], t, total * d);
-  const auto rows_of = [&](WeightType t, const void* f32, void* const* half, int64_t row, int64_t width) {
+    if (in_type[static_cast<int>(t)]) cast_from_f32(ctx, op, x_in, x_half[static_cast<int>(t)], t, total * d);
+  const auto rows_of = [&](WeightType t, const float* f32, void* const* half, int64_t row, int64_t width) {
     return t == WeightType::F32
-               ? static_cast<const void*>(static_cast<const float*>(f32) + row * width)
+               ? static_cast<const void*>(f32 + row * width)
                : static_cast<const void*>(static_cast<const uint16_t*>(half[static_cast<int>(t)]) + row * width);
   };
   for (WeightType t : {WeightType::F32, WeightType::F16, WeightType::BF16}) {
     std::vector<GemmProblem> problems;
     for (size_t e : active) {
       const int64_t o = offsets[e], n = offsets[e + 1] - o;
-      const void* b = rows_of(t, x_sorted, x_half, o, d);
+      const void* b = rows_of(t, x_in, x_half, o, d);
       if (experts[e].w1.type == t) problems.push_back({experts[e].w1.data, b, gate + o * inter, n, inter, d, d, d, inter});
       if (experts[e].w3.type == t) problems.push_back({experts[e].w3.data, b, up + o * inter, n, inter, d, d, d, inter});
     }
     grouped_gemm(ctx, op, t, problems, ptrs);
   }
-  silu_mul(ctx, gate, up, gate, total * inter);
+  silu_mul_scaled_rows(ctx, op, gate, up, in_unscale, total, inter, gate);  // in_unscale null: no scaling
+  if (fit_down) fit_rows_to_f16(ctx, op, gate, total, inter, gate, WeightType::F32, down_unscale);
   for (WeightType t : kHalfTypes)
     if (down_type[static_cast<int>(t)]) cast_from_f32(ctx, op, gate, h_half[static_cast<int>(t)], t, total * inter);
   for (WeightType t : {WeightType::F32, WeightType::F16, WeightType::BF16}) {
@@ -291,6 +309,7 @@ void grouped_swiglu(Ctx& ctx, const float* x_sorted, const std::vector<int64_t>&
     }
     grouped_gemm(ctx, op, t, problems, ptrs);
   }
+  scale_rows_add_bias(ctx, op, out_sorted, down_unscale, nullptr, total, d);  // down_unscale null: nothing to do
   if (ctx.sync_each_op) check(ctx, op, cudaStreamSynchronize(ctx.stream), "cudaStreamSynchronize");
 }
 

@@ -1,8 +1,9 @@
 // gst-moe: where the engine computes (device) and how its weights are stored (precision).
 //
 // ClipModel, MoeLayer and MoeAdapter run every operation through a kernels::Backend: "cpu" (the
-// CPU backend), "cuda:N" (the CUDA backend on device N) or "auto" (cuda:0 when a usable CUDA
-// device exists, else cpu). Their API stays host Tensors in and out.
+// CPU backend), "cuda:N" (the CUDA backend on device N) or "auto" (cuda:0 when it is usable:
+// present, a context can be created on it and this build has code for its compute capability
+// (kernels::cuda_device_usable); else cpu). Their API stays host Tensors in and out.
 //
 // Threads: backends are shared per process and device. A CUDA backend runs one call at a time
 // (backend.h), so every model on it holds the backend's mutex (backend_mutex) for the whole of
@@ -29,7 +30,8 @@ struct ComputeOptions {
 // "f32"/"fp32", "f16"/"fp16", "bf16" (any case). Throws moe::Error naming the value otherwise.
 kernels::WeightType parse_precision(const std::string& name);
 
-// The device `device` means now ("cpu" or "cuda:N"), without opening a backend or logging.
+// The device `device` means now ("cpu" or "cuda:N"), without opening a backend or logging (a CUDA
+// device's context is created to check that it is usable).
 // `reason`, when given, receives why (e.g. "no usable CUDA device: <why>"). Throws moe::Error
 // naming the device and the reason when it is malformed or names a CUDA device that is not usable.
 std::string resolve_device(const std::string& device, std::string* reason = nullptr);
@@ -38,6 +40,8 @@ std::string resolve_device(const std::string& device, std::string* reason = null
 // for the same device in this process. Logs one line (GLib, log domain "moe"; g_message when
 // "auto" chose, g_info otherwise) saying which backend runs and why, e.g.
 //   device 'auto': no usable CUDA device: <reason>; using the CPU backend
+//   device 'auto': cuda:0: <name>, compute capability 7.5: this build has no kernels for it
+//     (built for sm_80 sm_90 + compute_90 PTX): <CUDA error>; using the CPU backend
 // and stores the same line in `chosen_reason` when given. Throws moe::Error naming the device and
 // the reason when it is unusable ("cuda:N" without a GPU, an unknown name).
 std::shared_ptr<kernels::Backend> open_backend(const std::string& device, std::string* chosen_reason = nullptr);

@@ -5,8 +5,9 @@
 //  - in-process (make_in_process_transports): N transports for N threads of one process, sharing
 //    memory and synchronised by a barrier; host buffers. Used by the CPU tests.
 //  - NCCL (make_nccl_transport, built with CUDA only): ncclSend/ncclRecv pairs inside
-//    ncclGroupStart/End on device buffers of one CUDA device per rank; the communicator comes
-//    from an NcclUniqueId that rank 0 creates and the caller distributes (MPI, a file, a socket).
+//    ncclGroupStart/End on device buffers of one CUDA device per rank, then a polled wait
+//    (cudaStreamQuery and ncclCommGetAsyncError); the communicator comes from an NcclUniqueId
+//    that rank 0 creates and the caller distributes (MPI, a file, a socket).
 //
 // ExpertParallelMoe runs the routed experts of a layer over such a group: every rank owns a
 // subset of the experts; a rank's rows are sent, once per (row, expert) slot, to the owner of the
@@ -15,6 +16,7 @@
 #pragma once
 
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -26,10 +28,26 @@
 
 namespace moe {
 
-// Collectives: every rank of the group calls them in the same order. A rank that fails between
-// collectives calls abort(), so that the other ranks' pending and later calls throw instead of
-// waiting for it forever (in-process: always, also when a collective itself fails; NCCL:
-// ncclCommAbort, after which this rank's transport is unusable).
+// How a rank waits for a collective to complete. It polls, so that a peer that failed, hung or
+// aborted cannot block it for ever (NCCL: ncclCommAbort on one rank does not wake the peers
+// blocked in a collective with it), and gives up after `timeout`: the rank then aborts the group
+// and throws. The timeout also covers the time peers spend before they reach the collective, so
+// it must exceed the longest batch a peer may be computing.
+struct CollectiveWait {
+  std::chrono::milliseconds timeout{std::chrono::minutes(5)};
+  std::chrono::microseconds poll_interval{100};
+};
+
+// Calls `poll` until it returns true (the collective completed), sleeping wait.poll_interval
+// between calls. What `poll` throws (a failure the collective reported) propagates; when
+// wait.timeout passes first, throws moe::Error "<what>: not complete after <timeout> ms ...".
+void wait_for_collective(const CollectiveWait& wait, const std::string& what, const std::function<bool()>& poll);
+
+// Collectives: every rank of the group calls them in the same order and waits for them as
+// CollectiveWait says. A rank whose collective fails or times out aborts the group, and so does a
+// rank that calls abort() after failing between collectives: the other ranks' pending and later
+// calls then throw (in-process: at once; NCCL: the aborted communicator stops this rank's
+// transport, and the peers' waits time out, then abort theirs).
 class ExpertTransport {
  public:
   virtual ~ExpertTransport() = default;
@@ -54,7 +72,8 @@ class ExpertTransport {
 
 // N transports that talk to each other through shared memory; transport i has rank i and is used
 // by one thread. Throws moe::Error for N < 1.
-std::vector<std::unique_ptr<ExpertTransport>> make_in_process_transports(int world_size);
+std::vector<std::unique_ptr<ExpertTransport>> make_in_process_transports(int world_size,
+                                                                         const CollectiveWait& wait = {});
 
 // NCCL's ncclUniqueId as plain bytes, so callers need no NCCL header to pass it around.
 struct NcclUniqueId {
@@ -63,8 +82,11 @@ struct NcclUniqueId {
 // Rank 0 calls this once and hands the id to every rank.
 NcclUniqueId nccl_unique_id();
 // Joins the group on CUDA device `device` (ncclCommInitRank; blocks until every rank joined).
-// Throws moe::Error saying why when built without CUDA or when NCCL fails.
-std::unique_ptr<ExpertTransport> make_nccl_transport(int rank, int world_size, const NcclUniqueId& id, int device);
+// Throws moe::Error saying why when built without CUDA or when NCCL fails. A healthy
+// communicator is destroyed with the transport; one that saw an error is aborted instead
+// (ncclCommDestroy can hang after a failure).
+std::unique_ptr<ExpertTransport> make_nccl_transport(int rank, int world_size, const NcclUniqueId& id, int device,
+                                                     const CollectiveWait& wait = {});
 
 // The routed experts of one MoE layer over a transport group.
 class ExpertParallelMoe {
