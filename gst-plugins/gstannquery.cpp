@@ -1,16 +1,43 @@
-/* ann-query: nearest-neighbour search over a FAISS index, and the build of that index.
+/**
+ * SECTION:element-ann-query
+ * @title: ann-query
+ * @see_also: moe-expert, moe-catalog-src, zmq-publish
  *
- * Search (mode=search, the default): the index named by `index` (and the item table beside
- * it) is loaded at READY->PAUSED. Each tensor buffer's rows are searched in one batched call;
- * every row leaves as one application/json buffer holding its result document, and every
- * failed request of the batch as one holding its error document. Each output buffer carries a
- * GstMoeBatchMeta with exactly that request (one row, or one failed entry), so downstream
- * elements can route per request.
+ * ann-query answers embedded requests from a FAISS index, or builds that index.
  *
- * Build (mode=build): every row is added to a new index (vector + the request's id, uri and
- * text as the item's caption); failed requests are answered with error documents as they
- * arrive. At EOS the index and its item table are written and one index-built summary
- * document is pushed before EOS. The summary is not a request and carries no meta.
+ * With mode=search (the default) it loads the index named by `index` (and its item table,
+ * INDEX.items.jsonl) when it starts, searches every row of each tensor batch in one call (on the
+ * CPU with FAISS, or GPU-resident with `device`) and sends one application/json result document
+ * per request with its k nearest catalog items (cosine similarity; `k`, or the request's own
+ * "k"). A request that failed upstream gets an error document, and so does a request encoded by
+ * another encoder or adapter than the ones the index records (their fingerprints).
+ *
+ * With mode=build it adds every row to a new index (the request's id, uri and text become the
+ * item), of `index-type` flat or hnsw, and at end of stream writes INDEX and INDEX.items.jsonl,
+ * recording the encoder and adapter of its rows, then sends one index-built document. Rows from
+ * other models than the first rows' stop the build. docs/zmq-schema.md describes the documents.
+ *
+ * The `stats` property counts, since the element started, the requests received, the result and
+ * error documents sent, the requests refused for their models, the rows added to a build, the
+ * batches, and the time spent searching.
+ *
+ * ## Example launch lines
+ * |[
+ * gst-launch-1.0 moe-catalog-src location=models/default/catalog \
+ *     ! moe-encode model=models/default/clip max-batch=32 \
+ *     ! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter \
+ *     ! ann-query mode=build index=build/demo/catalog.faiss ! fakesink
+ * ]| Builds the demo catalog's index.
+ * |[
+ * gst-launch-1.0 zmq-query ! queue ! moe-encode model=models/default/clip \
+ *     ! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter \
+ *     ! ann-query index=build/demo/catalog.faiss k=5 ! zmq-publish
+ * ]| Answers ZeroMQ requests with their 5 nearest catalog items.
+ */
+
+/* Each output buffer carries a GstMoeBatchMeta with exactly the request it answers (one row, or
+ * one failed entry), so downstream elements can route per request. The index-built summary is
+ * not a request and carries no meta.
  *
  * Provenance: vectors are comparable only when the same encoder and adapter made them, and the
  * width alone cannot tell (two CLIPs of one width, an adapter or none). A build records the
@@ -18,7 +45,7 @@
  * on rows from other models. A search answers every request whose models differ from those the
  * index records with an error document; an index without provenance is searched unchecked.
  *
- * The documents are written by gstmoeresult.h; docs/zmq-schema.md describes them. */
+ * The documents are written by gstmoeresult.h. */
 #include "gstannquery.h"
 
 #include <glib/gstdio.h>
@@ -50,23 +77,25 @@ enum {
   PROP_EF_CONSTRUCTION,
   PROP_EF_SEARCH,
   PROP_DEVICE,
+  PROP_STATS,
 };
 
-constexpr guint kDefaultK = 10;
-constexpr guint kMaxK = 1024;  // also the most a request's own "k" may ask for
-constexpr GstAnnQueryMode kDefaultMode = GST_ANN_QUERY_MODE_SEARCH;
-constexpr GstAnnQueryIndexType kDefaultIndexType = GST_ANN_QUERY_INDEX_TYPE_FLAT;
-constexpr guint kDefaultHnswM = 32;
-constexpr guint kDefaultEfConstruction = 80;
-constexpr guint kDefaultEfSearch = 64;
-constexpr const char* kDefaultDevice = "cpu";
+#define DEFAULT_INDEX nullptr
+#define DEFAULT_K 10
+#define MAX_K 1024  // also the most a request's own "k" may ask for
+#define DEFAULT_MODE GST_ANN_QUERY_MODE_SEARCH
+#define DEFAULT_INDEX_TYPE GST_ANN_QUERY_INDEX_TYPE_FLAT
+#define DEFAULT_HNSW_M 32
+#define DEFAULT_EF_CONSTRUCTION 80
+#define DEFAULT_EF_SEARCH 64
+#define DEFAULT_DEVICE "cpu"
 
 namespace {
 
-// What one run (READY->PAUSED to PAUSED->READY) works with; only the streaming thread touches
-// it while the pads are active.
-struct Session {
-  GstAnnQueryMode mode = kDefaultMode;
+// What one run works with: created by start() (READY->PAUSED), destroyed by stop()
+// (PAUSED->READY); only the streaming thread touches it while the pads are active.
+struct AnnQueryState {
+  GstAnnQueryMode mode = DEFAULT_MODE;
   std::string index_path;                  // as set in `index`
   moe::AnnBuildOptions build;              // build mode
   std::optional<moe::AnnIndex> index;      // search: loaded; build: created at the first caps
@@ -86,7 +115,8 @@ struct _GstAnnQuery {
   GstPad* sinkpad;
   GstPad* srcpad;
 
-  // Properties, under the object lock. The ones marked MUTABLE_READY are read at READY->PAUSED.
+  // Properties, under the object lock. The ones marked MUTABLE_READY are read at READY->PAUSED,
+  // k and ef-search at every batch.
   gchar* index_path;
   guint k;
   GstAnnQueryMode mode;
@@ -96,7 +126,17 @@ struct _GstAnnQuery {
   guint ef_search;
   gchar* device;
 
-  Session* session;  // non-NULL in PAUSED and PLAYING
+  // Behind `stats`, under the object lock: reset at start, kept after stop.
+  guint64 requests;   // rows and failed requests received
+  guint64 results;    // result documents sent
+  guint64 errors;     // error documents sent
+  guint64 refused;    // requests refused because other models made them
+  guint64 added;      // rows added to the index being built
+  guint64 batches;    // tensor buffers received
+  gdouble search_ms;  // time spent in index searches
+
+  // Between start() and stop(), nullptr otherwise (see AnnQueryState).
+  AnnQueryState* state;
 };
 
 static GstStaticPadTemplate sink_template =
@@ -138,332 +178,97 @@ G_DEFINE_TYPE_WITH_CODE(GstAnnQuery, gst_ann_query, GST_TYPE_ELEMENT,
                                                 "ANN search and index build"));
 GST_ELEMENT_REGISTER_DEFINE(ann_query, "ann-query", GST_RANK_NONE, GST_TYPE_ANN_QUERY)
 
-/* ---- output ---------------------------------------------------------------------------- */
+/* ---- properties ------------------------------------------------------------------------ */
 
-// One application/json buffer holding `doc`, stamped like the input buffer it answers.
-static GstBuffer* json_buffer(const std::string& doc, GstBuffer* in) {
-  GstBuffer* out = gst_buffer_new_memdup(doc.data(), doc.size());
-  if (in) {
-    GST_BUFFER_PTS(out) = GST_BUFFER_PTS(in);
-    GST_BUFFER_DTS(out) = GST_BUFFER_DTS(in);
-  }
-  return out;
-}
-
-// A meta for one request of `batch`: the batch's model identifiers, no rows yet.
-static gstmoe::BatchRecords models_of(const gstmoe::BatchRecords& batch) {
-  gstmoe::BatchRecords single;
-  single.encoder = batch.encoder;
-  single.adapter = batch.adapter;
-  single.encoder_fingerprint = batch.encoder_fingerprint;
-  single.adapter_fingerprint = batch.adapter_fingerprint;
-  return single;
-}
-
-// Adds a buffer with the error document of `failed` and a meta holding just that entry.
-static void add_error_buffer(GstBufferList* list, gstmoe::FailedRequest failed, const gstmoe::BatchRecords& batch,
-                             GstBuffer* in) {
-  GstBuffer* out = json_buffer(gstmoe::error_document(failed), in);
-  gstmoe::BatchRecords single = models_of(batch);
-  single.failed.push_back(std::move(failed));
-  gst_buffer_add_moe_batch_meta(out, single);
-  gst_buffer_list_add(list, out);
-}
-
-// Moves every row of `batch` to its failed list with `reason`.
-static void fail_rows(gstmoe::BatchRecords& batch, const std::string& reason) {
-  for (gstmoe::RequestRecord& row : batch.rows) batch.failed.push_back({std::move(row), STAGE_NAME, reason});
-  batch.rows.clear();
-}
-
-/* ---- provenance ------------------------------------------------------------------------ */
-
-// The models that made the rows of `batch`. moe-route names its adapter too (for routing
-// messages), but only moe-expert changes the vectors and sets the fingerprint, so the adapter
-// counts only with its fingerprint.
-static moe::AnnProvenance provenance_of(const gstmoe::BatchRecords& batch) {
-  const bool adapted = !batch.adapter_fingerprint.empty();
-  return {batch.encoder, batch.encoder_fingerprint, adapted ? batch.adapter : "", batch.adapter_fingerprint};
-}
-
-// Search mode: why the rows of `batch` may not be searched (empty: they may). Rows without an
-// encoder fingerprint (not from moe-encode) cannot be checked and are searched, as before.
-static std::string search_refusal(GstAnnQuery* self, Session& s, const gstmoe::BatchRecords& batch) {
-  const std::optional<moe::AnnProvenance>& built = s.index->provenance();
-  if (batch.rows.empty() || !built) return {};  // an index without provenance was logged at start
-  const moe::AnnProvenance query = provenance_of(batch);
-  if (query.encoder_fingerprint.empty()) {
-    if (!s.unchecked_logged)
-      GST_INFO_OBJECT(self, "rows without an encoder fingerprint (not encoded by moe-encode): searched without "
-                            "checking them against the provenance of '%s'", s.index_path.c_str());
-    s.unchecked_logged = true;
-    return {};
-  }
-  if (built->same_models(query)) return {};
-  const std::string reason = "the index " + s.index_path + " was built from " + built->describe() +
-                             ", but this query was encoded by " + query.describe() +
-                             ": rebuild the index with this pipeline or search it with the pipeline that built it";
-  if (!s.mismatch_logged)
-    GST_WARNING_OBJECT(self, "refusing queries (later batches are not logged): %s", reason.c_str());
-  s.mismatch_logged = true;
-  return reason;
-}
-
-// Build mode: why the rows of `batch` may not join the index (empty: they may). The first rows
-// fix the models; rows from others would put incomparable vectors in one index.
-static std::string build_refusal(Session& s, const gstmoe::BatchRecords& batch) {
-  if (batch.rows.empty()) return {};
-  const moe::AnnProvenance rows = provenance_of(batch);
-  if (!s.built_from) s.built_from = rows;
-  if (s.built_from->same_models(rows)) return {};
-  return "rows from other models while building " + s.index_path + ": the rows added so far were encoded by " +
-         s.built_from->describe() + ", but request '" + batch.rows.front().id + "' was encoded by " + rows.describe() +
-         ": one index holds the vectors of one encoder and adapter";
-}
-
-/* ---- search mode ----------------------------------------------------------------------- */
-
-// Searches every row of `batch` in one call and adds one result buffer per row to `list`.
-static void search_rows(GstAnnQuery* self, Session& s, gstmoe::BatchRecords& batch, const float* vectors,
-                        GstBuffer* in, GstBufferList* list) {
-  if (batch.rows.empty()) return;
+static void gst_ann_query_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
+  GstAnnQuery* self = GST_ANN_QUERY(object);
   GST_OBJECT_LOCK(self);
-  const int default_k = static_cast<int>(self->k);
-  const int ef_search = static_cast<int>(self->ef_search);
-  GST_OBJECT_UNLOCK(self);
-
-  std::vector<int> ks;
-  for (const gstmoe::RequestRecord& row : batch.rows)
-    ks.push_back(row.k > 0 ? std::min(row.k, static_cast<int>(kMaxK)) : default_k);
-  const int k_max = *std::max_element(ks.begin(), ks.end());
-
-  const int64_t start = g_get_monotonic_time();
-  std::vector<std::vector<moe::AnnHit>> hits;
-  try {
-    hits = s.index->search(vectors, static_cast<int64_t>(batch.rows.size()), k_max, ef_search);
-  } catch (const moe::Error& e) {
-    GST_WARNING_OBJECT(self, "search failed: %s", e.what());
-    fail_rows(batch, std::string("search in '") + s.index_path + "' failed: " + e.what());
-    return;
-  }
-  const double search_ms = gstmoe::elapsed_ms(start, g_get_monotonic_time());
-  const gstmoe::ModelIds model{batch.encoder, batch.adapter, s.index_name};
-
-  for (size_t i = 0; i < batch.rows.size(); ++i) {
-    gstmoe::RequestRecord& row = batch.rows[i];
-    row.timings_ms.emplace_back("search", search_ms);
-    std::vector<gstmoe::ResultHit> results;
-    const size_t n = std::min(hits[i].size(), static_cast<size_t>(ks[i]));
-    for (size_t j = 0; j < n; ++j) {
-      const moe::AnnItem& item = s.index->item(hits[i][j].item);
-      results.push_back({hits[i][j].item, item.uri, item.caption, hits[i][j].score});
+  switch (prop_id) {
+    case PROP_INDEX:
+      g_free(self->index_path);
+      self->index_path = g_value_dup_string(value);
+      break;
+    case PROP_K:
+      self->k = g_value_get_uint(value);
+      break;
+    case PROP_MODE:
+      self->mode = static_cast<GstAnnQueryMode>(g_value_get_enum(value));
+      break;
+    case PROP_INDEX_TYPE:
+      self->index_type = static_cast<GstAnnQueryIndexType>(g_value_get_enum(value));
+      break;
+    case PROP_HNSW_M:
+      self->hnsw_m = g_value_get_uint(value);
+      break;
+    case PROP_EF_CONSTRUCTION:
+      self->ef_construction = g_value_get_uint(value);
+      break;
+    case PROP_EF_SEARCH:
+      self->ef_search = g_value_get_uint(value);
+      break;
+    case PROP_DEVICE: {
+      const gchar* device = g_value_get_string(value);
+      g_free(self->device);
+      self->device = g_strdup(device ? device : DEFAULT_DEVICE);
+      break;
     }
-    GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, g_get_monotonic_time()), in);
-    gstmoe::BatchRecords single = models_of(batch);
-    single.rows.push_back(std::move(row));
-    gst_buffer_add_moe_batch_meta(out, single);
-    gst_buffer_list_add(list, out);
-  }
-  batch.rows.clear();
-}
-
-/* ---- build mode ------------------------------------------------------------------------ */
-
-// Adds every row of `batch` to the index being built (the request's text is the caption).
-static void collect_rows(GstAnnQuery* self, Session& s, gstmoe::BatchRecords& batch, const float* vectors) {
-  if (batch.rows.empty()) return;
-  std::vector<moe::AnnItem> items;
-  items.reserve(batch.rows.size());
-  for (const gstmoe::RequestRecord& row : batch.rows) items.push_back({row.id, row.uri, row.text});
-  try {
-    s.index->add(vectors, static_cast<int64_t>(items.size()), items);
-    batch.rows.clear();
-  } catch (const moe::Error& e) {
-    GST_WARNING_OBJECT(self, "add failed: %s", e.what());
-    fail_rows(batch, std::string("adding to the index '") + s.index_path + "' failed: " + e.what());
-  }
-}
-
-// At EOS: writes the index and pushes the summary. FALSE (with an element error) on failure.
-static gboolean finish_build(GstAnnQuery* self, Session& s) {
-  if (s.build_refused) {  // the element error is posted: an index of mixed models is worse than none
-    GST_DEBUG_OBJECT(self, "not writing '%s': it was given rows from other models", s.index_path.c_str());
-    return FALSE;
-  }
-  if (!s.index || s.index->size() == 0) {
-    GST_ELEMENT_ERROR(self, STREAM, FAILED,
-                      ("no items to index: the stream ended before any row reached ann-query (%" G_GINT64_FORMAT
-                       " failed requests); '%s' is not written",
-                       s.build_failed, s.index_path.c_str()),
-                      (nullptr));
-    return FALSE;
-  }
-  if (s.built_from && !s.built_from->encoder_fingerprint.empty())
-    s.index->set_provenance(*s.built_from);
-  else
-    GST_INFO_OBJECT(self, "the rows carry no encoder fingerprint (not encoded by moe-encode): '%s' records no "
-                          "provenance and searches of it are not checked", s.index_path.c_str());
-  try {
-    s.index->save(s.index_path);
-  } catch (const moe::Error& e) {
-    GST_ELEMENT_ERROR(self, RESOURCE, WRITE, ("%s", e.what()), ("writing the ANN index '%s'", s.index_path.c_str()));
-    return FALSE;
-  }
-  GST_INFO_OBJECT(self, "wrote %" G_GINT64_FORMAT " items of dimension %d to %s", s.index->size(), s.index->dim(),
-                  s.index_path.c_str());
-  const std::string doc = gstmoe::index_built_document(s.index_path, s.index->size(), s.index->dim(),
-                                                       moe::ann_index_type_name(s.index->type()), s.build_failed);
-  const GstFlowReturn ret = gst_pad_push(self->srcpad, json_buffer(doc, nullptr));
-  if (ret != GST_FLOW_OK) GST_DEBUG_OBJECT(self, "index-built summary not delivered: %s", gst_flow_get_name(ret));
-  return TRUE;
-}
-
-/* ---- pads ------------------------------------------------------------------------------ */
-
-static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* in) {
-  GstAnnQuery* self = GST_ANN_QUERY(parent);
-  Session& s = *self->session;
-  if (s.width == 0) {
-    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, (nullptr), ("received a buffer before the tensor caps"));
-    gst_buffer_unref(in);
-    return GST_FLOW_NOT_NEGOTIATED;
-  }
-  GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(in);
-  if (!meta || !meta->records) {
-    GST_ELEMENT_ERROR(self, STREAM, FORMAT, ("Tensor buffer without request records"),
-                      ("ann-query answers requests and needs the GstMoeBatchMeta that moe-encode attaches"));
-    gst_buffer_unref(in);
-    return GST_FLOW_ERROR;
-  }
-  gstmoe::BatchRecords batch = *meta->records;
-
-  GstMapInfo map;
-  if (!gst_buffer_map(in, &map, GST_MAP_READ)) {
-    GST_ELEMENT_ERROR(self, RESOURCE, READ, (nullptr), ("cannot map the input buffer"));
-    gst_buffer_unref(in);
-    return GST_FLOW_ERROR;
-  }
-  const size_t expected = batch.rows.size() * static_cast<size_t>(s.width) * sizeof(float);
-  if (map.size != expected) {
-    // Which bytes belong to which request is unknowable: answer every request with an error.
-    const std::string reason = "tensor buffer holds " + std::to_string(map.size) + " bytes but its meta lists " +
-                               std::to_string(batch.rows.size()) + " rows of width " + std::to_string(s.width);
-    GST_ELEMENT_WARNING(self, STREAM, FORMAT, ("Malformed tensor buffer"), ("%s", reason.c_str()));
-    fail_rows(batch, reason);
-  }
-  const float* vectors = reinterpret_cast<const float*>(map.data);
-
-  GstBufferList* list = gst_buffer_list_new();
-  bool refused = false;  // build mode: this batch's rows came from other models
-  if (s.mode == GST_ANN_QUERY_MODE_SEARCH) {
-    const std::string refusal = search_refusal(self, s, batch);
-    if (!refusal.empty()) fail_rows(batch, refusal);
-    search_rows(self, s, batch, vectors, in, list);
-  } else {
-    const std::string refusal = build_refusal(s, batch);
-    if (!refusal.empty()) {
-      // The build stops (and writes nothing at EOS); the refused requests still get their error documents.
-      GST_ELEMENT_ERROR(self, STREAM, FAILED, ("%s", refusal.c_str()),
-                        ("'%s' is not written: build it from one pipeline", s.index_path.c_str()));
-      fail_rows(batch, refusal);
-      refused = s.build_refused = true;
-    }
-    collect_rows(self, s, batch, vectors);
-    s.build_failed += static_cast<int64_t>(batch.failed.size());
-  }
-  for (gstmoe::FailedRequest& f : batch.failed) add_error_buffer(list, std::move(f), batch, in);
-  gst_buffer_unmap(in, &map);
-  gst_buffer_unref(in);
-
-  GstFlowReturn ret = GST_FLOW_OK;
-  if (gst_buffer_list_length(list) == 0)
-    gst_buffer_list_unref(list);
-  else
-    ret = gst_pad_push_list(self->srcpad, list);
-  return refused ? GST_FLOW_ERROR : ret;
-}
-
-// Accepts the upstream tensor width (it must match a loaded index, and may not change in the
-// middle of a build) and announces application/json downstream.
-static gboolean handle_caps(GstAnnQuery* self, Session& s, GstCaps* caps) {
-  int width = 0;
-  if (!gstmoe::parse_tensor_caps(caps, &width)) {
-    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Unsupported input caps"),
-                      ("expected fixed " GST_MOE_TENSOR_MEDIA_TYPE " f32 caps, got %" GST_PTR_FORMAT, caps));
-    return FALSE;
-  }
-  if (s.mode == GST_ANN_QUERY_MODE_SEARCH && width != s.index->dim()) {
-    const std::string built =
-        s.index->provenance() ? " (it was built from " + s.index->provenance()->describe() + ")" : std::string();
-    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
-                      ("Embedding width %d does not match the dimension %d of the index '%s'", width, s.index->dim(),
-                       s.index_path.c_str()),
-                      ("upstream produces %d-wide vectors; query an index built with the same encoder and adapter%s",
-                       width, built.c_str()));
-    return FALSE;
-  }
-  if (s.mode == GST_ANN_QUERY_MODE_BUILD && s.index && width != s.index->dim()) {
-    if (s.index->size() > 0) {
-      GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
-                        ("Embedding width changed from %d to %d while building '%s'", s.index->dim(), width,
-                         s.index_path.c_str()),
-                        ("one index holds vectors of one width"));
-      return FALSE;
-    }
-    s.index.reset();
-  }
-  if (s.mode == GST_ANN_QUERY_MODE_BUILD && !s.index) {
-    try {
-      s.index = moe::AnnIndex::create(width, s.build);
-    } catch (const moe::Error& e) {
-      GST_ELEMENT_ERROR(self, LIBRARY, INIT, ("%s", e.what()), ("creating the index for '%s'", s.index_path.c_str()));
-      return FALSE;
-    }
-  }
-  s.width = width;
-  if (gst_pad_has_current_caps(self->srcpad)) return TRUE;
-  GstCaps* json_caps = gst_caps_new_empty_simple(GST_MOE_JSON_CAPS);
-  const gboolean ok = gst_pad_push_event(self->srcpad, gst_event_new_caps(json_caps));
-  gst_caps_unref(json_caps);
-  return ok;
-}
-
-static gboolean gst_ann_query_sink_event(GstPad* pad, GstObject* parent, GstEvent* event) {
-  GstAnnQuery* self = GST_ANN_QUERY(parent);
-  Session* s = self->session;
-  if (!s) return gst_pad_event_default(pad, parent, event);
-  switch (GST_EVENT_TYPE(event)) {
-    case GST_EVENT_CAPS: {
-      GstCaps* caps = nullptr;
-      gst_event_parse_caps(event, &caps);
-      const gboolean ok = handle_caps(self, *s, caps);
-      gst_event_unref(event);
-      return ok;
-    }
-    case GST_EVENT_FLUSH_STOP:
-      // Nothing is held in search mode. A build keeps what it has added: a flush (a seek, a
-      // restart of the source) does not mean the catalog rows seen so far are invalid.
-      if (s->mode == GST_ANN_QUERY_MODE_BUILD && s->index && s->index->size() > 0)
-        GST_WARNING_OBJECT(self, "flush while building: keeping the %" G_GINT64_FORMAT " rows already added",
-                           s->index->size());
-      return gst_pad_event_default(pad, parent, event);
-    case GST_EVENT_EOS:
-      if (s->mode == GST_ANN_QUERY_MODE_BUILD && !finish_build(self, *s)) {
-        gst_event_unref(event);
-        return FALSE;
-      }
-      return gst_pad_event_default(pad, parent, event);
     default:
-      return gst_pad_event_default(pad, parent, event);
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
   }
+  GST_OBJECT_UNLOCK(self);
+}
+
+static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
+  GstAnnQuery* self = GST_ANN_QUERY(object);
+  GST_OBJECT_LOCK(self);
+  switch (prop_id) {
+    case PROP_INDEX:
+      g_value_set_string(value, self->index_path);
+      break;
+    case PROP_K:
+      g_value_set_uint(value, self->k);
+      break;
+    case PROP_MODE:
+      g_value_set_enum(value, self->mode);
+      break;
+    case PROP_INDEX_TYPE:
+      g_value_set_enum(value, self->index_type);
+      break;
+    case PROP_HNSW_M:
+      g_value_set_uint(value, self->hnsw_m);
+      break;
+    case PROP_EF_CONSTRUCTION:
+      g_value_set_uint(value, self->ef_construction);
+      break;
+    case PROP_EF_SEARCH:
+      g_value_set_uint(value, self->ef_search);
+      break;
+    case PROP_DEVICE:
+      g_value_set_string(value, self->device);
+      break;
+    case PROP_STATS:
+      g_value_take_boxed(value, gst_structure_new("ann-query-stats", "requests", G_TYPE_UINT64, self->requests,
+                                                  "results", G_TYPE_UINT64, self->results, "errors", G_TYPE_UINT64,
+                                                  self->errors, "refused", G_TYPE_UINT64, self->refused, "added",
+                                                  G_TYPE_UINT64, self->added, "batches", G_TYPE_UINT64, self->batches,
+                                                  "search-ms", G_TYPE_DOUBLE, self->search_ms, nullptr));
+      break;
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+  GST_OBJECT_UNLOCK(self);
 }
 
 /* ---- state ----------------------------------------------------------------------------- */
 
 // Reads the properties and loads the index (search) or checks that it can be written (build).
-static gboolean start(GstAnnQuery* self) {
-  auto s = std::make_unique<Session>();
+static gboolean gst_ann_query_start(GstAnnQuery* self) {
+  auto s = std::make_unique<AnnQueryState>();
   GST_OBJECT_LOCK(self);
+  self->requests = self->results = self->errors = self->refused = self->added = self->batches = 0;
+  self->search_ms = 0;
   s->mode = self->mode;
   s->index_path = self->index_path ? self->index_path : "";
   s->build.type =
@@ -522,109 +327,383 @@ static gboolean start(GstAnnQuery* self) {
     g_free(dir);
     if (!writable) return FALSE;
   }
-  self->session = s.release();
+  GST_OBJECT_LOCK(self);
+  self->state = s.release();
+  GST_OBJECT_UNLOCK(self);
   return TRUE;
 }
 
-static void stop(GstAnnQuery* self) {
-  delete self->session;
-  self->session = nullptr;
+static void gst_ann_query_stop(GstAnnQuery* self) {
+  GST_OBJECT_LOCK(self);
+  AnnQueryState* state = self->state;
+  self->state = nullptr;
+  GST_OBJECT_UNLOCK(self);
+  delete state;
 }
 
 static GstStateChangeReturn gst_ann_query_change_state(GstElement* element, GstStateChange transition) {
   GstAnnQuery* self = GST_ANN_QUERY(element);
-  if (transition == GST_STATE_CHANGE_READY_TO_PAUSED && !start(self)) return GST_STATE_CHANGE_FAILURE;
+  if (transition == GST_STATE_CHANGE_READY_TO_PAUSED && !gst_ann_query_start(self)) return GST_STATE_CHANGE_FAILURE;
 
   const GstStateChangeReturn ret = GST_ELEMENT_CLASS(parent_class)->change_state(element, transition);
   if (ret == GST_STATE_CHANGE_FAILURE) {
-    if (transition == GST_STATE_CHANGE_READY_TO_PAUSED) stop(self);
+    if (transition == GST_STATE_CHANGE_READY_TO_PAUSED) gst_ann_query_stop(self);
     return ret;
   }
-  if (transition == GST_STATE_CHANGE_PAUSED_TO_READY) stop(self);  // pads are inactive now
+  if (transition == GST_STATE_CHANGE_PAUSED_TO_READY) gst_ann_query_stop(self);  // pads are inactive now
   return ret;
 }
 
-/* ---- GObject --------------------------------------------------------------------------- */
+/* ---- output ---------------------------------------------------------------------------- */
 
-static void gst_ann_query_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
-  GstAnnQuery* self = GST_ANN_QUERY(object);
+// One application/json buffer holding `doc`, stamped like the input buffer it answers.
+static GstBuffer* json_buffer(const std::string& doc, GstBuffer* in) {
+  GstBuffer* out = gst_buffer_new_memdup(doc.data(), doc.size());
+  if (in) {
+    GST_BUFFER_PTS(out) = GST_BUFFER_PTS(in);
+    GST_BUFFER_DTS(out) = GST_BUFFER_DTS(in);
+  }
+  return out;
+}
+
+// A meta for one request of `batch`: the batch's model identifiers, no rows yet.
+static gstmoe::BatchRecords models_of(const gstmoe::BatchRecords& batch) {
+  gstmoe::BatchRecords single;
+  single.encoder = batch.encoder;
+  single.adapter = batch.adapter;
+  single.encoder_fingerprint = batch.encoder_fingerprint;
+  single.adapter_fingerprint = batch.adapter_fingerprint;
+  return single;
+}
+
+// Adds a buffer with the error document of `failed` and a meta holding just that entry.
+static void add_error_buffer(GstBufferList* list, gstmoe::FailedRequest failed, const gstmoe::BatchRecords& batch,
+                             GstBuffer* in) {
+  GstBuffer* out = json_buffer(gstmoe::error_document(failed), in);
+  gstmoe::BatchRecords single = models_of(batch);
+  single.failed.push_back(std::move(failed));
+  gst_buffer_add_moe_batch_meta(out, single);
+  gst_buffer_list_add(list, out);
+}
+
+// Moves every row of `batch` to its failed list with `reason`.
+static void fail_rows(gstmoe::BatchRecords& batch, const std::string& reason) {
+  for (gstmoe::RequestRecord& row : batch.rows) batch.failed.push_back({std::move(row), STAGE_NAME, reason});
+  batch.rows.clear();
+}
+
+/* ---- provenance ------------------------------------------------------------------------ */
+
+// The models that made the rows of `batch`. moe-route names its adapter too (for routing
+// messages), but only moe-expert changes the vectors and sets the fingerprint, so the adapter
+// counts only with its fingerprint.
+static moe::AnnProvenance provenance_of(const gstmoe::BatchRecords& batch) {
+  const bool adapted = !batch.adapter_fingerprint.empty();
+  return {batch.encoder, batch.encoder_fingerprint, adapted ? batch.adapter : "", batch.adapter_fingerprint};
+}
+
+// Search mode: why the rows of `batch` may not be searched (empty: they may). Rows without an
+// encoder fingerprint (not from moe-encode) cannot be checked and are searched, as before.
+static std::string search_refusal(GstAnnQuery* self, AnnQueryState& s, const gstmoe::BatchRecords& batch) {
+  const std::optional<moe::AnnProvenance>& built = s.index->provenance();
+  if (batch.rows.empty() || !built) return {};  // an index without provenance was logged at start
+  const moe::AnnProvenance query = provenance_of(batch);
+  if (query.encoder_fingerprint.empty()) {
+    if (!s.unchecked_logged)
+      GST_INFO_OBJECT(self, "rows without an encoder fingerprint (not encoded by moe-encode): searched without "
+                            "checking them against the provenance of '%s'", s.index_path.c_str());
+    s.unchecked_logged = true;
+    return {};
+  }
+  if (built->same_models(query)) return {};
+  const std::string reason = "the index " + s.index_path + " was built from " + built->describe() +
+                             ", but this query was encoded by " + query.describe() +
+                             ": rebuild the index with this pipeline or search it with the pipeline that built it";
+  if (!s.mismatch_logged)
+    GST_WARNING_OBJECT(self, "refusing queries (later batches are not logged): %s", reason.c_str());
+  s.mismatch_logged = true;
+  return reason;
+}
+
+// Build mode: why the rows of `batch` may not join the index (empty: they may). The first rows
+// fix the models; rows from others would put incomparable vectors in one index.
+static std::string build_refusal(AnnQueryState& s, const gstmoe::BatchRecords& batch) {
+  if (batch.rows.empty()) return {};
+  const moe::AnnProvenance rows = provenance_of(batch);
+  if (!s.built_from) s.built_from = rows;
+  if (s.built_from->same_models(rows)) return {};
+  return "rows from other models while building " + s.index_path + ": the rows added so far were encoded by " +
+         s.built_from->describe() + ", but request '" + batch.rows.front().id + "' was encoded by " + rows.describe() +
+         ": one index holds the vectors of one encoder and adapter";
+}
+
+/* ---- search mode ----------------------------------------------------------------------- */
+
+// Searches every row of `batch` in one call and adds one result buffer per row to `list`.
+// Returns the time the search took (ms; 0 when there was none, or it failed).
+static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchRecords& batch, const float* vectors,
+                          GstBuffer* in, GstBufferList* list) {
+  if (batch.rows.empty()) return 0;
   GST_OBJECT_LOCK(self);
-  switch (prop_id) {
-    case PROP_INDEX:
-      g_free(self->index_path);
-      self->index_path = g_value_dup_string(value);
-      break;
-    case PROP_K:
-      self->k = g_value_get_uint(value);
-      break;
-    case PROP_MODE:
-      self->mode = static_cast<GstAnnQueryMode>(g_value_get_enum(value));
-      break;
-    case PROP_INDEX_TYPE:
-      self->index_type = static_cast<GstAnnQueryIndexType>(g_value_get_enum(value));
-      break;
-    case PROP_HNSW_M:
-      self->hnsw_m = g_value_get_uint(value);
-      break;
-    case PROP_EF_CONSTRUCTION:
-      self->ef_construction = g_value_get_uint(value);
-      break;
-    case PROP_EF_SEARCH:
-      self->ef_search = g_value_get_uint(value);
-      break;
-    case PROP_DEVICE: {
-      const gchar* device = g_value_get_string(value);
-      g_free(self->device);
-      self->device = g_strdup(device ? device : kDefaultDevice);
-      break;
+  const int default_k = static_cast<int>(self->k);
+  const int ef_search = static_cast<int>(self->ef_search);
+  GST_OBJECT_UNLOCK(self);
+
+  std::vector<int> ks;
+  for (const gstmoe::RequestRecord& row : batch.rows)
+    ks.push_back(row.k > 0 ? std::min(row.k, MAX_K) : default_k);
+  const int k_max = *std::max_element(ks.begin(), ks.end());
+
+  const int64_t start = g_get_monotonic_time();
+  std::vector<std::vector<moe::AnnHit>> hits;
+  try {
+    hits = s.index->search(vectors, static_cast<int64_t>(batch.rows.size()), k_max, ef_search);
+  } catch (const moe::Error& e) {
+    GST_WARNING_OBJECT(self, "search failed: %s", e.what());
+    fail_rows(batch, std::string("search in '") + s.index_path + "' failed: " + e.what());
+    return 0;
+  }
+  const double search_ms = gstmoe::elapsed_ms(start, g_get_monotonic_time());
+  const gstmoe::ModelIds model{batch.encoder, batch.adapter, s.index_name};
+
+  for (size_t i = 0; i < batch.rows.size(); ++i) {
+    gstmoe::RequestRecord& row = batch.rows[i];
+    row.timings_ms.emplace_back("search", search_ms);
+    std::vector<gstmoe::ResultHit> results;
+    const size_t n = std::min(hits[i].size(), static_cast<size_t>(ks[i]));
+    for (size_t j = 0; j < n; ++j) {
+      const moe::AnnItem& item = s.index->item(hits[i][j].item);
+      results.push_back({hits[i][j].item, item.uri, item.caption, hits[i][j].score});
     }
-    default:
-      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
-      break;
+    GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, g_get_monotonic_time()), in);
+    gstmoe::BatchRecords single = models_of(batch);
+    single.rows.push_back(std::move(row));
+    gst_buffer_add_moe_batch_meta(out, single);
+    gst_buffer_list_add(list, out);
   }
-  GST_OBJECT_UNLOCK(self);
+  batch.rows.clear();
+  return search_ms;
 }
 
-static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
-  GstAnnQuery* self = GST_ANN_QUERY(object);
-  GST_OBJECT_LOCK(self);
-  switch (prop_id) {
-    case PROP_INDEX:
-      g_value_set_string(value, self->index_path);
-      break;
-    case PROP_K:
-      g_value_set_uint(value, self->k);
-      break;
-    case PROP_MODE:
-      g_value_set_enum(value, self->mode);
-      break;
-    case PROP_INDEX_TYPE:
-      g_value_set_enum(value, self->index_type);
-      break;
-    case PROP_HNSW_M:
-      g_value_set_uint(value, self->hnsw_m);
-      break;
-    case PROP_EF_CONSTRUCTION:
-      g_value_set_uint(value, self->ef_construction);
-      break;
-    case PROP_EF_SEARCH:
-      g_value_set_uint(value, self->ef_search);
-      break;
-    case PROP_DEVICE:
-      g_value_set_string(value, self->device);
-      break;
-    default:
-      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
-      break;
+/* ---- build mode ------------------------------------------------------------------------ */
+
+// Adds every row of `batch` to the index being built (the request's text is the caption).
+// Returns how many were added.
+static size_t collect_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchRecords& batch, const float* vectors) {
+  if (batch.rows.empty()) return 0;
+  std::vector<moe::AnnItem> items;
+  items.reserve(batch.rows.size());
+  for (const gstmoe::RequestRecord& row : batch.rows) items.push_back({row.id, row.uri, row.text});
+  try {
+    s.index->add(vectors, static_cast<int64_t>(items.size()), items);
+    batch.rows.clear();
+    return items.size();
+  } catch (const moe::Error& e) {
+    GST_WARNING_OBJECT(self, "add failed: %s", e.what());
+    fail_rows(batch, std::string("adding to the index '") + s.index_path + "' failed: " + e.what());
+    return 0;
   }
-  GST_OBJECT_UNLOCK(self);
 }
+
+// At EOS: writes the index and pushes the summary. FALSE (with an element error) on failure.
+static gboolean finish_build(GstAnnQuery* self, AnnQueryState& s) {
+  if (s.build_refused) {  // the element error is posted: an index of mixed models is worse than none
+    GST_DEBUG_OBJECT(self, "not writing '%s': it was given rows from other models", s.index_path.c_str());
+    return FALSE;
+  }
+  if (!s.index || s.index->size() == 0) {
+    GST_ELEMENT_ERROR(self, STREAM, FAILED,
+                      ("no items to index: the stream ended before any row reached ann-query (%" G_GINT64_FORMAT
+                       " failed requests); '%s' is not written",
+                       s.build_failed, s.index_path.c_str()),
+                      (nullptr));
+    return FALSE;
+  }
+  if (s.built_from && !s.built_from->encoder_fingerprint.empty())
+    s.index->set_provenance(*s.built_from);
+  else
+    GST_INFO_OBJECT(self, "the rows carry no encoder fingerprint (not encoded by moe-encode): '%s' records no "
+                          "provenance and searches of it are not checked", s.index_path.c_str());
+  try {
+    s.index->save(s.index_path);
+  } catch (const moe::Error& e) {
+    GST_ELEMENT_ERROR(self, RESOURCE, WRITE, ("%s", e.what()), ("writing the ANN index '%s'", s.index_path.c_str()));
+    return FALSE;
+  }
+  GST_INFO_OBJECT(self, "wrote %" G_GINT64_FORMAT " items of dimension %d to %s", s.index->size(), s.index->dim(),
+                  s.index_path.c_str());
+  const std::string doc = gstmoe::index_built_document(s.index_path, s.index->size(), s.index->dim(),
+                                                       moe::ann_index_type_name(s.index->type()), s.build_failed);
+  const GstFlowReturn ret = gst_pad_push(self->srcpad, json_buffer(doc, nullptr));
+  if (ret != GST_FLOW_OK) GST_DEBUG_OBJECT(self, "index-built summary not delivered: %s", gst_flow_get_name(ret));
+  return TRUE;
+}
+
+/* ---- pads ------------------------------------------------------------------------------ */
+
+static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* in) {
+  GstAnnQuery* self = GST_ANN_QUERY(parent);
+  AnnQueryState& s = *self->state;
+  if (s.width == 0) {
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, (nullptr), ("received a buffer before the tensor caps"));
+    gst_buffer_unref(in);
+    return GST_FLOW_NOT_NEGOTIATED;
+  }
+  GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(in);
+  if (!meta || !meta->records) {
+    GST_ELEMENT_ERROR(self, STREAM, FORMAT, ("Tensor buffer without request records"),
+                      ("ann-query answers requests and needs the GstMoeBatchMeta that moe-encode attaches"));
+    gst_buffer_unref(in);
+    return GST_FLOW_ERROR;
+  }
+  gstmoe::BatchRecords batch = *meta->records;
+  const size_t requests = batch.rows.size() + batch.failed.size();
+
+  GstMapInfo map;
+  if (!gst_buffer_map(in, &map, GST_MAP_READ)) {
+    GST_ELEMENT_ERROR(self, RESOURCE, READ, (nullptr), ("cannot map the input buffer"));
+    gst_buffer_unref(in);
+    return GST_FLOW_ERROR;
+  }
+  const size_t expected = batch.rows.size() * static_cast<size_t>(s.width) * sizeof(float);
+  if (map.size != expected) {
+    // Which bytes belong to which request is unknowable: answer every request with an error.
+    const std::string reason = "tensor buffer holds " + std::to_string(map.size) + " bytes but its meta lists " +
+                               std::to_string(batch.rows.size()) + " rows of width " + std::to_string(s.width);
+    GST_ELEMENT_WARNING(self, STREAM, FORMAT, ("Malformed tensor buffer"), ("%s", reason.c_str()));
+    fail_rows(batch, reason);
+  }
+  const float* vectors = reinterpret_cast<const float*>(map.data);
+
+  GstBufferList* list = gst_buffer_list_new();
+  bool refused = false;  // build mode: this batch's rows came from other models
+  size_t refused_rows = 0, added = 0;
+  double search_ms = 0;
+  if (s.mode == GST_ANN_QUERY_MODE_SEARCH) {
+    const std::string refusal = search_refusal(self, s, batch);
+    if (!refusal.empty()) {
+      refused_rows = batch.rows.size();
+      fail_rows(batch, refusal);
+    }
+    search_ms = search_rows(self, s, batch, vectors, in, list);
+  } else {
+    const std::string refusal = build_refusal(s, batch);
+    if (!refusal.empty()) {
+      // The build stops (and writes nothing at EOS); the refused requests still get their error documents.
+      GST_ELEMENT_ERROR(self, STREAM, FAILED, ("%s", refusal.c_str()),
+                        ("'%s' is not written: build it from one pipeline", s.index_path.c_str()));
+      refused_rows = batch.rows.size();
+      fail_rows(batch, refusal);
+      refused = s.build_refused = true;
+    }
+    added = collect_rows(self, s, batch, vectors);
+    s.build_failed += static_cast<int64_t>(batch.failed.size());
+  }
+  const guint results = gst_buffer_list_length(list);  // so far only result documents
+  for (gstmoe::FailedRequest& f : batch.failed) add_error_buffer(list, std::move(f), batch, in);
+  gst_buffer_unmap(in, &map);
+  gst_buffer_unref(in);
+
+  GST_OBJECT_LOCK(self);
+  self->requests += requests;
+  self->results += results;
+  self->errors += batch.failed.size();
+  self->refused += refused_rows;
+  self->added += added;
+  self->batches += 1;
+  self->search_ms += search_ms;
+  GST_OBJECT_UNLOCK(self);
+
+  GstFlowReturn ret = GST_FLOW_OK;
+  if (gst_buffer_list_length(list) == 0)
+    gst_buffer_list_unref(list);
+  else
+    ret = gst_pad_push_list(self->srcpad, list);
+  return refused ? GST_FLOW_ERROR : ret;
+}
+
+// Accepts the upstream tensor width (it must match a loaded index, and may not change in the
+// middle of a build) and announces application/json downstream.
+static gboolean handle_caps(GstAnnQuery* self, AnnQueryState& s, GstCaps* caps) {
+  int width = 0;
+  if (!gstmoe::parse_tensor_caps(caps, &width)) {
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Unsupported input caps"),
+                      ("expected fixed " GST_MOE_TENSOR_MEDIA_TYPE " f32 caps, got %" GST_PTR_FORMAT, caps));
+    return FALSE;
+  }
+  if (s.mode == GST_ANN_QUERY_MODE_SEARCH && width != s.index->dim()) {
+    const std::string built =
+        s.index->provenance() ? " (it was built from " + s.index->provenance()->describe() + ")" : std::string();
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
+                      ("Embedding width %d does not match the dimension %d of the index '%s'", width, s.index->dim(),
+                       s.index_path.c_str()),
+                      ("upstream produces %d-wide vectors; query an index built with the same encoder and adapter%s",
+                       width, built.c_str()));
+    return FALSE;
+  }
+  if (s.mode == GST_ANN_QUERY_MODE_BUILD && s.index && width != s.index->dim()) {
+    if (s.index->size() > 0) {
+      GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
+                        ("Embedding width changed from %d to %d while building '%s'", s.index->dim(), width,
+                         s.index_path.c_str()),
+                        ("one index holds vectors of one width"));
+      return FALSE;
+    }
+    s.index.reset();
+  }
+  if (s.mode == GST_ANN_QUERY_MODE_BUILD && !s.index) {
+    try {
+      s.index = moe::AnnIndex::create(width, s.build);
+    } catch (const moe::Error& e) {
+      GST_ELEMENT_ERROR(self, LIBRARY, INIT, ("%s", e.what()), ("creating the index for '%s'", s.index_path.c_str()));
+      return FALSE;
+    }
+  }
+  s.width = width;
+  if (gst_pad_has_current_caps(self->srcpad)) return TRUE;
+  GstCaps* json_caps = gst_caps_new_empty_simple(GST_MOE_JSON_CAPS);
+  const gboolean ok = gst_pad_push_event(self->srcpad, gst_event_new_caps(json_caps));
+  gst_caps_unref(json_caps);
+  return ok;
+}
+
+static gboolean gst_ann_query_sink_event(GstPad* pad, GstObject* parent, GstEvent* event) {
+  GstAnnQuery* self = GST_ANN_QUERY(parent);
+  AnnQueryState* s = self->state;
+  if (!s) return gst_pad_event_default(pad, parent, event);
+  switch (GST_EVENT_TYPE(event)) {
+    case GST_EVENT_CAPS: {
+      GstCaps* caps = nullptr;
+      gst_event_parse_caps(event, &caps);
+      const gboolean ok = handle_caps(self, *s, caps);
+      gst_event_unref(event);
+      return ok;
+    }
+    case GST_EVENT_FLUSH_STOP:
+      // Nothing is held in search mode. A build keeps what it has added: a flush (a seek, a
+      // restart of the source) does not mean the catalog rows seen so far are invalid.
+      if (s->mode == GST_ANN_QUERY_MODE_BUILD && s->index && s->index->size() > 0)
+        GST_WARNING_OBJECT(self, "flush while building: keeping the %" G_GINT64_FORMAT " rows already added",
+                           s->index->size());
+      return gst_pad_event_default(pad, parent, event);
+    case GST_EVENT_EOS:
+      if (s->mode == GST_ANN_QUERY_MODE_BUILD && !finish_build(self, *s)) {
+        gst_event_unref(event);
+        return FALSE;
+      }
+      return gst_pad_event_default(pad, parent, event);
+    default:
+      return gst_pad_event_default(pad, parent, event);
+  }
+}
+
+/* ---- GObject --------------------------------------------------------------------------- */
 
 static void gst_ann_query_finalize(GObject* object) {
   GstAnnQuery* self = GST_ANN_QUERY(object);
   g_free(self->index_path);
   g_free(self->device);
-  stop(self);
+  gst_ann_query_stop(self);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -636,45 +715,42 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
   gobject_class->finalize = gst_ann_query_finalize;
   element_class->change_state = GST_DEBUG_FUNCPTR(gst_ann_query_change_state);
 
-  const auto ready = static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY);
-  const auto playing =
-      static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_PLAYING);
   g_object_class_install_property(
       gobject_class, PROP_INDEX,
       g_param_spec_string("index", "Index file",
                           "FAISS index file to search (mode=search) or to write (mode=build); its item table is "
                           "INDEX.items.jsonl beside it",
-                          nullptr, ready));
+                          DEFAULT_INDEX, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_K,
       g_param_spec_uint("k", "Results",
-                        "Results per request, for requests that do not ask for their own number (\"k\")", 1, kMaxK,
-                        kDefaultK, playing));
+                        "Results per request, for requests that do not ask for their own number (\"k\")", 1, MAX_K,
+                        DEFAULT_K, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_MODE,
       g_param_spec_enum("mode", "Mode", "Search the index, or build it from the incoming rows",
-                        GST_TYPE_ANN_QUERY_MODE, kDefaultMode, ready));
+                        GST_TYPE_ANN_QUERY_MODE, DEFAULT_MODE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_INDEX_TYPE,
       g_param_spec_enum("index-type", "Index type",
                         "Kind of index to build (mode=build; a searched index has its own kind)",
-                        GST_TYPE_ANN_QUERY_INDEX_TYPE, kDefaultIndexType, ready));
+                        GST_TYPE_ANN_QUERY_INDEX_TYPE, DEFAULT_INDEX_TYPE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_HNSW_M,
       g_param_spec_uint("hnsw-m", "HNSW M",
                         "Links per node of an HNSW index being built: more links, better recall, more memory", 4, 128,
-                        kDefaultHnswM, ready));
+                        DEFAULT_HNSW_M, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_EF_CONSTRUCTION,
       g_param_spec_uint("ef-construction", "HNSW efConstruction",
                         "Candidate list size while building an HNSW index: larger builds a better graph, slower", 8,
-                        1024, kDefaultEfConstruction, ready));
+                        1024, DEFAULT_EF_CONSTRUCTION, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_EF_SEARCH,
       g_param_spec_uint("ef-search", "HNSW efSearch",
                         "Candidate list size when searching an HNSW index (raised to k when smaller): larger finds "
                         "more true neighbours, slower; ignored by flat indexes",
-                        1, 4096, kDefaultEfSearch, playing));
+                        1, 4096, DEFAULT_EF_SEARCH, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_DEVICE,
       g_param_spec_string("device", "Device",
@@ -683,7 +759,15 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
                           "HNSW index fails the start) or \"auto\" (cuda:0 for a flat index when a usable CUDA "
                           "device exists, else FAISS on the CPU). A device that cannot be used fails the start, "
                           "saying why",
-                          kDefaultDevice, ready));
+                          DEFAULT_DEVICE, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_STATS,
+      gstmoe::stats_param_spec(
+          "ann-query-stats: requests (rows and failed requests received), results (result documents sent), errors "
+          "(error documents sent: for requests that failed upstream, failed here or were refused), refused "
+          "(requests refused because other models than the index's made them, or than the first rows' in a build), "
+          "added (rows added to the index being built), batches (tensor buffers received), search-ms (time spent "
+          "searching the index); reset at start"));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);
@@ -716,13 +800,12 @@ static void gst_ann_query_init(GstAnnQuery* self) {
   gst_pad_use_fixed_caps(self->srcpad);
   gst_element_add_pad(GST_ELEMENT(self), self->srcpad);
 
-  self->index_path = nullptr;
-  self->k = kDefaultK;
-  self->mode = kDefaultMode;
-  self->index_type = kDefaultIndexType;
-  self->hnsw_m = kDefaultHnswM;
-  self->ef_construction = kDefaultEfConstruction;
-  self->ef_search = kDefaultEfSearch;
-  self->device = g_strdup(kDefaultDevice);
-  self->session = nullptr;
+  self->index_path = g_strdup(DEFAULT_INDEX);
+  self->k = DEFAULT_K;
+  self->mode = DEFAULT_MODE;
+  self->index_type = DEFAULT_INDEX_TYPE;
+  self->hnsw_m = DEFAULT_HNSW_M;
+  self->ef_construction = DEFAULT_EF_CONSTRUCTION;
+  self->ef_search = DEFAULT_EF_SEARCH;
+  self->device = g_strdup(DEFAULT_DEVICE);
 }

@@ -1,8 +1,39 @@
-/* moe-expert: runs the experts moe-route chose and writes the adapted, L2-normalised
- * embeddings: exactly moe::MoeAdapter::apply_experts(x, routing), with the routing read back
- * from the request meta (rows[i].experts / expert_weights).
+/**
+ * SECTION:element-moe-expert
+ * @title: moe-expert
+ * @see_also: moe-route, ann-query
  *
- * Why the routing travels in the meta rather than being recomputed: the router and the experts
+ * moe-expert runs the experts of a Mixture-of-Experts adapter that moe-route chose for every row
+ * of an embedding batch and replaces each embedding, in place, with the adapter's output
+ * normalize(x + sum of the weighted expert outputs): exactly moe::MoeAdapter::apply_experts(x,
+ * routing), with the routing read back from the request meta. It needs moe-route upstream, and
+ * refuses routing made by an adapter whose experts do not match its own.
+ *
+ * `device` and `precision` say where the experts run: device=cpu with fp32 weights is the
+ * engine's CPU path; CUDA devices, or reduced precision on the CPU, run an expert executor that
+ * keeps a cache of experts in `cache-budget` of each device's free memory, spreads the experts
+ * over several devices and, every `rebalance-interval` batches, places them again by load. There
+ * moe-route preloads each batch's experts as soon as it has routed the batch.
+ *
+ * The `stats` property counts the rows and batches since the element started, the rows each
+ * expert ran on, the batches moe-route preloaded, and each device's cache counters.
+ *
+ * ## Example launch lines
+ * |[
+ * gst-launch-1.0 zmq-query ! queue ! moe-encode model=models/default/clip \
+ *     ! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter \
+ *     ! ann-query index=build/demo/catalog.faiss ! zmq-publish
+ * ]| The search service, with the experts on the CPU.
+ * |[
+ * gst-launch-1.0 zmq-query ! queue ! moe-encode model=models/default/clip device=auto \
+ *     ! moe-route model=models/default/adapter ! queue \
+ *     ! moe-expert model=models/default/adapter device=all precision=fp16 \
+ *     ! ann-query index=build/demo/catalog.faiss ! zmq-publish
+ * ]| The experts in fp16, spread over every CUDA device; the queue lets moe-route preload the
+ * next batch's experts while moe-expert computes.
+ */
+
+/* Why the routing travels in the meta rather than being recomputed: the router and the experts
  * are separate elements (see moe-route), and the result documents report the routing that was
  * actually used. moe-expert therefore refuses rows without routing, and routing made by an
  * adapter whose experts do not match its own: it asks the moe-route upstream for its adapter
@@ -11,21 +42,18 @@
  * The embeddings are replaced in place (same shape); the tensor data is rewritten, the meta
  * gains the "expert" timing.
  *
- * Where the experts run ('device', 'precision'): device=cpu with fp32 weights is the engine's CPU
- * path (MoeAdapter::apply_experts). Every other setting - CUDA devices, or reduced precision on
- * the CPU - runs on a moe::ExpertExecutor: per device a cache of experts in 'cache-budget' of its
- * free memory, filled asynchronously. The device list is checked when the element starts, but
- * the executor is built when it is first needed (moe-route's executor query, or the caps):
- * elements start from the sink up, so only then have the encoders upstream loaded their
- * weights, and the budget is taken from the memory they left free. The moe-route upstream
- * finds the executor through a custom query and prefetches each batch's experts on its own
- * streaming thread as soon as it has routed the batch; the handle arrives in the meta, this
- * element's streaming thread computes with it and drops it, which unpins the batch's experts.
- * A batch without a handle (no moe-route, or its prefetch failed) is prefetched here.
+ * The expert executor (every setting but device=cpu precision=fp32): the device list is checked
+ * when the element starts, but the executor is built when it is first needed (moe-route's
+ * executor query, or the caps): elements start from the sink up, so only then have the encoders
+ * upstream loaded their weights, and the budget is taken from the memory they left free. The
+ * moe-route upstream finds the executor through a custom query and prefetches each batch's
+ * experts on its own streaming thread as soon as it has routed the batch; the handle arrives in
+ * the meta, this element's streaming thread computes with it and drops it, which unpins the
+ * batch's experts. A batch without a handle (no moe-route, or its prefetch failed) is prefetched
+ * here.
  */
 #include "gstmoeexpert.h"
 
-#include <atomic>
 #include <cstring>
 #include <mutex>
 #include <utility>
@@ -37,47 +65,54 @@
 GST_DEBUG_CATEGORY_STATIC(gst_moe_expert_debug);
 #define GST_CAT_DEFAULT gst_moe_expert_debug
 
+enum {
+  PROP_0,
+  PROP_MODEL,
+  PROP_DEVICE,
+  PROP_PRECISION,
+  PROP_CACHE_BUDGET,
+  PROP_REBALANCE_INTERVAL,
+  PROP_STATS,
+};
+
 #define DEFAULT_DEVICE "cpu"
 #define DEFAULT_PRECISION GST_MOE_PRECISION_FP32
 #define DEFAULT_CACHE_BUDGET 0.85
+#define MIN_CACHE_BUDGET 0.05
 #define DEFAULT_REBALANCE_INTERVAL 256
+#define MAX_REBALANCE_INTERVAL G_MAXINT  // ExpertExecutorOptions::rebalance_interval is an int
 
 namespace {
 
-// C++ state of the element (GObject does not run constructors: allocated in init).
+// The expert executor of one run, built the first time it is needed (see the top comment) by
+// whichever thread asks first: moe-route's (the executor query) or this element's (the caps).
+// Shared by the running state and the queries in flight, so that stop() can drop the state while
+// a query from moe-route's thread still holds this.
+struct LazyExecutor {
+  // What building it needs; `adapter` is dropped by stop().
+  std::string device;
+  moe::ExpertExecutorOptions options;
+  std::shared_ptr<const moe::MoeAdapter> adapter;
+
+  std::mutex build_mu;  // serialises the build and stop()'s close; guards the fields below
+  bool closed = false;  // stop() ran: nothing is built any more
+  bool failed = false;  // its error was posted: not tried again
+  // The executor once built, until stop(); written under build_mu and the element's object
+  // lock, read under either (queries and `stats` read it from other threads).
+  std::shared_ptr<moe::ExpertExecutor> built;
+};
+
+// What one run works with: created by start(), destroyed by stop().
 struct ExpertState {
-  // Properties, under the object lock; read when the element starts.
-  std::string model;
-  std::string device = DEFAULT_DEVICE;
-  GstMoePrecision precision = DEFAULT_PRECISION;
-  double cache_budget = DEFAULT_CACHE_BUDGET;
-  guint rebalance_interval = DEFAULT_REBALANCE_INTERVAL;
-
-  // The executor (null on the CPU path, and until first needed): cleared by stop(), under the
-  // object lock because the executor query and the 'stats' property read it from other threads.
-  std::shared_ptr<moe::ExpertExecutor> executor;
-  // What building it needs, set by start() and cleared by stop() under build_mu, which also
-  // serialises the build (moe-route's thread and this element's may both ask first).
-  // executor_device is empty on the CPU path and after stop().
-  std::mutex build_mu;
-  std::string executor_device;
-  moe::ExpertExecutorOptions executor_options;
-  std::shared_ptr<const moe::MoeAdapter> executor_adapter;
-  bool executor_failed = false;  // its error was posted; not tried again until the next start
-
-  // The running configuration: set by start(), cleared by stop(); between the two only the
-  // streaming thread uses it.
   std::shared_ptr<const moe::MoeAdapter> adapter;
   std::string adapter_dir;
   std::string adapter_name;
-  int width = 0;
+  std::shared_ptr<LazyExecutor> executor;  // nullptr on the plain CPU path
+  int width = 0;          // negotiated tensor width; 0 before caps
   std::string route_dir;  // the adapter of the moe-route upstream, when one answered
   // What made the rows, for the meta's adapter_fingerprint: this adapter's fingerprint, followed
   // by "+<router's>" when a moe-route with other weights chose the experts (both shape the rows).
   std::string rows_fingerprint;
-
-  gstmoe::adapter::Stats stats;  // expert-rows: per expert, how many rows it ran on
-  std::atomic<guint64> batches_prefetched{0};  // arrived with moe-route's prefetch of this executor
 };
 
 // One structure per device of the executor: what it serves and its cache counters.
@@ -108,10 +143,23 @@ GValue device_stats(const moe::ExpertExecutor& executor) {
 
 struct _GstMoeExpert {
   GstBaseTransform parent;
-  ExpertState* st;
-};
 
-enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_CACHE_BUDGET, PROP_REBALANCE_INTERVAL, PROP_STATS };
+  // Properties, under the object lock; read when the element starts.
+  gchar* model;  // nullptr: unset
+  gchar* device;
+  GstMoePrecision precision;
+  gdouble cache_budget;
+  guint rebalance_interval;
+
+  // Behind `stats`: reset at start, kept after stop. `stats` has its own lock; batches_prefetched
+  // (batches that arrived with moe-route's prefetch of the executor) is under the object lock.
+  gstmoe::adapter::Stats* stats;
+  guint64 batches_prefetched;
+
+  // Between start() and stop(), nullptr otherwise. The streaming thread uses it without a lock;
+  // the executor query and `stats`, which may come from any thread, read it under the object lock.
+  ExpertState* state;
+};
 
 static GstStaticPadTemplate sink_template =
     GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
@@ -129,22 +177,24 @@ static void gst_moe_expert_set_property(GObject* object, guint prop_id, const GV
   switch (prop_id) {
     case PROP_MODEL: {
       const gchar* dir = g_value_get_string(value);
-      self->st->model = dir ? dir : "";
+      g_free(self->model);
+      self->model = dir && *dir ? g_strdup(dir) : nullptr;
       break;
     }
     case PROP_DEVICE: {
       const gchar* device = g_value_get_string(value);
-      self->st->device = device ? device : DEFAULT_DEVICE;
+      g_free(self->device);
+      self->device = g_strdup(device ? device : DEFAULT_DEVICE);
       break;
     }
     case PROP_PRECISION:
-      self->st->precision = static_cast<GstMoePrecision>(g_value_get_enum(value));
+      self->precision = static_cast<GstMoePrecision>(g_value_get_enum(value));
       break;
     case PROP_CACHE_BUDGET:
-      self->st->cache_budget = g_value_get_double(value);
+      self->cache_budget = g_value_get_double(value);
       break;
     case PROP_REBALANCE_INTERVAL:
-      self->st->rebalance_interval = g_value_get_uint(value);
+      self->rebalance_interval = g_value_get_uint(value);
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -153,56 +203,51 @@ static void gst_moe_expert_set_property(GObject* object, guint prop_id, const GV
   GST_OBJECT_UNLOCK(self);
 }
 
+// The `stats` structure; called with the object lock held.
+static GstStructure* gst_moe_expert_stats(GstMoeExpert* self) {
+  GstStructure* s = self->stats->to_structure("moe-expert-stats", "expert-rows");
+  gst_structure_set(s, "batches-prefetched", G_TYPE_UINT64, self->batches_prefetched, nullptr);
+  const std::shared_ptr<moe::ExpertExecutor> executor =
+      self->state && self->state->executor ? self->state->executor->built : nullptr;
+  gst_structure_set(s, "placement-changes", G_TYPE_UINT64, executor ? executor->placement_changes() : guint64{0},
+                    nullptr);
+  GValue devices = G_VALUE_INIT;
+  if (executor) {
+    devices = device_stats(*executor);
+  } else {
+    gst_value_array_init(&devices, 0);
+  }
+  gst_structure_take_value(s, "devices", &devices);
+  return s;
+}
+
 static void gst_moe_expert_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
   GstMoeExpert* self = GST_MOE_EXPERT(object);
+  GST_OBJECT_LOCK(self);
   switch (prop_id) {
     case PROP_MODEL:
-      GST_OBJECT_LOCK(self);
-      g_value_set_string(value, self->st->model.empty() ? nullptr : self->st->model.c_str());
-      GST_OBJECT_UNLOCK(self);
+      g_value_set_string(value, self->model);
       break;
     case PROP_DEVICE:
-      GST_OBJECT_LOCK(self);
-      g_value_set_string(value, self->st->device.c_str());
-      GST_OBJECT_UNLOCK(self);
+      g_value_set_string(value, self->device);
       break;
     case PROP_PRECISION:
-      GST_OBJECT_LOCK(self);
-      g_value_set_enum(value, self->st->precision);
-      GST_OBJECT_UNLOCK(self);
+      g_value_set_enum(value, self->precision);
       break;
     case PROP_CACHE_BUDGET:
-      GST_OBJECT_LOCK(self);
-      g_value_set_double(value, self->st->cache_budget);
-      GST_OBJECT_UNLOCK(self);
+      g_value_set_double(value, self->cache_budget);
       break;
     case PROP_REBALANCE_INTERVAL:
-      GST_OBJECT_LOCK(self);
-      g_value_set_uint(value, self->st->rebalance_interval);
-      GST_OBJECT_UNLOCK(self);
+      g_value_set_uint(value, self->rebalance_interval);
       break;
-    case PROP_STATS: {
-      GstStructure* s = self->st->stats.to_structure("moe-expert-stats", "expert-rows");
-      gst_structure_set(s, "batches-prefetched", G_TYPE_UINT64, self->st->batches_prefetched.load(), nullptr);
-      GST_OBJECT_LOCK(self);
-      std::shared_ptr<moe::ExpertExecutor> executor = self->st->executor;
-      GST_OBJECT_UNLOCK(self);
-      GValue devices = G_VALUE_INIT;
-      gst_structure_set(s, "placement-changes", G_TYPE_UINT64, executor ? executor->placement_changes() : guint64{0},
-                        nullptr);
-      if (executor) {
-        devices = device_stats(*executor);
-      } else {
-        gst_value_array_init(&devices, 0);
-      }
-      gst_structure_take_value(s, "devices", &devices);
-      g_value_take_boxed(value, s);
+    case PROP_STATS:
+      g_value_take_boxed(value, gst_moe_expert_stats(self));
       break;
-    }
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
   }
+  GST_OBJECT_UNLOCK(self);
 }
 
 // `e` is the moe::Error of the device check or of building the executor: it names the device
@@ -215,13 +260,12 @@ static void post_executor_error(GstMoeExpert* self, const std::string& adapter, 
 
 static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   GstMoeExpert* self = GST_MOE_EXPERT(trans);
-  ExpertState* st = self->st;
   GST_OBJECT_LOCK(self);
-  const std::string dir = st->model;
-  std::string device = st->device;
-  const GstMoePrecision precision = st->precision;
-  const double cache_budget = st->cache_budget;
-  const guint rebalance_interval = st->rebalance_interval;
+  const std::string dir = self->model ? self->model : "";
+  std::string device = self->device;
+  const GstMoePrecision precision = self->precision;
+  const double cache_budget = self->cache_budget;
+  const guint rebalance_interval = self->rebalance_interval;
   GST_OBJECT_UNLOCK(self);
   if (device == "auto") {  // every CUDA device, else the CPU (the plain CPU path when fp32)
     std::string reason;
@@ -235,6 +279,7 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   if (!adapter) return FALSE;
   const moe::MoeConfig& cfg = adapter->layer().config();
 
+  std::shared_ptr<LazyExecutor> executor;
   if (device != "cpu" || precision != GST_MOE_PRECISION_FP32) {  // else: the engine's CPU path
     try {
       moe::ExpertExecutor::check_devices(device);
@@ -242,68 +287,69 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
       post_executor_error(self, dir, e);
       return FALSE;
     }
-    std::lock_guard<std::mutex> lock(st->build_mu);
-    st->executor_device = device;
-    st->executor_options = moe::ExpertExecutorOptions();
-    st->executor_options.precision = gstmoe::weight_type(precision);
-    st->executor_options.budget_fraction = cache_budget;
-    st->executor_options.rebalance_interval = static_cast<int>(rebalance_interval);
-    st->executor_adapter = adapter;
-    st->executor_failed = false;
+    executor = std::make_shared<LazyExecutor>();
+    executor->device = device;
+    executor->options.precision = gstmoe::weight_type(precision);
+    executor->options.budget_fraction = cache_budget;
+    executor->options.rebalance_interval = static_cast<int>(rebalance_interval);
+    executor->adapter = adapter;
   }
 
-  st->adapter = std::move(adapter);
-  st->adapter_dir = dir;
-  st->adapter_name = gstmoe::adapter::name_of(dir);
-  st->width = 0;
-  st->rows_fingerprint = st->adapter->fingerprint();
-  st->route_dir.clear();
-  st->stats.reset(cfg.num_experts);
-  st->batches_prefetched = 0;
+  auto* state = new ExpertState();
+  state->adapter = std::move(adapter);
+  state->adapter_dir = dir;
+  state->adapter_name = gstmoe::adapter::name_of(dir);
+  state->executor = std::move(executor);
+  state->rows_fingerprint = state->adapter->fingerprint();
+  self->stats->reset(cfg.num_experts);
   GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, on %s", dir.c_str(), cfg.hidden_size,
                   cfg.num_experts, device.c_str());
+  GST_OBJECT_LOCK(self);
+  self->batches_prefetched = 0;
+  self->state = state;
+  GST_OBJECT_UNLOCK(self);
   return TRUE;
 }
 
 static gboolean gst_moe_expert_stop(GstBaseTransform* trans) {
   GstMoeExpert* self = GST_MOE_EXPERT(trans);
-  {
-    std::lock_guard<std::mutex> lock(self->st->build_mu);  // no build after this
-    self->st->executor_device.clear();
-    self->st->executor_adapter.reset();
-  }
-  self->st->adapter.reset();  // the cache frees the adapter when its last user lets go
   GST_OBJECT_LOCK(self);
-  // Buffers still in flight keep what their prefetch handles need; the rest goes now.
-  self->st->executor.reset();
+  ExpertState* state = self->state;
+  self->state = nullptr;
   GST_OBJECT_UNLOCK(self);
+  if (!state) return TRUE;
+  if (LazyExecutor* executor = state->executor.get()) {
+    std::lock_guard<std::mutex> lock(executor->build_mu);  // waits for a build in progress
+    executor->closed = true;
+    executor->adapter.reset();
+    // Buffers still in flight keep what their prefetch handles need; the rest goes now.
+    GST_OBJECT_LOCK(self);
+    executor->built.reset();
+    GST_OBJECT_UNLOCK(self);
+  }
+  delete state;  // the cache frees the adapter when its last user lets go
   return TRUE;
 }
 
-// Builds the executor the first time it is needed after a start (see the top comment); false
-// after posting an error, or once one was posted.
-static bool gst_moe_expert_build_executor(GstMoeExpert* self) {
-  ExpertState* st = self->st;
-  std::lock_guard<std::mutex> lock(st->build_mu);
-  if (st->executor_failed) return false;
-  GST_OBJECT_LOCK(self);
-  const bool needed = !st->executor_device.empty() && !st->executor;
-  GST_OBJECT_UNLOCK(self);
-  if (!needed) return true;
-  std::shared_ptr<moe::ExpertExecutor> executor;
+// Builds the run's executor the first time it is needed (see the top comment); false after
+// posting an error, or once one was posted.
+static bool gst_moe_expert_build_executor(GstMoeExpert* self, LazyExecutor& executor) {
+  std::lock_guard<std::mutex> lock(executor.build_mu);
+  if (executor.failed) return false;
+  if (executor.closed || executor.built) return true;
+  std::shared_ptr<moe::ExpertExecutor> built;
   try {
-    executor = std::make_shared<moe::ExpertExecutor>(st->executor_adapter->layer(), st->executor_device,
-                                                     st->executor_options);
+    built = std::make_shared<moe::ExpertExecutor>(executor.adapter->layer(), executor.device, executor.options);
   } catch (const std::exception& e) {
-    post_executor_error(self, st->executor_adapter->layer().config().source, e);
-    st->executor_failed = true;
+    post_executor_error(self, executor.adapter->layer().config().source, e);
+    executor.failed = true;
     return false;
   }
-  for (const moe::ExpertDeviceStats& d : executor->stats())
+  for (const moe::ExpertDeviceStats& d : built->stats())
     GST_INFO_OBJECT(self, "%s: %zu experts, cache of %d slots (%zu bytes)", d.device.c_str(), d.experts.size(),
                     d.slots, d.budget_bytes);
   GST_OBJECT_LOCK(self);
-  st->executor = std::move(executor);
+  executor.built = std::move(built);
   GST_OBJECT_UNLOCK(self);
   return true;
 }
@@ -311,12 +357,15 @@ static bool gst_moe_expert_build_executor(GstMoeExpert* self) {
 static gboolean gst_moe_expert_query(GstBaseTransform* trans, GstPadDirection direction, GstQuery* query) {
   GstMoeExpert* self = GST_MOE_EXPERT(trans);
   if (direction == GST_PAD_SINK && gstmoe::adapter::is_executor_query(query)) {
-    if (!gst_moe_expert_build_executor(self)) return FALSE;
     GST_OBJECT_LOCK(self);
-    std::shared_ptr<moe::ExpertExecutor> executor = self->st->executor;
+    const std::shared_ptr<LazyExecutor> lazy = self->state ? self->state->executor : nullptr;
     GST_OBJECT_UNLOCK(self);
     // The batches' meta is read here: a moe-expert further downstream must not be asked.
-    if (!executor) return FALSE;
+    if (!lazy || !gst_moe_expert_build_executor(self, *lazy)) return FALSE;
+    GST_OBJECT_LOCK(self);
+    const std::shared_ptr<moe::ExpertExecutor> executor = lazy->built;
+    GST_OBJECT_UNLOCK(self);
+    if (!executor) return FALSE;  // stopped meanwhile
     gstmoe::adapter::answer_executor_query(query, executor);
     return TRUE;
   }
@@ -325,10 +374,10 @@ static gboolean gst_moe_expert_query(GstBaseTransform* trans, GstPadDirection di
 
 static gboolean gst_moe_expert_set_caps(GstBaseTransform* trans, GstCaps* incaps, GstCaps*) {
   GstMoeExpert* self = GST_MOE_EXPERT(trans);
-  ExpertState* st = self->st;
+  ExpertState* st = self->state;
   st->width = gstmoe::adapter::caps_width(GST_ELEMENT(self), incaps, *st->adapter, st->adapter_dir);
   if (st->width == 0) return FALSE;
-  if (!gst_moe_expert_build_executor(self)) return FALSE;
+  if (st->executor && !gst_moe_expert_build_executor(self, *st->executor)) return FALSE;
 
   // Routing from another adapter directory is fine when it addresses the same experts.
   gstmoe::adapter::RouteInfo route;
@@ -360,7 +409,7 @@ static gboolean gst_moe_expert_set_caps(GstBaseTransform* trans, GstCaps* incaps
 
 // The routing the meta rows carry, as the engine's Routing; false after posting an error.
 static bool gst_moe_expert_routing(GstMoeExpert* self, const gstmoe::BatchRecords& records, moe::Routing* routing) {
-  ExpertState* st = self->st;
+  const ExpertState* st = self->state;
   const int num_experts = st->adapter->layer().config().num_experts;
   const size_t top_k = records.rows.front().experts.size();
   routing->rows = static_cast<int64_t>(records.rows.size());
@@ -409,7 +458,7 @@ static bool gst_moe_expert_routing(GstMoeExpert* self, const gstmoe::BatchRecord
 
 static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuffer* buf) {
   GstMoeExpert* self = GST_MOE_EXPERT(trans);
-  ExpertState* st = self->st;
+  ExpertState* st = self->state;
   size_t rows = 0;
   if (!gstmoe::adapter::buffer_rows(GST_ELEMENT(self), buf, st->width, &rows)) return GST_FLOW_ERROR;
 
@@ -436,7 +485,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
     records.adapter_fingerprint += "/top" + std::to_string(routing.top_k);
   if (rows == 0) return GST_FLOW_OK;   // only failed requests: they travel on untouched
   GST_OBJECT_LOCK(self);
-  const std::shared_ptr<moe::ExpertExecutor> executor = st->executor;
+  const std::shared_ptr<moe::ExpertExecutor> executor = st->executor ? st->executor->built : nullptr;
   GST_OBJECT_UNLOCK(self);
   const bool prefetched = executor && executor->owns(prefetch);  // else run() prefetches itself
 
@@ -461,14 +510,21 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   gst_buffer_unmap(buf, &map);
 
   for (gstmoe::RequestRecord& r : records.rows) r.timings_ms.emplace_back("expert", ms);
-  st->stats.add_batch(rows, routing.expert_ids);
-  if (prefetched) ++st->batches_prefetched;
+  self->stats->add_batch(rows, routing.expert_ids);
+  if (prefetched) {
+    GST_OBJECT_LOCK(self);
+    ++self->batches_prefetched;
+    GST_OBJECT_UNLOCK(self);
+  }
   GST_LOG_OBJECT(self, "ran the experts of %zu rows in %.3f ms%s", rows, ms, prefetched ? " (preloaded)" : "");
   return GST_FLOW_OK;
 }
 
 static void gst_moe_expert_finalize(GObject* object) {
-  delete GST_MOE_EXPERT(object)->st;
+  GstMoeExpert* self = GST_MOE_EXPERT(object);
+  g_free(self->model);
+  g_free(self->device);
+  delete self->stats;
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -493,16 +549,14 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
                           "why; other "
                           "failures to set the experts up there (e.g. out of memory) stop the pipeline at its first "
                           "caps, saying why",
-                          DEFAULT_DEVICE,
-                          static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+                          DEFAULT_DEVICE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_PRECISION,
       g_param_spec_enum("precision", "Precision",
                         "Precision of the expert weights on the device (accumulation is always fp32). On device=cpu, "
                         "fp16/bf16 run through the same expert executor as a GPU (weights rounded, copied into a "
                         "cache of host memory); fp32 is the plain CPU path",
-                        GST_TYPE_MOE_PRECISION, DEFAULT_PRECISION,
-                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+                        GST_TYPE_MOE_PRECISION, DEFAULT_PRECISION, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_CACHE_BUDGET,
       g_param_spec_double("cache-budget", "Expert cache budget",
@@ -510,8 +564,7 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
                           "batch's caps arrive (after the encoders upstream loaded their weights); when the experts do "
                           "not fit, the least recently used are evicted and loaded again when routed to. Not used "
                           "by the plain CPU path (device=cpu precision=fp32)",
-                          0.05, 1.0, DEFAULT_CACHE_BUDGET,
-                          static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+                          MIN_CACHE_BUDGET, 1.0, DEFAULT_CACHE_BUDGET, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_REBALANCE_INTERVAL,
       g_param_spec_uint("rebalance-interval", "Rebalance interval",
@@ -519,20 +572,16 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
                         "ran on during those batches, so that hot experts get replicas on other devices and their "
                         "rows are shared (see placement-changes in stats). 0: the placement made at start, by free "
                         "memory only, stays",
-                        0, G_MAXINT, DEFAULT_REBALANCE_INTERVAL,
-                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+                        0, MAX_REBALANCE_INTERVAL, DEFAULT_REBALANCE_INTERVAL, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_STATS,
-      g_param_spec_boxed("stats", "Statistics",
-                         "Since the element started: rows and batches processed, expert-rows (per expert, how many "
-                         "rows it ran on), batches-prefetched (batches whose experts moe-route preloaded), "
-                         "placement-changes (how often rebalance-interval moved experts), and "
-                         "devices: per device of the expert executor (none on the plain CPU path) the experts it "
-                         "serves, its cache slots and budget-bytes, and the cache counters hits, misses, "
-                         "bytes-copied, evictions, copies-hidden (copies finished before the experts were needed), "
-                         "copies-exposed (compute had to wait), exposed-wait-ms (host time spent waiting for "
-                         "copies), resident and pinned",
-                         GST_TYPE_STRUCTURE, static_cast<GParamFlags>(G_PARAM_READABLE | G_PARAM_STATIC_STRINGS)));
+      gstmoe::stats_param_spec(
+          "Since the element started: rows and batches processed, expert-rows (per expert, how many rows it ran on), "
+          "batches-prefetched (batches whose experts moe-route preloaded), placement-changes (how often "
+          "rebalance-interval moved experts), and devices: per device of the expert executor (none on the plain CPU "
+          "path) the experts it serves, its cache slots and budget-bytes, and the cache counters hits, misses, "
+          "bytes-copied, evictions, copies-hidden (copies finished before the experts were needed), copies-exposed "
+          "(compute had to wait), exposed-wait-ms (host time spent waiting for copies), resident and pinned"));
 
   gst_element_class_set_static_metadata(
       element_class, "MoE experts", "Filter/Tensor",
@@ -556,7 +605,12 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
 }
 
 static void gst_moe_expert_init(GstMoeExpert* self) {
-  self->st = new ExpertState();
+  self->model = nullptr;
+  self->device = g_strdup(DEFAULT_DEVICE);
+  self->precision = DEFAULT_PRECISION;
+  self->cache_budget = DEFAULT_CACHE_BUDGET;
+  self->rebalance_interval = DEFAULT_REBALANCE_INTERVAL;
+  self->stats = new gstmoe::adapter::Stats();
   // In place: the output has the input's shape, so the adapted rows overwrite the input rows.
   gst_base_transform_set_in_place(GST_BASE_TRANSFORM(self), TRUE);
 }

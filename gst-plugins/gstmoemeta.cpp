@@ -37,6 +37,11 @@ const char* precision_nick(GstMoePrecision precision) {
   return nick;
 }
 
+GParamSpec* stats_param_spec(const char* blurb) {
+  return g_param_spec_boxed("stats", "Statistics", blurb, GST_TYPE_STRUCTURE,
+                            static_cast<GParamFlags>(G_PARAM_READABLE | G_PARAM_STATIC_STRINGS));
+}
+
 GstBuffer* bytes_buffer(std::vector<uint8_t>&& bytes) {
   auto* owned = new std::vector<uint8_t>(std::move(bytes));
   return gst_buffer_new_wrapped_full(GST_MEMORY_FLAG_READONLY, owned->data(), owned->size(), 0, owned->size(), owned,

@@ -126,4 +126,15 @@ const char* precision_nick(GstMoePrecision precision);
 // Milliseconds between two g_get_monotonic_time() readings.
 inline double elapsed_ms(int64_t from_us, int64_t to_us) { return static_cast<double>(to_us - from_us) / 1000.0; }
 
+// The flags of the elements' read-write properties: changeable up to READY (read when the element
+// starts) or in every state (read as the data flows). docs/architecture.md, "Element skeleton".
+inline constexpr GParamFlags kPropertyMutableReady =
+    static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY);
+inline constexpr GParamFlags kPropertyMutablePlaying =
+    static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_PLAYING);
+
+// The read-only `stats` property (a GstStructure) of an element with counters; `blurb` is a string
+// literal naming the structure and its fields.
+GParamSpec* stats_param_spec(const char* blurb);
+
 }  // namespace gstmoe

@@ -1,12 +1,37 @@
-/* moe-route: picks the top-k experts of every row of a tensor batch (the MoE adapter's router)
- * and records them in the request meta; the tensor data passes through unchanged.
+/**
+ * SECTION:element-moe-route
+ * @title: moe-route
+ * @see_also: moe-expert, moe-encode, ann-query
  *
- * Why a separate element: routing is cheap and decides which experts a batch needs, so keeping
+ * moe-route is the router of a Mixture-of-Experts adapter: for every row of an embedding batch
+ * (application/x-moe-tensor) it picks the adapter's top-k experts and writes them, best first,
+ * with their weights into the row's request meta (GstMoeBatchMeta). The embeddings pass through
+ * unchanged; moe-expert, downstream, runs the chosen experts. A buffer without a request meta
+ * (raw tensors pushed by an application) gets one, with ids from a counter.
+ *
+ * When the moe-expert downstream runs its experts on GPU devices (or in reduced precision),
+ * moe-route starts loading each batch's experts there as soon as it has routed the batch.
+ *
+ * The `stats` property counts the rows and batches routed since the element started, and how
+ * many rows chose each expert (expert-load).
+ *
+ * ## Example launch lines
+ * |[
+ * gst-launch-1.0 zmq-query ! queue ! moe-encode model=models/default/clip \
+ *     ! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter \
+ *     ! ann-query index=build/demo/catalog.faiss ! zmq-publish
+ * ]| The search service: requests from ZeroMQ, results on a ZeroMQ PUB socket.
+ * |[
+ * gst-launch-1.0 filesrc location=query.txt ! text/x-raw,format=utf8 \
+ *     ! moe-encode model=models/default/clip ! moe-route model=models/default/adapter \
+ *     ! moe-expert model=models/default/adapter ! ann-query index=build/demo/catalog.faiss \
+ *     ! filesink location=/dev/stdout
+ * ]| One query from a file, its result document (with the experts each row used) on stdout.
+ */
+
+/* Why a separate element: routing is cheap and decides which experts a batch needs, so keeping
  * it apart from moe-expert lets the routing show up in the result documents and lets expert
  * execution move elsewhere later without touching the router.
- *
- * Buffers without a request meta (raw tensors pushed by an application) get one, with ids
- * from a counter, so that every row can still be answered downstream.
  *
  * Preload: when the moe-expert downstream runs its experts on an expert executor (GPU devices,
  * or reduced precision), moe-route asks for that executor (a custom downstream query, see
@@ -24,36 +49,41 @@
 GST_DEBUG_CATEGORY_STATIC(gst_moe_route_debug);
 #define GST_CAT_DEFAULT gst_moe_route_debug
 
+enum { PROP_0, PROP_MODEL, PROP_TOP_K, PROP_STATS };
+
+#define DEFAULT_TOP_K 0  // the adapter's top_k
+#define MAX_TOP_K 64
+
 namespace {
 
-// C++ state of the element (GObject does not run constructors: allocated in init).
+// What one run works with: created by start(), destroyed by stop().
 struct RouteState {
-  // Properties, under the object lock; read when the element starts.
-  std::string model;
-  guint top_k = 0;
-
-  // The running configuration: set by start(), cleared by stop(), under the object lock
-  // because the adapter query may arrive from any thread.
   std::shared_ptr<const moe::MoeAdapter> adapter;
   std::string adapter_dir;
   std::string adapter_name;
-  int top_k_used = 0;
-
-  // Streaming thread only.
-  int width = 0;
-  guint64 next_id = 0;  // ids for rows that arrive without a request meta
-
-  gstmoe::adapter::Stats stats;  // expert-load: per expert, how many rows chose it
+  int top_k = 0;  // the property, or the adapter's top_k for 0
+  int width = 0;  // negotiated tensor width; 0 before caps
 };
 
 }  // namespace
 
 struct _GstMoeRoute {
   GstBaseTransform parent;
-  RouteState* st;
-};
 
-enum { PROP_0, PROP_MODEL, PROP_TOP_K, PROP_STATS };
+  // Properties, under the object lock; read when the element starts.
+  gchar* model;  // nullptr: unset
+  guint top_k;
+
+  // Behind `stats`: reset at start, kept after stop (its own lock).
+  gstmoe::adapter::Stats* stats;
+  // Ids for rows that arrive without a request meta, counted over the element's life (streaming
+  // thread only).
+  guint64 next_id;
+
+  // Between start() and stop(), nullptr otherwise. The streaming thread uses it without a lock;
+  // the route query, which may come from any thread, reads it under the object lock.
+  RouteState* state;
+};
 
 static GstStaticPadTemplate sink_template =
     GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
@@ -71,11 +101,12 @@ static void gst_moe_route_set_property(GObject* object, guint prop_id, const GVa
   switch (prop_id) {
     case PROP_MODEL: {
       const gchar* dir = g_value_get_string(value);
-      self->st->model = dir ? dir : "";
+      g_free(self->model);
+      self->model = dir && *dir ? g_strdup(dir) : nullptr;
       break;
     }
     case PROP_TOP_K:
-      self->st->top_k = g_value_get_uint(value);
+      self->top_k = g_value_get_uint(value);
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -86,32 +117,29 @@ static void gst_moe_route_set_property(GObject* object, guint prop_id, const GVa
 
 static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
   GstMoeRoute* self = GST_MOE_ROUTE(object);
+  GST_OBJECT_LOCK(self);
   switch (prop_id) {
     case PROP_MODEL:
-      GST_OBJECT_LOCK(self);
-      g_value_set_string(value, self->st->model.empty() ? nullptr : self->st->model.c_str());
-      GST_OBJECT_UNLOCK(self);
+      g_value_set_string(value, self->model);
       break;
     case PROP_TOP_K:
-      GST_OBJECT_LOCK(self);
-      g_value_set_uint(value, self->st->top_k);
-      GST_OBJECT_UNLOCK(self);
+      g_value_set_uint(value, self->top_k);
       break;
     case PROP_STATS:
-      g_value_take_boxed(value, self->st->stats.to_structure("moe-route-stats", "expert-load"));
+      g_value_take_boxed(value, self->stats->to_structure("moe-route-stats", "expert-load"));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
   }
+  GST_OBJECT_UNLOCK(self);
 }
 
 static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
-  RouteState* st = self->st;
   GST_OBJECT_LOCK(self);
-  const std::string dir = st->model;
-  const guint top_k = st->top_k;
+  const std::string dir = self->model ? self->model : "";
+  const guint top_k = self->top_k;
   GST_OBJECT_UNLOCK(self);
 
   std::shared_ptr<const moe::MoeAdapter> adapter = gstmoe::adapter::load(GST_ELEMENT(self), dir);
@@ -124,30 +152,33 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
     return FALSE;
   }
 
-  GST_OBJECT_LOCK(self);
-  st->adapter = std::move(adapter);
-  st->adapter_dir = dir;
-  st->adapter_name = gstmoe::adapter::name_of(dir);
-  st->top_k_used = top_k ? static_cast<int>(top_k) : cfg.top_k;
-  GST_OBJECT_UNLOCK(self);
-  st->stats.reset(cfg.num_experts);
-  st->width = 0;
+  auto* state = new RouteState();
+  state->adapter = std::move(adapter);
+  state->adapter_dir = dir;
+  state->adapter_name = gstmoe::adapter::name_of(dir);
+  state->top_k = top_k ? static_cast<int>(top_k) : cfg.top_k;
+  self->stats->reset(cfg.num_experts);
   GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, top-k %d", dir.c_str(), cfg.hidden_size,
-                  cfg.num_experts, st->top_k_used);
+                  cfg.num_experts, state->top_k);
+  GST_OBJECT_LOCK(self);
+  self->state = state;
+  GST_OBJECT_UNLOCK(self);
   return TRUE;
 }
 
 static gboolean gst_moe_route_stop(GstBaseTransform* trans) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
   GST_OBJECT_LOCK(self);
-  self->st->adapter.reset();  // the cache frees the adapter when its last user lets go
+  RouteState* state = self->state;
+  self->state = nullptr;
   GST_OBJECT_UNLOCK(self);
+  delete state;  // the cache frees the adapter when its last user lets go
   return TRUE;
 }
 
 static gboolean gst_moe_route_set_caps(GstBaseTransform* trans, GstCaps* incaps, GstCaps*) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
-  RouteState* st = self->st;
+  RouteState* st = self->state;
   st->width = gstmoe::adapter::caps_width(GST_ELEMENT(self), incaps, *st->adapter, st->adapter_dir);
   return st->width != 0;
 }
@@ -156,8 +187,8 @@ static gboolean gst_moe_route_query(GstBaseTransform* trans, GstPadDirection dir
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
   if (direction == GST_PAD_SRC && gstmoe::adapter::is_route_query(query)) {
     GST_OBJECT_LOCK(self);
-    std::shared_ptr<const moe::MoeAdapter> adapter = self->st->adapter;
-    const std::string dir = self->st->adapter_dir;
+    std::shared_ptr<const moe::MoeAdapter> adapter = self->state ? self->state->adapter : nullptr;
+    const std::string dir = self->state ? self->state->adapter_dir : "";
     GST_OBJECT_UNLOCK(self);
     if (!adapter) return FALSE;  // not started: nothing to tell, and no other router to ask
     gstmoe::adapter::answer_route_query(query, dir, *adapter);
@@ -168,7 +199,7 @@ static gboolean gst_moe_route_query(GstBaseTransform* trans, GstPadDirection dir
 
 static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuffer* buf) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
-  RouteState* st = self->st;
+  RouteState* st = self->state;
   size_t rows = 0;
   if (!gstmoe::adapter::buffer_rows(GST_ELEMENT(self), buf, st->width, &rows)) return GST_FLOW_ERROR;
 
@@ -178,7 +209,7 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
     const int64_t wall = g_get_real_time(), mono = g_get_monotonic_time();
     records.rows.resize(rows);
     for (gstmoe::RequestRecord& r : records.rows) {
-      r.id = std::to_string(st->next_id++);
+      r.id = std::to_string(self->next_id++);
       r.arrival_wall_us = wall;
       r.arrival_mono_us = mono;
     }
@@ -199,7 +230,7 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   moe::Routing routing;
   const int64_t t0 = g_get_monotonic_time();
   try {
-    routing = st->adapter->route(x, st->top_k_used);
+    routing = st->adapter->route(x, st->top_k);
   } catch (const std::exception& e) {
     gst_buffer_unmap(buf, &map);
     GST_ELEMENT_ERROR(self, LIBRARY, FAILED, ("routing %zu rows failed: %s", rows, e.what()), (nullptr));
@@ -215,7 +246,7 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
     r.expert_weights.assign(routing.weights.begin() + begin, routing.weights.begin() + begin + routing.top_k);
     r.timings_ms.emplace_back("route", ms);
   }
-  st->stats.add_batch(rows, routing.expert_ids);
+  self->stats->add_batch(rows, routing.expert_ids);
   GST_LOG_OBJECT(self, "routed %zu rows in %.3f ms", rows, ms);
 
   // Asked per batch, so the answer follows relinking and restarts downstream; cheap next to routing.
@@ -231,7 +262,9 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
 }
 
 static void gst_moe_route_finalize(GObject* object) {
-  delete GST_MOE_ROUTE(object)->st;
+  GstMoeRoute* self = GST_MOE_ROUTE(object);
+  g_free(self->model);
+  delete self->stats;
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -249,14 +282,11 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
       gobject_class, PROP_TOP_K,
       g_param_spec_uint("top-k", "Experts per row",
                         "Experts chosen for every row (0: the adapter's top_k; at most the adapter's num_experts)", 0,
-                        64, 0,
-                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+                        MAX_TOP_K, DEFAULT_TOP_K, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_STATS,
-      g_param_spec_boxed("stats", "Statistics",
-                         "Since the element started: rows and batches routed, and expert-load (per expert, how many "
-                         "rows chose it)",
-                         GST_TYPE_STRUCTURE, static_cast<GParamFlags>(G_PARAM_READABLE | G_PARAM_STATIC_STRINGS)));
+      gstmoe::stats_param_spec(
+          "Since the element started: rows and batches routed, and expert-load (per expert, how many rows chose it)"));
 
   gst_element_class_set_static_metadata(
       element_class, "MoE router", "Filter/Tensor",
@@ -278,7 +308,9 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
 }
 
 static void gst_moe_route_init(GstMoeRoute* self) {
-  self->st = new RouteState();
+  self->model = nullptr;
+  self->top_k = DEFAULT_TOP_K;
+  self->stats = new gstmoe::adapter::Stats();
   // In place: only the meta changes, the tensor memory is never copied.
   gst_base_transform_set_in_place(GST_BASE_TRANSFORM(self), TRUE);
 }

@@ -1,12 +1,43 @@
-/* zmq-publish: the result stream of a gst-moe service.
+/**
+ * SECTION:element-zmq-publish
+ * @title: zmq-publish
+ * @see_also: zmq-query, ann-query
  *
- * Every buffer becomes one message on a ZeroMQ PUB socket: one frame, or two frames
- * [topic, payload] when `topic` is set so that subscribers can filter. A search service must
- * keep answering whatever its subscribers do, so nothing here ever waits on a peer: sends are
- * non-blocking, a subscriber whose queue is full loses that message alone (the others still get
- * it), closing discards what is still queued (except for a bounded drain after EOS), and the
- * sink does not sync on the clock. libzmq reports no such loss to the publisher, so every JSON
- * object document carries a sequence number and a stream id by which subscribers see their gaps.
+ * zmq-publish is the result stream of a gst-moe service: it publishes every buffer (usually a
+ * JSON result document from ann-query) as one message on a ZeroMQ PUB socket: one frame, or two
+ * frames [topic, payload] when `topic` is set so that subscribers can filter. A JSON object
+ * document gets "seq" (counting these documents from 1 at every start) and "stream" (an id drawn
+ * at every start) as its first members, by which subscribers see the messages they lost.
+ *
+ * It never blocks the pipeline: sends are non-blocking, a subscriber whose queue holds `send-hwm`
+ * messages loses the next ones until it catches up while every other subscriber still gets them,
+ * and buffers are published as they arrive (sync=false). Stopping discards what is still queued,
+ * except after EOS, when it waits up to `drain-timeout` for it to be delivered.
+ * `curve-secret-key-file` and `curve-allowed-keys` admit only the listed CURVE subscribers.
+ *
+ * The `stats` property counts the messages and bytes sent since the element started, and gives
+ * the last sequence number and the stream id.
+ *
+ * ## Example launch lines
+ * |[
+ * gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! queue \
+ *     ! moe-encode model=models/default/clip ! moe-route model=models/default/adapter \
+ *     ! moe-expert model=models/default/adapter \
+ *     ! ann-query index=build/demo/catalog.faiss \
+ *     ! zmq-publish endpoint=tcp://127.0.0.1:5556 topic=results
+ * ]| The search service, its results published under the topic "results".
+ * |[
+ * gst-launch-1.0 videotestsrc num-buffers=8 ! jpegenc \
+ *     ! zmq-publish endpoint=ipc:///tmp/frames bind=false
+ * ]| Any payload works: JPEG frames, unnumbered, sent to a subscriber that binds ipc:///tmp/frames.
+ */
+
+/* A search service must keep answering whatever its subscribers do, so nothing here ever waits on
+ * a peer: sends are non-blocking, a subscriber whose queue is full loses that message alone (the
+ * others still get it), closing discards what is still queued (except for a bounded drain after
+ * EOS), and the sink does not sync on the clock. libzmq reports no such loss to the publisher, so
+ * every JSON object document carries a sequence number and a stream id by which subscribers see
+ * their gaps.
  */
 #include "gstzmqpublish.h"
 
@@ -14,36 +45,11 @@
 #include <cstring>
 #include <string>
 
+#include "gstmoemeta.h"
 #include "gstmoezmq.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_zmq_publish_debug);
 #define GST_CAT_DEFAULT gst_zmq_publish_debug
-
-// Hex digits of the random id that tells one start's stream from another's.
-#define STREAM_ID_LENGTH 16
-
-struct _GstZmqPublish {
-  GstBaseSink parent;
-
-  // Properties (object lock). Socket settings take effect at the next start.
-  gchar* endpoint;
-  gboolean bind;
-  gchar* topic;
-  gint send_hwm;
-  guint drain_timeout_ms;
-  gchar* curve_secret_key_file;
-  gchar* curve_allowed_keys;
-
-  // Streaming state: used by start/stop and the streaming thread (render, event) only.
-  gstmoe::ZmqSocket* zmq;
-  gchar* active_topic;  // `topic` as it was at start
-
-  // Statistics (object lock), reset at start. `stream` is written at start only.
-  guint64 sent;
-  guint64 bytes;
-  guint64 seq;  // the last sequence number given; 0 before the first JSON object document
-  gchar stream[STREAM_ID_LENGTH + 1];
-};
 
 enum {
   PROP_0,
@@ -65,10 +71,48 @@ enum {
 #define DEFAULT_DRAIN_TIMEOUT_MS 1000
 #define MAX_DRAIN_TIMEOUT_MS 3600000
 
+// Hex digits of the random id that tells one start's stream from another's.
+#define STREAM_ID_LENGTH 16
+
+namespace {
+
+// What one run works with: created by start(), destroyed by stop(); the streaming thread (render,
+// event) uses it without a lock.
+struct ZmqPublishState {
+  gstmoe::ZmqSocket zmq;
+  std::string topic;  // `topic` as it was at start
+};
+
+}  // namespace
+
+struct _GstZmqPublish {
+  GstBaseSink parent;
+
+  // Properties, under the object lock. Socket settings take effect at the next start.
+  gchar* endpoint;
+  gboolean bind;
+  gchar* topic;
+  gint send_hwm;
+  guint drain_timeout_ms;
+  gchar* curve_secret_key_file;
+  gchar* curve_allowed_keys;
+
+  // Behind `stats`, under the object lock: reset at start, kept after stop. `stream` is written
+  // at start only.
+  guint64 sent;
+  guint64 bytes;
+  guint64 seq;  // the last sequence number given; 0 before the first JSON object document
+  gchar stream[STREAM_ID_LENGTH + 1];
+
+  // Between start() and stop(), nullptr otherwise.
+  ZmqPublishState* state;
+};
+
 static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS_ANY);
 
 #define gst_zmq_publish_parent_class parent_class
-G_DEFINE_TYPE(GstZmqPublish, gst_zmq_publish, GST_TYPE_BASE_SINK);
+G_DEFINE_TYPE_WITH_CODE(GstZmqPublish, gst_zmq_publish, GST_TYPE_BASE_SINK,
+                        GST_DEBUG_CATEGORY_INIT(gst_zmq_publish_debug, "zmq-publish", 0, "ZeroMQ PUB sink"));
 GST_ELEMENT_REGISTER_DEFINE(zmq_publish, "zmq-publish", GST_RANK_NONE, GST_TYPE_ZMQ_PUBLISH);
 
 static void gst_zmq_publish_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
@@ -152,6 +196,7 @@ static gboolean gst_zmq_publish_start(GstBaseSink* sink) {
   const int hwm = self->send_hwm;
   const std::string curve_secret_key_file = self->curve_secret_key_file ? self->curve_secret_key_file : "";
   const std::string curve_allowed_keys = self->curve_allowed_keys ? self->curve_allowed_keys : "";
+  const std::string topic = self->topic ? self->topic : "";
   self->sent = self->bytes = self->seq = 0;
   g_snprintf(self->stream, sizeof self->stream, "%08x%08x", g_random_int(), g_random_int());
   GST_OBJECT_UNLOCK(self);
@@ -166,38 +211,45 @@ static gboolean gst_zmq_publish_start(GstBaseSink* sink) {
   // Lossy PUB (no ZMQ_XPUB_NODROP): a message that a subscriber's full queue cannot take is lost
   // for that subscriber alone. With NODROP, libzmq refuses the message for every subscriber while
   // any one queue is full, so one subscriber that stops reading would silence them all.
+  ZmqPublishState* state = nullptr;
   try {
-    self->zmq = new gstmoe::ZmqSocket(zmq::socket_type::pub, endpoint, bind, curve,
-                                      [hwm](zmq::socket_t& s) { s.set(zmq::sockopt::sndhwm, hwm); });
+    state = new ZmqPublishState{gstmoe::ZmqSocket(zmq::socket_type::pub, endpoint, bind, curve,
+                                                  [hwm](zmq::socket_t& s) { s.set(zmq::sockopt::sndhwm, hwm); }),
+                                topic};
   } catch (const std::exception& e) {
     GST_ELEMENT_ERROR(self, RESOURCE, OPEN_WRITE, ("%s", e.what()), (nullptr));
     return FALSE;
   }
-  self->active_topic = g_strdup(self->topic ? self->topic : "");
   GST_INFO_OBJECT(self, "%s %s%s, topic '%s', send-hwm %d, stream %s", bind ? "bound to" : "connected to",
-                  endpoint.c_str(), curve ? " (CURVE)" : "", self->active_topic, hwm, self->stream);
+                  endpoint.c_str(), curve ? " (CURVE)" : "", topic.c_str(), hwm, self->stream);
+  GST_OBJECT_LOCK(self);
+  self->state = state;
+  GST_OBJECT_UNLOCK(self);
   return TRUE;
 }
 
 static gboolean gst_zmq_publish_stop(GstBaseSink* sink) {
   GstZmqPublish* self = GST_ZMQ_PUBLISH(sink);
-  delete self->zmq;  // waits at most the linger time (0, or drain-timeout after EOS)
-  self->zmq = nullptr;
-  g_clear_pointer(&self->active_topic, g_free);
+  GST_OBJECT_LOCK(self);
+  ZmqPublishState* state = self->state;
+  self->state = nullptr;
+  GST_OBJECT_UNLOCK(self);
+  delete state;  // waits at most the linger time (0, or drain-timeout after EOS)
   return TRUE;
 }
 
 static gboolean gst_zmq_publish_event(GstBaseSink* sink, GstEvent* event) {
   GstZmqPublish* self = GST_ZMQ_PUBLISH(sink);
-  if (self->zmq && GST_EVENT_TYPE(event) == GST_EVENT_EOS) {
+  ZmqPublishState* st = self->state;
+  if (st && GST_EVENT_TYPE(event) == GST_EVENT_EOS) {
     // The stream is complete: give what is still queued (the last results) a bounded time to
     // reach the subscribers when the element stops.
     GST_OBJECT_LOCK(self);
     const int linger = static_cast<int>(self->drain_timeout_ms);
     GST_OBJECT_UNLOCK(self);
-    if (!self->zmq->set_linger(linger)) GST_WARNING_OBJECT(self, "cannot set ZMQ_LINGER: %s", zmq_strerror(errno));
-  } else if (self->zmq && GST_EVENT_TYPE(event) == GST_EVENT_FLUSH_STOP) {
-    self->zmq->set_linger(0);  // no longer at EOS: stopping discards again
+    if (!st->zmq.set_linger(linger)) GST_WARNING_OBJECT(self, "cannot set ZMQ_LINGER: %s", zmq_strerror(errno));
+  } else if (st && GST_EVENT_TYPE(event) == GST_EVENT_FLUSH_STOP) {
+    st->zmq.set_linger(0);  // no longer at EOS: stopping discards again
   }
   return GST_BASE_SINK_CLASS(parent_class)->event(sink, event);
 }
@@ -229,6 +281,7 @@ static bool build_message(const guint8* payload, gsize size, guint64 seq, const 
 
 static GstFlowReturn gst_zmq_publish_render(GstBaseSink* sink, GstBuffer* buffer) {
   GstZmqPublish* self = GST_ZMQ_PUBLISH(sink);
+  ZmqPublishState* st = self->state;
   GstMapInfo map;
   if (!gst_buffer_map(buffer, &map, GST_MAP_READ)) {
     GST_ELEMENT_ERROR(self, RESOURCE, READ, ("Could not map the buffer to publish."), (nullptr));
@@ -246,7 +299,7 @@ static GstFlowReturn gst_zmq_publish_render(GstBaseSink* sink, GstBuffer* buffer
 
   // Never waits: a PUB socket takes every message, writing it whole (the high-water mark counts
   // complete messages) to each subscriber queue that has room and to no other.
-  zmq::socket_t& socket = self->zmq->socket();
+  zmq::socket_t& socket = st->zmq.socket();
   const zmq::send_flags dontwait = zmq::send_flags::dontwait;
   bool accepted = false;
   try {
@@ -255,10 +308,8 @@ static GstFlowReturn gst_zmq_publish_render(GstBaseSink* sink, GstBuffer* buffer
     // ZMQ_EVENTS processes them now: otherwise a burst of more than send-hwm messages would be lost
     // even by subscribers that keep up.
     static_cast<void>(socket.get(zmq::sockopt::events));
-    if (self->active_topic[0] != '\0') {
-      accepted = socket.send(zmq::buffer(self->active_topic, strlen(self->active_topic)),
-                             dontwait | zmq::send_flags::sndmore)
-                     .has_value();
+    if (!st->topic.empty()) {
+      accepted = socket.send(zmq::buffer(st->topic), dontwait | zmq::send_flags::sndmore).has_value();
       if (accepted) accepted = socket.send(message, dontwait).has_value();
     } else {
       accepted = socket.send(message, dontwait).has_value();
@@ -292,57 +343,50 @@ static void gst_zmq_publish_class_init(GstZmqPublishClass* klass) {
   GstElementClass* element_class = GST_ELEMENT_CLASS(klass);
   GstBaseSinkClass* basesink_class = GST_BASE_SINK_CLASS(klass);
 
-  GST_DEBUG_CATEGORY_INIT(gst_zmq_publish_debug, "zmq-publish", 0, "ZeroMQ PUB sink");
-
   gobject_class->set_property = gst_zmq_publish_set_property;
   gobject_class->get_property = gst_zmq_publish_get_property;
   gobject_class->finalize = gst_zmq_publish_finalize;
 
-  const GParamFlags rw_ready =
-      static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY);
   g_object_class_install_property(
       gobject_class, PROP_ENDPOINT,
       g_param_spec_string("endpoint", "Endpoint",
                           "ZeroMQ endpoint to bind or connect the PUB socket to (tcp://HOST:PORT, ipc:///PATH; "
                           "bind also takes tcp://*:PORT for all interfaces)",
-                          DEFAULT_ENDPOINT, rw_ready));
+                          DEFAULT_ENDPOINT, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_BIND,
       g_param_spec_boolean("bind", "Bind",
                            "Bind the endpoint (subscribers connect to it); FALSE: connect to a subscriber or proxy "
                            "that binds it (ZeroMQ connects in the background and retries)",
-                           DEFAULT_BIND, rw_ready));
+                           DEFAULT_BIND, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_TOPIC,
       g_param_spec_string("topic", "Topic",
                           "Empty: one-frame messages holding the payload. Otherwise two frames [topic, payload], so "
                           "that subscribers can filter by topic prefix",
-                          DEFAULT_TOPIC, rw_ready));
+                          DEFAULT_TOPIC, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_SEND_HWM,
       g_param_spec_int("send-hwm", "Send high-water mark",
                        "Messages queued per subscriber (ZMQ_SNDHWM); a subscriber with this many queued loses "
                        "the next messages until it catches up, the others still get them. 0: unlimited (memory "
                        "grows while a subscriber lags)",
-                       0, MAX_SEND_HWM, DEFAULT_SEND_HWM, rw_ready));
+                       0, MAX_SEND_HWM, DEFAULT_SEND_HWM, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_DRAIN_TIMEOUT,
       g_param_spec_uint("drain-timeout", "Drain timeout",
                         "After EOS, how long stopping may wait (ms) for queued messages to reach the subscribers; "
                         "0: discard them. Stopping without EOS never waits",
-                        0, MAX_DRAIN_TIMEOUT_MS, DEFAULT_DRAIN_TIMEOUT_MS,
-                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS |
-                                                 GST_PARAM_MUTABLE_PLAYING)));
+                        0, MAX_DRAIN_TIMEOUT_MS, DEFAULT_DRAIN_TIMEOUT_MS, gstmoe::kPropertyMutablePlaying));
   gstmoe::install_curve_properties(gobject_class, PROP_CURVE_SECRET_KEY_FILE, PROP_CURVE_ALLOWED_KEYS);
   g_object_class_install_property(
       gobject_class, PROP_STATS,
-      g_param_spec_boxed("stats", "Statistics",
-                         "zmq-publish-stats: sent (messages handed to the socket, including those no subscriber "
-                         "wanted; a subscriber whose queue was full lost its copy, which the publisher cannot see: "
-                         "subscribers see it as a seq gap), bytes (bytes of those payloads as sent, seq and stream "
-                         "included, topic frames not), seq (the last sequence number given: JSON object documents "
-                         "published), stream (this start's stream id); reset at start",
-                         GST_TYPE_STRUCTURE, static_cast<GParamFlags>(G_PARAM_READABLE | G_PARAM_STATIC_STRINGS)));
+      gstmoe::stats_param_spec(
+          "zmq-publish-stats: sent (messages handed to the socket, including those no subscriber "
+          "wanted; a subscriber whose queue was full lost its copy, which the publisher cannot see: "
+          "subscribers see it as a seq gap), bytes (bytes of those payloads as sent, seq and stream "
+          "included, topic frames not), seq (the last sequence number given: JSON object documents "
+          "published), stream (this start's stream id); reset at start"));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_set_static_metadata(

@@ -1,14 +1,38 @@
-/* zmq-query: the request entrance of a gst-moe service.
+/**
+ * SECTION:element-zmq-query
+ * @title: zmq-query
+ * @see_also: zmq-publish, moe-encode
  *
- * Clients send one JSON request per ZeroMQ message ({"id": "q1", "text": "red mug"},
- * {"id": "q2", "image": "/photos/mug.jpg"}, {"id": "q3", "image_base64": "iVBORw0..."}, optional
- * "k"). Each message becomes one application/x-moe-request buffer: the query text or the image
- * file bytes, with a GstMoeBatchMeta row describing the request. A request that cannot be served
+ * zmq-query is the request entrance of a gst-moe service: a live source that receives search
+ * requests, one JSON object per ZeroMQ message, on a PULL socket (PUSH clients, no reply) or a
+ * ROUTER socket (REQ or DEALER clients, each request answered at once with an accepted or
+ * rejected reply):
+ * {"id": "q1", "text": "red mug"}, {"id": "q2", "image": "/photos/mug.jpg"} (the file is read
+ * here, only under `image-root`) or {"id": "q3", "image_base64": "iVBORw0..."}, with an optional
+ * "k". Each message becomes one application/x-moe-request buffer (the query text or the image
+ * file bytes) with a GstMoeBatchMeta row describing the request. A request that cannot be served
  * is not an element error: it becomes an empty buffer whose meta carries it as a failed request,
  * so that it is answered with an error document at the end of the pipeline like every other
- * request. With a ROUTER socket each client also gets an immediate accepted/rejected reply.
+ * request. docs/zmq-schema.md specifies the requests; `curve-secret-key-file` and
+ * `curve-allowed-keys` admit only the listed CURVE clients.
  *
- * Parsing and its bounds live in the engine (moe::parse_query_request, where the request fuzzer
+ * The `stats` property counts the requests received and rejected since the element started.
+ *
+ * ## Example launch lines
+ * |[
+ * gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! queue \
+ *     ! moe-encode model=models/default/clip ! moe-route model=models/default/adapter \
+ *     ! moe-expert model=models/default/adapter \
+ *     ! ann-query index=build/demo/catalog.faiss ! zmq-publish endpoint=tcp://127.0.0.1:5556
+ * ]| The search service: requests from PUSH clients, results on the PUB socket of zmq-publish.
+ * |[
+ * gst-launch-1.0 zmq-query socket-type=router image-root=models/default/catalog num-requests=100 \
+ *     ! fakesink dump=true
+ * ]| Acknowledges 100 requests from REQ clients, serving "image" requests for files under
+ * models/default/catalog, and dumps the request buffers.
+ */
+
+/* Parsing and its bounds live in the engine (moe::parse_query_request, where the request fuzzer
  * reaches them too): depth, values and integers are bounded before JSON-GLib runs, the text by
  * max-text-bytes, images by max-image-bytes. The service reads image files only under image-root,
  * so that a client cannot make it read any file of the machine or learn which files exist outside
@@ -34,33 +58,6 @@
 
 GST_DEBUG_CATEGORY_STATIC(gst_zmq_query_debug);
 #define GST_CAT_DEFAULT gst_zmq_query_debug
-
-struct _GstZmqQuery {
-  GstPushSrc parent;
-
-  // Properties (object lock). Socket settings take effect at the next start.
-  gchar* endpoint;
-  gboolean bind;
-  GstZmqQuerySocketType socket_type;
-  gint recv_hwm;
-  guint64 max_message_bytes;
-  guint64 max_image_bytes;
-  guint max_text_bytes;
-  gchar* image_root;
-  gint64 num_requests;
-  gchar* curve_secret_key_file;
-  gchar* curve_allowed_keys;
-
-  // Streaming state: used by start/stop and the streaming thread (create) only.
-  gstmoe::ZmqSocket* zmq;
-  gboolean router;   // socket-type at start
-  gchar* root_path;  // image-root at start, canonical (realpath); nullptr: image paths are refused
-  gint flushing;     // atomic: set by unlock() to interrupt create()
-
-  // Statistics (object lock), reset at start.
-  guint64 received;
-  guint64 rejected;
-};
 
 enum {
   PROP_0,
@@ -103,6 +100,44 @@ static constexpr std::chrono::milliseconds kPollInterval{100};
 static constexpr int kReplyDrainMs = 1000;
 static const char* const kStage = "zmq-query";
 
+namespace {
+
+// What one run works with: created by start(), destroyed by stop(); the streaming thread (create)
+// uses it without a lock.
+struct ZmqQueryState {
+  gstmoe::ZmqSocket zmq;
+  bool router;             // socket-type at start
+  std::string image_root;  // image-root at start, canonical (realpath); empty: image paths are refused
+};
+
+}  // namespace
+
+struct _GstZmqQuery {
+  GstPushSrc parent;
+
+  // Properties, under the object lock. Socket settings take effect at the next start.
+  gchar* endpoint;
+  gboolean bind;
+  GstZmqQuerySocketType socket_type;
+  gint recv_hwm;
+  guint64 max_message_bytes;
+  guint64 max_image_bytes;
+  guint max_text_bytes;
+  gchar* image_root;
+  gint64 num_requests;
+  gchar* curve_secret_key_file;
+  gchar* curve_allowed_keys;
+
+  // Behind `stats`, under the object lock: reset at start, kept after stop.
+  guint64 received;
+  guint64 rejected;
+
+  gint flushing;  // atomic: set by unlock() from any thread to interrupt create()
+
+  // Between start() and stop(), nullptr otherwise.
+  ZmqQueryState* state;
+};
+
 static GstStaticPadTemplate src_template =
     GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_REQUEST_CAPS));
 
@@ -120,7 +155,8 @@ GType gst_zmq_query_socket_type_get_type(void) {
 }
 
 #define gst_zmq_query_parent_class parent_class
-G_DEFINE_TYPE(GstZmqQuery, gst_zmq_query, GST_TYPE_PUSH_SRC);
+G_DEFINE_TYPE_WITH_CODE(GstZmqQuery, gst_zmq_query, GST_TYPE_PUSH_SRC,
+                        GST_DEBUG_CATEGORY_INIT(gst_zmq_query_debug, "zmq-query", 0, "ZeroMQ request source"));
 GST_ELEMENT_REGISTER_DEFINE(zmq_query, "zmq-query", GST_RANK_NONE, GST_TYPE_ZMQ_QUERY);
 
 // ---------------------------------------------------------------------------------------------
@@ -300,7 +336,7 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
   const std::string root = self->image_root ? self->image_root : "";
   const std::string curve_secret_key_file = self->curve_secret_key_file ? self->curve_secret_key_file : "";
   const std::string curve_allowed_keys = self->curve_allowed_keys ? self->curve_allowed_keys : "";
-  self->router = self->socket_type == GST_ZMQ_QUERY_SOCKET_ROUTER;
+  const bool router = self->socket_type == GST_ZMQ_QUERY_SOCKET_ROUTER;
   self->received = self->rejected = 0;
   GST_OBJECT_UNLOCK(self);
   g_atomic_int_set(&self->flushing, 0);
@@ -336,27 +372,34 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
   }
   // ZeroMQ's "no limit" is -1.
   const int64_t max_msgsize = max_message == 0 ? -1 : static_cast<int64_t>(max_message);
+  ZmqQueryState* state = nullptr;
   try {
-    self->zmq = new gstmoe::ZmqSocket(self->router ? zmq::socket_type::router : zmq::socket_type::pull, endpoint,
-                                      bind, curve, [hwm, max_msgsize](zmq::socket_t& s) {
-                                        s.set(zmq::sockopt::rcvhwm, hwm);
-                                        s.set(zmq::sockopt::maxmsgsize, max_msgsize);
-                                      });
+    state = new ZmqQueryState{gstmoe::ZmqSocket(router ? zmq::socket_type::router : zmq::socket_type::pull, endpoint,
+                                                bind, curve,
+                                                [hwm, max_msgsize](zmq::socket_t& s) {
+                                                  s.set(zmq::sockopt::rcvhwm, hwm);
+                                                  s.set(zmq::sockopt::maxmsgsize, max_msgsize);
+                                                }),
+                              router, root_path};
   } catch (const std::exception& e) {
     GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()), (nullptr));
     return FALSE;
   }
-  if (!root_path.empty()) self->root_path = g_strdup(root_path.c_str());
   GST_INFO_OBJECT(self, "%s %s (%s), image-root %s", bind ? "bound to" : "connected to", endpoint.c_str(),
-                  self->router ? "router" : "pull", self->root_path ? self->root_path : "none");
+                  router ? "router" : "pull", root_path.empty() ? "none" : root_path.c_str());
+  GST_OBJECT_LOCK(self);
+  self->state = state;
+  GST_OBJECT_UNLOCK(self);
   return TRUE;
 }
 
 static gboolean gst_zmq_query_stop(GstBaseSrc* src) {
   GstZmqQuery* self = GST_ZMQ_QUERY(src);
-  delete self->zmq;
-  self->zmq = nullptr;
-  g_clear_pointer(&self->root_path, g_free);
+  GST_OBJECT_LOCK(self);
+  ZmqQueryState* state = self->state;
+  self->state = nullptr;
+  GST_OBJECT_UNLOCK(self);
+  delete state;
   return TRUE;
 }
 
@@ -381,7 +424,7 @@ static gboolean gst_zmq_query_query(GstBaseSrc* src, GstQuery* query) {
 
 // Waits for the next message, polling in short slices so that unlock() is noticed.
 static GstFlowReturn gst_zmq_query_receive(GstZmqQuery* self, std::vector<zmq::message_t>& frames) {
-  zmq::socket_t& socket = self->zmq->socket();
+  zmq::socket_t& socket = self->state->zmq.socket();
   while (!g_atomic_int_get(&self->flushing)) {
     zmq::pollitem_t item{socket.handle(), 0, ZMQ_POLLIN, 0};
     try {
@@ -406,7 +449,7 @@ static void gst_zmq_query_reply(GstZmqQuery* self, const std::vector<zmq::messag
   for (size_t i = 0; i < envelope; ++i) parts.push_back(zmq::buffer(frames[i].data(), frames[i].size()));
   parts.push_back(zmq::buffer(body));
   try {
-    if (!zmq::send_multipart(self->zmq->socket(), parts, zmq::send_flags::dontwait))
+    if (!zmq::send_multipart(self->state->zmq.socket(), parts, zmq::send_flags::dontwait))
       GST_WARNING_OBJECT(self, "could not send the reply %s: client queue full", body.c_str());
   } catch (const zmq::error_t& e) {
     GST_WARNING_OBJECT(self, "could not send the reply %s: %s", body.c_str(), e.what());
@@ -415,6 +458,7 @@ static void gst_zmq_query_reply(GstZmqQuery* self, const std::vector<zmq::messag
 
 static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   GstZmqQuery* self = GST_ZMQ_QUERY(src);
+  ZmqQueryState* st = self->state;
   GST_OBJECT_LOCK(self);
   const bool done = self->num_requests >= 0 && self->received >= static_cast<guint64>(self->num_requests);
   moe::QueryLimits limits;
@@ -424,7 +468,7 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   if (done) {
     GST_INFO_OBJECT(self, "num-requests requests received: end of stream");
     // The last reply was just queued: let stopping give it a moment to reach its client.
-    if (self->router) self->zmq->set_linger(kReplyDrainMs);
+    if (st->router) st->zmq.set_linger(kReplyDrainMs);
     return GST_FLOW_EOS;
   }
 
@@ -437,7 +481,7 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   record.arrival_mono_us = g_get_monotonic_time();
   // ROUTER prefixes the client's identity; REQ clients add an empty delimiter frame.
   size_t envelope = 0;
-  if (self->router) envelope = frames.size() >= 3 && frames[1].size() == 0 ? 2 : 1;
+  if (st->router) envelope = frames.size() >= 3 && frames[1].size() == 0 ? 2 : 1;
 
   gstmoe::BatchRecords records;
   GstBuffer* buffer = nullptr;
@@ -446,7 +490,7 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
     if (frames.size() != envelope + 1)
       throw moe::Error("request has " + std::to_string(frames.size() - envelope) +
                        " frames; expected one frame holding the JSON request");
-    buffer = parse_request(frames[envelope], limits, self->root_path, record);
+    buffer = parse_request(frames[envelope], limits, st->image_root.empty() ? nullptr : st->image_root.c_str(), record);
     records.rows.push_back(record);
   } catch (const moe::Error& e) {
     reason = e.what();
@@ -465,16 +509,17 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   else
     GST_INFO_OBJECT(self, "request '%s' rejected: %s", record.id.c_str(), reason.c_str());
 
-  if (self->router) gst_zmq_query_reply(self, frames, envelope, reply_json(record.id, reason.empty() ? nullptr : &reason));
+  if (st->router) gst_zmq_query_reply(self, frames, envelope, reply_json(record.id, reason.empty() ? nullptr : &reason));
   *out = buffer;
   return GST_FLOW_OK;
 }
 
 static void gst_zmq_query_finalize(GObject* object) {
-  g_free(GST_ZMQ_QUERY(object)->endpoint);
-  g_free(GST_ZMQ_QUERY(object)->image_root);
-  g_free(GST_ZMQ_QUERY(object)->curve_secret_key_file);
-  g_free(GST_ZMQ_QUERY(object)->curve_allowed_keys);
+  GstZmqQuery* self = GST_ZMQ_QUERY(object);
+  g_free(self->endpoint);
+  g_free(self->image_root);
+  g_free(self->curve_secret_key_file);
+  g_free(self->curve_allowed_keys);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -484,41 +529,35 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
   GstBaseSrcClass* basesrc_class = GST_BASE_SRC_CLASS(klass);
   GstPushSrcClass* pushsrc_class = GST_PUSH_SRC_CLASS(klass);
 
-  GST_DEBUG_CATEGORY_INIT(gst_zmq_query_debug, "zmq-query", 0, "ZeroMQ request source");
-
   gobject_class->set_property = gst_zmq_query_set_property;
   gobject_class->get_property = gst_zmq_query_get_property;
   gobject_class->finalize = gst_zmq_query_finalize;
 
-  const GParamFlags rw_ready =
-      static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY);
-  const GParamFlags rw_playing =
-      static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_PLAYING);
   g_object_class_install_property(
       gobject_class, PROP_ENDPOINT,
       g_param_spec_string("endpoint", "Endpoint",
                           "ZeroMQ endpoint to bind or connect the socket to (tcp://HOST:PORT, ipc:///PATH; bind "
                           "also takes tcp://*:PORT for all interfaces)",
-                          DEFAULT_ENDPOINT, rw_ready));
+                          DEFAULT_ENDPOINT, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_BIND,
       g_param_spec_boolean("bind", "Bind",
                            "Bind the endpoint (clients connect to it); FALSE: connect to a client or broker that "
                            "binds it (ZeroMQ connects in the background and retries)",
-                           DEFAULT_BIND, rw_ready));
+                           DEFAULT_BIND, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_SOCKET_TYPE,
       g_param_spec_enum("socket-type", "Socket type",
                         "pull: PUSH clients send requests without reply; router: REQ or DEALER clients get an "
                         "immediate reply {\"id\":...,\"status\":\"accepted\"} or {...,\"status\":\"rejected\","
                         "\"error\":...} (results always come from zmq-publish)",
-                        GST_TYPE_ZMQ_QUERY_SOCKET_TYPE, DEFAULT_SOCKET_TYPE, rw_ready));
+                        GST_TYPE_ZMQ_QUERY_SOCKET_TYPE, DEFAULT_SOCKET_TYPE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_RECV_HWM,
       g_param_spec_int("recv-hwm", "Receive high-water mark",
                        "Requests queued per client (ZMQ_RCVHWM) before ZeroMQ stops reading from it (a PUSH "
                        "client then waits); 0: unlimited",
-                       0, MAX_RECV_HWM, DEFAULT_RECV_HWM, rw_ready));
+                       0, MAX_RECV_HWM, DEFAULT_RECV_HWM, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_MAX_MESSAGE_BYTES,
       g_param_spec_uint64("max-message-bytes", "Maximum message bytes",
@@ -528,20 +567,20 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
                           "max-image-bytes plus a line break (escaped in JSON as \\n) per 76 characters and the JSON around it (45917618 "
                           "bytes for the default 32 MiB, hence the default 48 MiB); start warns when this is "
                           "smaller than that. 0: unlimited",
-                          0, MAX_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, rw_ready));
+                          0, MAX_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_MAX_IMAGE_BYTES,
       g_param_spec_uint64("max-image-bytes", "Maximum image bytes",
                           "Largest image (file or decoded image_base64) accepted; larger ones are rejected. Keep "
                           "max-message-bytes large enough for an image_base64 request of this size", 1,
-                          G_MAXUINT64, DEFAULT_MAX_IMAGE_BYTES, rw_playing));
+                          G_MAXUINT64, DEFAULT_MAX_IMAGE_BYTES, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_MAX_TEXT_BYTES,
       g_param_spec_uint("max-text-bytes", "Maximum text bytes",
                         "Longest query text accepted, in UTF-8 bytes; a longer one is rejected with an error document "
                         "(CLIP reads 77 tokens, a few hundred bytes: the rest would only cost time and be echoed back "
                         "in the answer)",
-                        1, MAX_MAX_TEXT_BYTES, DEFAULT_MAX_TEXT_BYTES, rw_playing));
+                        1, MAX_MAX_TEXT_BYTES, DEFAULT_MAX_TEXT_BYTES, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_IMAGE_ROOT,
       g_param_spec_string("image-root", "Image root",
@@ -550,19 +589,17 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
                           "symlinks) is rejected as \"image '<value>' is outside image-root\", whether or not the "
                           "file exists. NULL or empty (the default): every \"image\" request is rejected, so that "
                           "clients cannot make the service read files of its machine (image_base64 always works)",
-                          DEFAULT_IMAGE_ROOT, rw_ready));
+                          DEFAULT_IMAGE_ROOT, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_NUM_REQUESTS,
       g_param_spec_int64("num-requests", "Number of requests",
                          "End the stream (EOS) after this many requests, valid or not; -1: never", -1, G_MAXINT64,
-                         DEFAULT_NUM_REQUESTS, rw_ready));
+                         DEFAULT_NUM_REQUESTS, gstmoe::kPropertyMutableReady));
   gstmoe::install_curve_properties(gobject_class, PROP_CURVE_SECRET_KEY_FILE, PROP_CURVE_ALLOWED_KEYS);
   g_object_class_install_property(
       gobject_class, PROP_STATS,
-      g_param_spec_boxed("stats", "Statistics",
-                         "zmq-query-stats: received (requests, valid or not), rejected (invalid requests, sent on "
-                         "as failed requests); reset at start",
-                         GST_TYPE_STRUCTURE, static_cast<GParamFlags>(G_PARAM_READABLE | G_PARAM_STATIC_STRINGS)));
+      gstmoe::stats_param_spec("zmq-query-stats: received (requests, valid or not), rejected (invalid requests, "
+                               "sent on as failed requests); reset at start"));
 
   gst_element_class_add_static_pad_template(element_class, &src_template);
   gst_element_class_set_static_metadata(

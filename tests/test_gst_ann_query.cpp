@@ -850,6 +850,74 @@ TEST_F(AnnQueryTest, StateCyclesReloadTheIndex) {
   EXPECT_EQ(bus_error(), "");
 }
 
+// The counters of an ann-query's `stats`, by field name; `search_ms` gets its search-ms.
+std::map<std::string, guint64> read_stats(GstElement* element, double* search_ms = nullptr) {
+  GstStructure* s = nullptr;
+  g_object_get(element, "stats", &s, nullptr);
+  EXPECT_NE(s, nullptr);
+  std::map<std::string, guint64> counters;
+  if (!s) return counters;
+  EXPECT_STREQ(gst_structure_get_name(s), "ann-query-stats");
+  for (const char* field : {"requests", "results", "errors", "refused", "added", "batches"})
+    EXPECT_TRUE(gst_structure_get_uint64(s, field, &counters[field])) << field;
+  double ms = -1;
+  EXPECT_TRUE(gst_structure_get_double(s, "search-ms", &ms));
+  if (search_ms) *search_ms = ms;
+  gst_structure_free(s);
+  return counters;
+}
+
+std::map<std::string, guint64> counters(guint64 requests, guint64 results, guint64 errors, guint64 refused,
+                                        guint64 added, guint64 batches) {
+  return {{"requests", requests}, {"results", results}, {"errors", errors},
+          {"refused", refused},   {"added", added},     {"batches", batches}};
+}
+
+TEST_F(AnnQueryTest, StatsCountRequestsDocumentsAndSearchTime) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path, "flat", kClipAndAdapter));
+  // The build: 50 rows in three batches, one request that failed upstream.
+  double search_ms = -1;
+  EXPECT_EQ(read_stats(harnesses_.back()->element, &search_ms), counters(51, 0, 1, 0, 50, 3));
+  EXPECT_EQ(search_ms, 0.0);
+
+  GstElement* element = make_element("index", path.c_str(), nullptr);
+  EXPECT_EQ(read_stats(element), counters(0, 0, 0, 0, 0, 0));  // readable before the first start
+  GstHarness* h = harness(element);
+  set_tensor_caps(h, kWidth);
+  // Four rows and a request that failed upstream, from the index's models; then two rows that
+  // another adapter made, refused.
+  gstmoe::BatchRecords matching;
+  for (int i = 0; i < 4; ++i) matching.rows.push_back(text_request("q" + std::to_string(i)));
+  matching.failed.push_back(failed_request("upstream-failure"));
+  kClipAndAdapter.stamp(matching);
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, matching)), GST_FLOW_OK);
+  gstmoe::BatchRecords other;
+  other.rows = {text_request("other0"), text_request("other1")};
+  Models{"clip", kClipAndAdapter.encoder_fingerprint, "adapter", "000000000000ffff"}.stamp(other);
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, other)), GST_FLOW_OK);
+
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 7u);
+  // One search ran (the refused rows are not searched): its time is in every result's timings.
+  const gstmoe::RequestRecord& answered = gst_buffer_get_moe_batch_meta(out[0])->records->rows.at(0);
+  ASSERT_EQ(answered.timings_ms.back().first, "search");
+  EXPECT_EQ(read_stats(h->element, &search_ms), counters(7, 4, 3, 2, 0, 2));
+  EXPECT_DOUBLE_EQ(search_ms, answered.timings_ms.back().second);
+  unref_all(out);
+
+  // Kept after stop, reset at the next start.
+  ASSERT_EQ(gst_element_set_state(h->element, GST_STATE_READY), GST_STATE_CHANGE_SUCCESS);
+  EXPECT_EQ(read_stats(h->element), counters(7, 4, 3, 2, 0, 2));
+  ASSERT_EQ(gst_element_set_state(h->element, GST_STATE_PAUSED), GST_STATE_CHANGE_SUCCESS);
+  EXPECT_EQ(read_stats(h->element, &search_ms), counters(0, 0, 0, 0, 0, 0));
+  EXPECT_EQ(search_ms, 0.0);
+
+  GParamSpec* spec = g_object_class_find_property(G_OBJECT_GET_CLASS(h->element), "stats");
+  ASSERT_NE(spec, nullptr);
+  EXPECT_EQ(spec->flags & G_PARAM_READWRITE, G_PARAM_READABLE);
+}
+
 TEST_F(AnnQueryTest, PropertiesDocumentTheirRanges) {
   GstElement* element = make_element("k", 1, nullptr);
   auto uint_spec = [&](const char* name) {
