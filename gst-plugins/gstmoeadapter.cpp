@@ -1,5 +1,6 @@
 #include "gstmoeadapter.h"
 
+#include "gstmoemeta.h"
 #include "moe/expert_executor.h"
 #include "moe/model_cache.h"
 
@@ -23,9 +24,7 @@ GParamSpec* model_param_spec() {
   return g_param_spec_string("model", "Adapter directory",
                              "MoE adapter directory (adapter_config.json + adapter.safetensors); loaded when the "
                              "element starts, shared with every element that names the same directory",
-                             nullptr,
-                             static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS |
-                                                      GST_PARAM_MUTABLE_READY));
+                             nullptr, gstmoe::kPropertyMutableReady);
 }
 
 std::shared_ptr<const moe::MoeAdapter> load(GstElement* element, const std::string& dir) {

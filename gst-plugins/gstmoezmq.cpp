@@ -12,6 +12,8 @@
 #include <vector>
 #include <zmq_addon.hpp>
 
+#include "gstmoemeta.h"
+
 GST_DEBUG_CATEGORY_STATIC(moe_zmq_debug);
 #define GST_CAT_DEFAULT moe_zmq_debug
 
@@ -276,8 +278,7 @@ std::optional<CurveServer> load_curve_server(const std::string& secret_key_file,
 }
 
 void install_curve_properties(GObjectClass* klass, guint secret_key_file_id, guint allowed_keys_id) {
-  const GParamFlags rw_ready =
-      static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY);
+  const GParamFlags rw_ready = kPropertyMutableReady;
   g_object_class_install_property(
       klass, secret_key_file_id,
       g_param_spec_string(kSecretKeyFileProperty, "CURVE secret key file",
