@@ -14,12 +14,15 @@
 // activations by the widened weights. CUDA rounds the activations (x, and in grouped_swiglu also
 // the SwiGLU product) to the weight's type first, as cuBLAS takes one input type: one more
 // rounding per product, relative 2^-11 (f16) or 2^-8 (bf16), so the backends agree within about
-// 1e-2 relative there, not 1e-4 (tests/test_backend.cpp, test_compute.cpp). f16 ends at 65504:
+// 1e-2 relative there, not 1e-4 (tests/backend_cases.h, test_compute.cpp). f16 ends at 65504:
 // before an f16 GEMM, CUDA scales each activation row that exceeds it by a power of two that fits
 // it and scales the output row back (exact), so large activations do not overflow to inf.
 //
-// Threads: copy_from_host_async, event_complete and memory_info may be called from any thread,
-// concurrently with everything else; all other members from one thread at a time.
+// Limits: a backend may run an operation only up to some sizes or for some weight types (CUDA:
+// attention's head_dim, the router's expert count, the search's k); supports() tells beforehand.
+//
+// Threads: copy_from_host_async, event_complete, memory_info and supports may be called from any
+// thread, concurrently with everything else; all other members from one thread at a time.
 #pragma once
 
 #include <cstddef>
@@ -56,6 +59,40 @@ struct MemoryInfo {
   size_t total_bytes = 0;
 };
 
+// The operations of a Backend, for supports().
+enum class Op : uint8_t {
+  Linear,
+  LayerNorm,
+  Gelu,
+  QuickGelu,
+  SiluMul,
+  Add,
+  Attention,
+  L2NormalizeRows,
+  TopkSoftmax,
+  MoePermute,
+  GroupedSwiglu,
+  MoeUnpermute,
+  InnerProductTopk,  // last: kOpCount counts up to it
+};
+inline constexpr int kOpCount = static_cast<int>(Op::InnerProductTopk) + 1;
+// The name errors give the operation ("linear", "topk_softmax"); "unknown" outside the enum.
+const char* op_name(Op op);
+
+// One call of an operation as supports() sees it: its weight types and sizes, not its data.
+// `sizes` are its size arguments in the order of its signature: linear {m, n, k}; layer_norm and
+// l2_normalize_rows {rows, cols}; gelu, quick_gelu, silu_mul, add {n}; attention {rows (the sum
+// of seq_lens), the longest sequence, heads, head_dim}; topk_softmax {rows, experts, top_k};
+// moe_permute {rows, top_k, experts, cols}; grouped_swiglu {rows (offsets.back()), experts
+// (experts.size()), d, inter}; moe_unpermute {rows, top_k, cols}; inner_product_topk {nq, nb, d, k}.
+// `weight_types`: linear the weight's type; grouped_swiglu those of the experts' weights (any
+// order, repeats allowed, none when no expert has rows); empty for every other operation.
+struct OpDesc {
+  Op op = Op::Linear;
+  std::vector<WeightType> weight_types;
+  std::vector<int64_t> sizes;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -64,6 +101,17 @@ class Backend {
   virtual std::string name() const = 0;
   virtual bool is_host_memory() const = 0;
   virtual MemoryInfo memory_info() const = 0;
+
+  // ---- capabilities ------------------------------------------------------------------------
+  // Whether this backend runs `op` with those weight types and sizes. When not, `why` (when
+  // given) receives the reason as the operation's moe::Error words it ("head_dim 129 is larger
+  // than the CUDA kernel's 128"), and the call throws that error unless it has nothing to compute.
+  // Decided by the operation, its weight types and sizes alone, never by data or free memory:
+  // cheap (no device call), the same answer every time. true promises no success: invalid
+  // arguments (op_checks.h) and running out of memory still throw, as do sizes beyond CUDA's
+  // 32-bit launch and cuBLAS ranges (2^31 - 1), which are not reported here. A desc whose sizes
+  // or weight types do not fit its operation is a moe::Error.
+  bool supports(const OpDesc& op, std::string* why = nullptr) const;
 
   // ---- memory ----------------------------------------------------------------------------
   // allocate() throws moe::Error naming the backend and the size when out of memory.
@@ -133,7 +181,7 @@ class Backend {
   // sum when `renormalize`. A row whose logits are all -inf (a router that masks every expert) is
   // routed as if they were equal: ids 0..top_k-1, weights 1/experts (1/top_k renormalised).
   // Logits must not be NaN or +inf: such a row's ids and weights are unspecified (CUDA: possibly
-  // an id outside [0, experts), which moe_permute then rejects).
+  // an id outside [0, experts), which moe_permute then rejects). CUDA: experts ≤ 12288.
   virtual void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
                             int32_t* ids, float* weights) = 0;
   // Groups rows per expert: counts the (row, j) slots of each expert, prefix-sums them and
@@ -159,6 +207,11 @@ class Backend {
   // CUDA: k ≤ 1024 (moe::Error otherwise).
   virtual void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d,
                                   int64_t k, int64_t* ids, float* scores) = 0;
+
+ protected:
+  // supports() for a desc that fits its operation: "" when this backend runs it, else why not.
+  // Default: "" (no limits: the CPU backend, the reference, runs every operation at every size).
+  virtual std::string why_unsupported(const OpDesc& op) const;
 };
 
 struct CpuBackendOptions {

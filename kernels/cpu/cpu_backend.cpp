@@ -1,7 +1,8 @@
 // The CPU backend: host memory, operations run synchronously on the calling thread over the
-// reference functions in cpu_ops. With CpuBackendOptions::async_copies, copy_from_host_async
-// runs on a worker thread (a FIFO copy queue), so code written for a GPU's copy stream runs,
-// and is tested, on a machine without one.
+// reference functions in cpu_ops. It runs every operation at every size and weight type, so it
+// keeps Backend::why_unsupported's default (supports() is true for every well-formed desc). With
+// CpuBackendOptions::async_copies, copy_from_host_async runs on a worker thread (a FIFO copy
+// queue), so code written for a GPU's copy stream runs, and is tested, on a machine without one.
 #include <unistd.h>
 
 #include <algorithm>

@@ -84,11 +84,14 @@ __global__ void attention_kernel(const float* qkv, float* out, const int64_t* st
 
 }  // namespace
 
+std::string attention_limit(int64_t head_dim) {
+  if (head_dim <= kMaxHeadDim) return {};
+  return "head_dim " + std::to_string(head_dim) + " is larger than the CUDA kernel's " + std::to_string(kMaxHeadDim);
+}
+
 void attention(Ctx& ctx, const float* qkv, float* out, const std::vector<int64_t>& seq_lens, int64_t total_rows,
                int64_t heads, int64_t head_dim, bool causal) {
-  if (head_dim > kMaxHeadDim)
-    fail(ctx, "attention", "head_dim " + std::to_string(head_dim) + " is larger than the CUDA kernel's " +
-                               std::to_string(kMaxHeadDim));
+  if (const std::string why = attention_limit(head_dim); !why.empty()) fail(ctx, "attention", why);
   if (total_rows == 0) return;
   if (heads > INT32_MAX) fail(ctx, "attention", "too many heads");
   const int64_t items = total_rows * heads;

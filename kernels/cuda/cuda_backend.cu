@@ -1,7 +1,7 @@
 // CUDA backend: one device, a compute stream (every operation, copy_from_host, copy_to_host,
 // copy_on_device, in order) and a copy stream (copy_from_host_async, one cudaEvent per copy).
 // Kernels live in the other files of this folder by topic; every one has its CPU twin in
-// kernels/cpu/cpu_ops.cpp, and tests/test_backend.cpp compares the two on random inputs.
+// kernels/cpu/cpu_ops.cpp, and the case table of tests/backend_cases.h compares the two.
 // Every CUDA and cuBLAS call is checked; errors are moe::Error "cuda:N: <operation>: <call>: <reason>".
 #include <algorithm>
 #include <cstdlib>
@@ -340,6 +340,26 @@ class CudaBackend final : public Backend {
     checks::inner_product_topk(ctx_.name, nq, nb, d, k);
     on_device("inner_product_topk");
     cuda::inner_product_topk(ctx_, queries, nq, base, nb, d, k, ids, scores);
+  }
+
+ protected:
+  std::string why_unsupported(const OpDesc& op) const override {
+    switch (op.op) {
+      case Op::Attention: return cuda::attention_limit(op.sizes[3]);
+      case Op::TopkSoftmax: return cuda::topk_softmax_limit(op.sizes[1]);
+      case Op::InnerProductTopk: return cuda::inner_product_topk_limit(op.sizes[3]);
+      case Op::Linear:
+      case Op::LayerNorm:
+      case Op::Gelu:
+      case Op::QuickGelu:
+      case Op::SiluMul:
+      case Op::Add:
+      case Op::L2NormalizeRows:
+      case Op::MoePermute:
+      case Op::GroupedSwiglu:
+      case Op::MoeUnpermute: return {};
+    }
+    return {};
   }
 
  private:

@@ -71,6 +71,13 @@ inline unsigned grid_for(int64_t n, int threads) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 65536 ? 65536 : blocks));
 }
 
+// ---- kernel limits ------------------------------------------------------------------------
+// Why a kernel cannot run these sizes, or "" when it can: the launchers throw the reason and the
+// backend's supports() reports it, so the two always agree. Defined next to their kernels.
+std::string attention_limit(int64_t head_dim);    // cuda_attention.cu
+std::string topk_softmax_limit(int64_t experts);  // cuda_moe.cu
+std::string inner_product_topk_limit(int64_t k);  // cuda_search.cu
+
 // ---- launchers, by topic (each file's header comment describes its kernels) ----------------
 
 // cuda_elementwise.cu

@@ -25,6 +25,8 @@ namespace moe::kernels::cuda {
 namespace {
 
 constexpr int kTopkWarps = 4;
+// One row of f32 logits per warp in shared memory, within the 48 KiB a block gets by default.
+constexpr int64_t kMaxTopkExperts = 48 * 1024 / sizeof(float);
 
 __global__ void topk_softmax_kernel(const float* logits, int64_t rows, int experts, int top_k, bool renormalize,
                                     int32_t* ids, float* weights) {
@@ -150,12 +152,16 @@ __global__ void unpermute_kernel(const float* out_sorted, const int32_t* slot_of
 
 }  // namespace
 
+std::string topk_softmax_limit(int64_t experts) {
+  if (experts <= kMaxTopkExperts) return {};
+  return std::to_string(experts) + " experts: more than the kernel's " + std::to_string(kMaxTopkExperts);
+}
+
 void topk_softmax(Ctx& ctx, const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
                   int32_t* ids, float* weights) {
   if (rows == 0) return;
+  if (const std::string why = topk_softmax_limit(experts); !why.empty()) fail(ctx, "topk_softmax", why);
   const size_t row_bytes = static_cast<size_t>(experts) * sizeof(float);
-  if (row_bytes > 48 * 1024)
-    fail(ctx, "topk_softmax", std::to_string(experts) + " experts: more than the kernel's 12288");
   const int warps = static_cast<int>(std::max<size_t>(1, std::min<size_t>(kTopkWarps, (32 * 1024) / row_bytes)));
   const int64_t blocks = (rows + warps - 1) / warps;
   if (blocks > INT32_MAX) fail(ctx, "topk_softmax", "too many rows");

@@ -145,11 +145,15 @@ __global__ void select_topk_kernel(const float* tile, int64_t tile_len, int64_t 
 
 }  // namespace
 
+std::string inner_product_topk_limit(int64_t k) {
+  if (k <= kMaxSearchK) return {};
+  return "k = " + std::to_string(k) + " is larger than the CUDA kernel's " + std::to_string(kMaxSearchK);
+}
+
 void inner_product_topk(Ctx& ctx, const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d,
                         int64_t k, int64_t* ids, float* scores) {
   const char* op = "inner_product_topk";
-  if (k > kMaxSearchK)
-    fail(ctx, op, "k = " + std::to_string(k) + " is larger than the CUDA kernel's " + std::to_string(kMaxSearchK));
+  if (const std::string why = inner_product_topk_limit(k); !why.empty()) fail(ctx, op, why);
   if (nq == 0 || k == 0) return;
   if (d > INT32_MAX) fail(ctx, op, "d beyond cuBLAS's int range");
   const int64_t base_tile = std::min(nb, kBaseTile);
