@@ -451,6 +451,16 @@ TEST(DecodeImage, RefusesPngWithoutIend) {
   EXPECT_EQ(moe::decode_image(trailing.data(), trailing.size(), "trailing.png").pixels, pattern(6, 5, 3));
 }
 
+// Found by fuzz_image_decode: a 2x2 GIF whose frame has width 0 (and lies below the canvas)
+// made gdk-pixbuf's GIF loader ask for a pixbuf of width 0, a GLib critical instead of an error.
+TEST(DecodeImage, RefusesGifFramesThatShowNothing) {
+  gsize size = 0;
+  guchar* gif = g_base64_decode("R0lGODlhAgACAIEAAP8AAAD/AAAA/////yH5BAAAAAAALAAAAAIAAAIAAAIDRDQFADs=", &size);
+  expect_error([&] { moe::decode_image(gif, size, "empty-frame.gif"); },
+               {"empty-frame.gif", "GIF frame 1 (0x2 at 0,512) shows nothing of the 2x2 canvas"});
+  g_free(gif);
+}
+
 TEST(DecodeImage, RefusesTruncatedJpeg) {
   const std::vector<uint8_t> jpeg = gray_jpeg_file(256, 64);  // 256 blocks: a 64-byte scan
   const moe::RgbImage whole = moe::decode_image(jpeg.data(), jpeg.size(), "gray.jpg");

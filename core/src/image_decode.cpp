@@ -55,6 +55,45 @@ bool png_has_iend(const uint8_t* data, size_t size) {
   return false;
 }
 
+// Why a GIF cannot be decoded safely, or "" (also when its structure cannot be followed: the
+// loader then reports that itself). gdk-pixbuf's GIF loader clips each frame to the canvas and,
+// for a frame that lies wholly outside it, asks for a pixbuf of width 0: a GLib critical (fatal
+// where criticals are) instead of an error. PIL would draw nothing of such a frame; we refuse it.
+std::string gif_frame_problem(const uint8_t* data, size_t size) {
+  auto u16 = [&](size_t at) { return static_cast<int>(data[at] | (data[at + 1] << 8)); };
+  constexpr size_t kHeader = 6, kScreen = 7, kDescriptor = 9;
+  if (size < kHeader + kScreen) return "";
+  const int canvas_w = u16(6), canvas_h = u16(8);
+  auto color_table = [](uint8_t packed) { return packed & 0x80 ? size_t{3} << ((packed & 7) + 1) : size_t{0}; };
+  size_t at = kHeader + kScreen + color_table(data[10]);
+  // Data sub-blocks: a length byte, that many bytes, ... up to a zero length.
+  auto skip_sub_blocks = [&]() {
+    while (at < size && data[at] != 0) at += size_t{data[at]} + 1;
+    ++at;
+  };
+  for (int frame = 0; at < size;) {
+    const uint8_t kind = data[at++];
+    if (kind == 0x3B) break;  // trailer
+    if (kind == 0x21) {       // extension: its label, then sub-blocks
+      ++at;
+      skip_sub_blocks();
+    } else if (kind == 0x2C) {
+      if (at + kDescriptor > size) break;
+      const int left = u16(at), top = u16(at + 2), w = u16(at + 4), h = u16(at + 6);
+      ++frame;
+      if (w == 0 || h == 0 || left >= canvas_w || top >= canvas_h)
+        return "GIF frame " + std::to_string(frame) + " (" + std::to_string(w) + "x" + std::to_string(h) + " at " +
+               std::to_string(left) + "," + std::to_string(top) + ") shows nothing of the " + std::to_string(canvas_w) +
+               "x" + std::to_string(canvas_h) + " canvas";
+      at += kDescriptor + color_table(data[at + 8]) + 1;  // + the LZW code size byte
+      skip_sub_blocks();
+    } else {
+      break;
+    }
+  }
+  return "";
+}
+
 // Why a decoded image is incomplete, or "" when it is whole. For several formats gdk-pixbuf hands
 // back whatever it decoded of a truncated file without an error, the rest left blank; PIL refuses
 // such files ("image file is truncated"), and a partly blank image must not be encoded as if it
@@ -90,6 +129,11 @@ std::string describe(const GError* error) { return error != nullptr ? error->mes
 
 RgbImage decode_image(const uint8_t* data, size_t size, const std::string& what) {
   if (data == nullptr || size == 0) throw Error(what + ": empty image data");
+
+  if (size >= 4 && std::memcmp(data, "GIF8", 4) == 0) {
+    const std::string problem = gif_frame_problem(data, size);
+    if (!problem.empty()) throw Error(what + ": " + problem);
+  }
 
   GdkPixbufLoader* loader = gdk_pixbuf_loader_new();
   LoadProgress progress;
