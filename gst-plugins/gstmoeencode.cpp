@@ -2,10 +2,21 @@
  * carrying a text or an encoded image) into batches of CLIP embeddings.
  *
  * Why batches: the engine encodes a batch with one GEMM per layer, much faster per request than
- * one call each, so requests wait here until `max-batch` of them are pending or the oldest has
- * waited `max-latency`; a timer thread pushes partial batches. Each output buffer is a
- * rows x projection_dim f32 tensor whose GstMoeBatchMeta says which request every row answers,
- * so a batch may mix texts and images and nothing downstream relies on buffer order.
+ * one call each. Batching is continuous (moe/batcher.h decides): a request that finds the encoder
+ * idle is encoded at once, alone; the requests that arrive while it encodes queue, and leave
+ * together (up to `max-batch`) as soon as it is done. So a lone request never waits for company
+ * and batches grow with the load. Each output buffer is a rows x projection_dim f32 tensor whose
+ * GstMoeBatchMeta says which request every row answers, so a batch may mix texts and images and
+ * nothing downstream relies on buffer order.
+ *
+ * Threads: the streaming thread turns buffers into requests (converting frames, decoding images)
+ * and queues them; while a whole batch is queued already it waits (backpressure), since the
+ * requests would only wait here instead of upstream. A worker thread, started with the element,
+ * encodes and pushes each batch the batcher lets leave, so the streaming thread keeps queueing
+ * while the encoder runs. Serialized events (EOS, caps, segments...) push what is queued first,
+ * from the streaming thread; push_lock keeps those pushes and the worker's in order. A failed
+ * push from the worker or ahead of an event is returned by the next chain call (and posted at
+ * once when fatal); a flush drops what is queued.
  *
  * The model runs on the `device` property's compute backend ("cpu", "cuda:N", or "auto": cuda:0
  * when a usable CUDA device exists, else the CPU) with its Linear weights in `precision`; elements
@@ -14,16 +25,20 @@
  * A request the engine cannot encode (invalid UTF-8, an image that does not decode...) is not
  * an element error: it moves to the meta's failed list (stage "moe-encode") and travels on to
  * ann-query, which answers it with an error document. Model problems are element errors.
+ *
+ * The `stats` property counts, since the element started, the requests and batches, the batches
+ * by size, the requests that failed here, the time spent in the engine and in the queue.
  */
 #include "gstmoeencode.h"
 
 #include <gst/video/video.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,6 +47,7 @@
 #include <vector>
 
 #include "gstmoemeta.h"
+#include "moe/batcher.h"
 #include "moe/compute.h"
 #include "moe/error.h"
 #include "moe/image_decode.h"
@@ -54,32 +70,31 @@ constexpr const char* kDefaultDevice = "cpu";
 
 enum class InputKind { None, Text, Video, Request };
 
-using Clock = std::chrono::steady_clock;
+using Clock = moe::Batcher::Clock;
 
-// One request waiting for its batch, already turned into what the engine takes.
+// One entry of the queue: a request, already turned into what the engine takes, or one that
+// failed (here on arrival, or upstream) and only travels on to be answered.
 struct Pending {
   gstmoe::RequestRecord record;  // record.text is what text requests encode
   moe::RgbImage image;           // image requests
-  std::string error;    // set when the request failed on arrival; it then only travels as a failure
+  std::string error;             // set when it failed: it then only travels as a failure
+  std::string failed_stage = kStage;       // where it failed: here, or the upstream stage named in the meta
+  GstClockTime pts = GST_CLOCK_TIME_NONE;  // its buffer's; a batch takes its first entry's
 };
 
-struct Batch {
-  std::vector<Pending> requests;                   // in arrival order
-  std::vector<gstmoe::FailedRequest> passed_on;    // failures that arrived in upstream metas
-  Clock::time_point opened;                        // when its first entry arrived here
-  GstClockTime pts = GST_CLOCK_TIME_NONE;          // the first entry's PTS
-  size_t size() const { return requests.size() + passed_on.size(); }
-  bool empty() const { return size() == 0; }
+// The element's counters behind `stats`, beside the batcher's.
+struct EncodeCounters {
+  guint64 rows_failed = 0;  // requests that failed here, on arrival or in the engine
+  double encode_ms = 0.0;   // time in engine calls
 };
 
 // The C++ side of the element; GObject only holds a pointer to it.
 struct EncodeState {
-  // Properties: model_path, device and precision under the object lock, the others under `lock`.
+  // Properties: model_path, device and precision under the object lock; max-batch and
+  // max-latency are the batcher's limits, under `lock`.
   std::string model_path;
   std::string device = kDefaultDevice;
   GstMoePrecision precision = GST_MOE_PRECISION_FP32;
-  guint max_batch = kDefaultMaxBatch;
-  guint64 max_latency = kDefaultMaxLatency;
 
   // READY and above.
   std::shared_ptr<const moe::ClipModel> model;
@@ -96,17 +111,23 @@ struct EncodeState {
   guint64 frames = 0;    // video frames in this stream, for "frame:<n>"
   guint64 requests = 0;  // requests seen, the id of last resort
 
-  // The pending batch and the timer thread.
+  // The queue, the policy over it and the worker, all under `lock`. `wake` tells the worker that
+  // a batch may leave, and the streaming thread that the queue has room or that it must stop
+  // waiting. The batcher and the counters are made anew at start (so `stats` counts from
+  // there) and kept after stop.
   std::mutex lock;
   std::condition_variable wake;
-  Batch batch;
-  bool timer_stop = false;
-  std::thread timer;
+  moe::Batcher batcher{{kDefaultMaxBatch, std::chrono::nanoseconds(kDefaultMaxLatency)}};
+  std::deque<Pending> queue;  // the requests the batcher counts, oldest first
+  EncodeCounters counters;
+  bool flushing = false;  // from FLUSH_START to FLUSH_STOP, and while stopping: nothing waits for room
+  bool worker_stop = false;
+  std::thread worker;
   // Held from taking a batch until it is pushed, and while forwarding serialized events, so that
-  // the timer and the streaming thread never reorder output.
+  // the worker and the streaming thread never reorder output.
   std::mutex push_lock;
-  // A failed push whose result could not be returned upstream at once (from the timer or an
-  // event); the next chain call returns it.
+  // A failed push whose result could not be returned upstream at once (the worker's, or one
+  // ahead of an event); the next chain call returns it.
   std::atomic<GstFlowReturn> deferred_flow{GST_FLOW_OK};
 };
 
@@ -119,7 +140,7 @@ struct _GstMoeEncode {
   EncodeState* st;
 };
 
-enum { PROP_0, PROP_MODEL, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_DEVICE, PROP_PRECISION };
+enum { PROP_0, PROP_MODEL, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_DEVICE, PROP_PRECISION, PROP_STATS };
 
 static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE(
     "sink", GST_PAD_SINK, GST_PAD_ALWAYS,
@@ -253,20 +274,32 @@ static void complete_record(gstmoe::RequestRecord* r, GstBuffer* buf, guint64 n,
   if (r->arrival_mono_us == 0) r->arrival_mono_us = mono;
 }
 
-// Turns an input buffer into pending requests (normally one) and the upstream failures it
-// carries. Runs in the streaming thread.
-static void collect_requests(GstMoeEncode* self, GstBuffer* buf, std::vector<Pending>* out,
-                             std::vector<gstmoe::FailedRequest>* passed_on) {
+// Turns an input buffer into queue entries: the upstream failures its meta carries, then its
+// request (normally one). Runs in the streaming thread.
+static std::vector<Pending> collect_requests(GstMoeEncode* self, GstBuffer* buf) {
   EncodeState* st = self->st;
   const int64_t wall = g_get_real_time(), mono = g_get_monotonic_time();
   const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
   const gstmoe::BatchRecords* in = meta != nullptr ? meta->records : nullptr;
-  if (in != nullptr) *passed_on = in->failed;
   const guint64 n = st->requests++;
+  std::vector<Pending> out;
+  const auto add = [&out, buf](Pending&& p) {
+    p.pts = GST_BUFFER_PTS(buf);
+    out.push_back(std::move(p));
+  };
+  if (in != nullptr) {
+    for (const gstmoe::FailedRequest& f : in->failed) {
+      Pending p;
+      p.record = f.request;
+      p.error = f.reason;
+      p.failed_stage = f.stage;
+      add(std::move(p));
+    }
+  }
 
   if (st->kind == InputKind::Request && (in == nullptr || in->rows.size() != 1)) {
     // Only an upstream failure: not a request of its own.
-    if (in != nullptr && in->rows.empty() && !in->failed.empty()) return;
+    if (in != nullptr && in->rows.empty() && !in->failed.empty()) return out;
     // A malformed request buffer: every request it names is answered with an error.
     const std::vector<gstmoe::RequestRecord> rows =
         in != nullptr && !in->rows.empty() ? in->rows : std::vector<gstmoe::RequestRecord>(1);
@@ -277,9 +310,9 @@ static void collect_requests(GstMoeEncode* self, GstBuffer* buf, std::vector<Pen
       p.error = "request '" + p.record.id + "': its buffer carries " +
                 (in == nullptr ? std::string("no GstMoeBatchMeta") : std::to_string(in->rows.size()) + " request rows") +
                 ", expected exactly one request per buffer";
-      out->push_back(std::move(p));
+      add(std::move(p));
     }
-    return;
+    return out;
   }
 
   Pending p;
@@ -306,53 +339,24 @@ static void collect_requests(GstMoeEncode* self, GstBuffer* buf, std::vector<Pen
     case InputKind::None:  // refused by the chain function
       break;
   }
-  out->push_back(std::move(p));
+  add(std::move(p));
+  return out;
 }
 
 /* ----- encoding ----- */
 
-// Encodes `inputs` with one engine call; if the engine rejects the batch, encodes them one at a
-// time so that only the culprits fail. Returns the embeddings row-major, one row per input (left
-// zero where errors[i] is set).
-template <typename Input, typename Encode>
-static std::vector<float> encode_group(const std::vector<Input>& inputs, size_t width, Encode encode,
-                                       std::vector<std::string>* errors) {
-  std::vector<float> rows(inputs.size() * width, 0.0f);
-  errors->assign(inputs.size(), std::string());
-  if (inputs.empty()) return rows;
-  try {
-    const moe::Tensor e = encode(inputs).embeds;
-    std::copy(e.data<float>(), e.data<float>() + rows.size(), rows.begin());
-    return rows;
-  } catch (const std::exception& e) {
-    if (inputs.size() == 1) {
-      (*errors)[0] = e.what();
-      return rows;
-    }
-  }
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    try {
-      const moe::Tensor e = encode(std::vector<Input>{inputs[i]}).embeds;
-      std::copy(e.data<float>(), e.data<float>() + width, rows.begin() + static_cast<std::ptrdiff_t>(i * width));
-    } catch (const std::exception& e) {
-      (*errors)[i] = e.what();
-    }
-  }
-  return rows;
-}
-
 // Encodes a batch into one tensor buffer: texts with one encode_texts call, images with one
 // encode_images call, rows in arrival order; failures go to the meta's failed list.
-static GstBuffer* encode_batch(GstMoeEncode* self, Batch& batch) {
+static GstBuffer* encode_batch(GstMoeEncode* self, std::vector<Pending>& batch) {
   EncodeState* st = self->st;
   const size_t width = static_cast<size_t>(st->width.load());
   const int64_t start = g_get_monotonic_time();
 
   std::vector<std::string> texts;
   std::vector<moe::ImageView> images;
-  std::vector<size_t> slot(batch.requests.size());  // index into texts or images
-  for (size_t i = 0; i < batch.requests.size(); ++i) {
-    const Pending& p = batch.requests[i];
+  std::vector<size_t> slot(batch.size());  // index into texts or images
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const Pending& p = batch[i];
     if (!p.error.empty()) continue;
     if (p.record.modality == gstmoe::Modality::Text) {
       slot[i] = texts.size();
@@ -363,11 +367,10 @@ static GstBuffer* encode_batch(GstMoeEncode* self, Batch& batch) {
     }
   }
   const moe::ClipModel& model = *st->model;
-  std::vector<std::string> text_errors, image_errors;
-  const std::vector<float> text_rows =
-      encode_group(texts, width, [&](const auto& v) { return model.encode_texts(v); }, &text_errors);
-  const std::vector<float> image_rows =
-      encode_group(images, width, [&](const auto& v) { return model.encode_images(v); }, &image_errors);
+  const moe::BatchRows text_rows =
+      moe::run_isolating_failures(texts, width, [&](const auto& v) { return model.encode_texts(v).embeds; });
+  const moe::BatchRows image_rows =
+      moe::run_isolating_failures(images, width, [&](const auto& v) { return model.encode_images(v).embeds; });
   const int64_t end = g_get_monotonic_time();
   const double encode_ms = gstmoe::elapsed_ms(start, end);
 
@@ -375,25 +378,29 @@ static GstBuffer* encode_batch(GstMoeEncode* self, Batch& batch) {
   records.encoder = st->encoder_name;
   records.encoder_fingerprint = model.fingerprint();
   std::vector<const float*> row_data;
-  for (size_t i = 0; i < batch.requests.size(); ++i) {
-    Pending& p = batch.requests[i];
+  guint64 failed_here = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    Pending& p = batch[i];
     const bool is_text = p.record.modality == gstmoe::Modality::Text;
-    if (p.error.empty()) {
-      const std::string& engine_error = is_text ? text_errors[slot[i]] : image_errors[slot[i]];
-      if (!engine_error.empty())
-        p.error = std::string(is_text ? "text" : "image") + " request '" + p.record.id +
-                  "' cannot be encoded: " + engine_error;
-    }
+    const moe::BatchRows& rows = is_text ? text_rows : image_rows;
+    if (p.error.empty() && !rows.errors[slot[i]].empty())
+      p.error = std::string(is_text ? "text" : "image") + " request '" + p.record.id +
+                "' cannot be encoded: " + rows.errors[slot[i]];
     if (!p.error.empty()) {
-      records.failed.push_back({std::move(p.record), kStage, std::move(p.error)});
+      if (p.failed_stage == kStage) ++failed_here;
+      records.failed.push_back({std::move(p.record), std::move(p.failed_stage), std::move(p.error)});
       continue;
     }
     p.record.timings_ms.emplace_back("queue", gstmoe::elapsed_ms(p.record.arrival_mono_us, start));
     p.record.timings_ms.emplace_back("encode", encode_ms);
     records.rows.push_back(std::move(p.record));
-    row_data.push_back((is_text ? text_rows.data() : image_rows.data()) + slot[i] * width);
+    row_data.push_back(rows.values.data() + slot[i] * width);
   }
-  for (gstmoe::FailedRequest& f : batch.passed_on) records.failed.push_back(std::move(f));
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    st->counters.rows_failed += failed_here;
+    st->counters.encode_ms += encode_ms;
+  }
 
   GstBuffer* out;
   if (row_data.empty()) {
@@ -406,7 +413,7 @@ static GstBuffer* encode_batch(GstMoeEncode* self, Batch& batch) {
       std::memcpy(map.data + r * width * sizeof(float), row_data[r], width * sizeof(float));
     gst_buffer_unmap(out, &map);
   }
-  GST_BUFFER_PTS(out) = batch.pts;
+  GST_BUFFER_PTS(out) = batch.front().pts;
   GST_BUFFER_DTS(out) = GST_CLOCK_TIME_NONE;
   GST_BUFFER_DURATION(out) = GST_CLOCK_TIME_NONE;
   GST_LOG_OBJECT(self, "batch: %zu rows, %zu failed, encoded in %.3f ms", records.rows.size(), records.failed.size(),
@@ -415,22 +422,33 @@ static GstBuffer* encode_batch(GstMoeEncode* self, Batch& batch) {
   return out;
 }
 
-// Takes the pending batch (only when its wait is over if `only_due`) and pushes it.
-// The caller holds push_lock.
-static GstFlowReturn push_pending(GstMoeEncode* self, bool only_due) {
+/* ----- the queue and the worker ----- */
+
+// Takes the batch that the batcher lets leave now, encodes and pushes it, and sets `ret` to the
+// push's result; false when no batch may leave. The caller holds push_lock, so batches are
+// pushed in the order they were taken.
+static bool push_next_batch(GstMoeEncode* self, GstFlowReturn* ret) {
   EncodeState* st = self->st;
-  Batch batch;
+  std::vector<Pending> batch;
   {
     std::lock_guard<std::mutex> lk(st->lock);
-    if (st->batch.empty()) return GST_FLOW_OK;
-    if (only_due && Clock::now() < st->batch.opened + std::chrono::nanoseconds(st->max_latency)) return GST_FLOW_OK;
-    batch = std::move(st->batch);
-    st->batch = Batch();
+    const size_t n = st->batcher.take(Clock::now());
+    if (n == 0) return false;
+    const auto taken = st->queue.begin() + static_cast<std::ptrdiff_t>(n);
+    batch.assign(std::make_move_iterator(st->queue.begin()), std::make_move_iterator(taken));
+    st->queue.erase(st->queue.begin(), taken);
   }
-  return gst_pad_push(self->srcpad, encode_batch(self, batch));
+  st->wake.notify_all();  // room for the streaming thread, which queues on while this batch runs
+  *ret = gst_pad_push(self->srcpad, encode_batch(self, batch));
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    st->batcher.finished();
+  }
+  st->wake.notify_all();  // what queued meanwhile may leave now
+  return true;
 }
 
-// Keeps the result of a push that no chain call made (the timer's, or one ahead of an event) for
+// Keeps the result of a push that no chain call made (the worker's, or one ahead of an event) for
 // the next chain call to return upstream. With `report_now`, a fatal result is also posted at
 // once, as queue does: the next chain call may never come (after EOS, or a live source that
 // receives no more requests).
@@ -439,26 +457,21 @@ static void defer_flow(GstMoeEncode* self, GstFlowReturn ret, bool report_now) {
   if (report_now && (ret == GST_FLOW_NOT_LINKED || ret < GST_FLOW_EOS)) GST_ELEMENT_FLOW_ERROR(self, ret);
 }
 
-// Pushes partial batches once their oldest entry has waited max-latency.
-static void timer_loop(GstMoeEncode* self) {
+// The worker: runs every batch the batcher lets leave, as soon as it may.
+static void worker_loop(GstMoeEncode* self) {
   EncodeState* st = self->st;
   std::unique_lock<std::mutex> lk(st->lock);
-  while (!st->timer_stop) {
-    if (st->batch.empty()) {
+  while (!st->worker_stop) {
+    if (!st->batcher.ready()) {
       st->wake.wait(lk);
-      continue;
-    }
-    const Clock::time_point due = st->batch.opened + std::chrono::nanoseconds(st->max_latency);
-    if (Clock::now() < due) {
-      st->wake.wait_until(lk, due);
       continue;
     }
     lk.unlock();
     {
       std::lock_guard<std::mutex> push(st->push_lock);
-      const GstFlowReturn ret = push_pending(self, /*only_due=*/true);
-      if (ret != GST_FLOW_OK) {
-        GST_DEBUG_OBJECT(self, "timer push: %s", gst_flow_get_name(ret));
+      GstFlowReturn ret;
+      if (push_next_batch(self, &ret) && ret != GST_FLOW_OK) {
+        GST_DEBUG_OBJECT(self, "push: %s", gst_flow_get_name(ret));
         defer_flow(self, ret, /*report_now=*/true);
       }
     }
@@ -466,28 +479,61 @@ static void timer_loop(GstMoeEncode* self) {
   }
 }
 
-static void start_timer(GstMoeEncode* self) {
+// Starts the worker with a fresh batcher and counters: `stats` counts from here.
+static void start_worker(GstMoeEncode* self) {
   EncodeState* st = self->st;
-  st->timer_stop = false;
-  st->timer = std::thread(timer_loop, self);
-}
-
-static void stop_timer(GstMoeEncode* self) {
-  EncodeState* st = self->st;
-  if (!st->timer.joinable()) return;
   {
     std::lock_guard<std::mutex> lk(st->lock);
-    st->timer_stop = true;
+    st->batcher = moe::Batcher(st->batcher.limits());
+    st->counters = EncodeCounters();
+    st->flushing = false;
+    st->worker_stop = false;
+  }
+  st->worker = std::thread(worker_loop, self);
+}
+
+static void stop_worker(GstMoeEncode* self) {
+  EncodeState* st = self->st;
+  if (!st->worker.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    st->worker_stop = true;
   }
   st->wake.notify_all();
-  st->timer.join();
+  st->worker.join();
+}
+
+// While flushing (or stopping), the streaming thread stops waiting for room in the queue.
+static void set_flushing(GstMoeEncode* self, bool flushing) {
+  EncodeState* st = self->st;
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    st->flushing = flushing;
+  }
+  st->wake.notify_all();
 }
 
 static void drop_pending(GstMoeEncode* self, const char* why) {
   EncodeState* st = self->st;
   std::lock_guard<std::mutex> lk(st->lock);
-  if (!st->batch.empty()) GST_INFO_OBJECT(self, "%s: dropping %zu pending requests", why, st->batch.size());
-  st->batch = Batch();
+  if (const size_t n = st->batcher.drop()) GST_INFO_OBJECT(self, "%s: dropping %zu pending requests", why, n);
+  st->queue.clear();
+}
+
+// Queues a buffer's requests for the worker, first waiting while a whole batch is queued already
+// (the batcher is full: the encoder is busy, so requests would only wait here instead of
+// upstream). Runs in the streaming thread.
+static GstFlowReturn enqueue(GstMoeEncode* self, std::vector<Pending>&& requests) {
+  EncodeState* st = self->st;
+  {
+    std::unique_lock<std::mutex> lk(st->lock);
+    st->wake.wait(lk, [st] { return !st->batcher.full() || st->flushing; });
+    if (st->flushing) return GST_FLOW_FLUSHING;
+    st->batcher.arrived(Clock::now(), requests.size());
+    for (Pending& p : requests) st->queue.push_back(std::move(p));
+  }
+  st->wake.notify_all();
+  return GST_FLOW_OK;
 }
 
 /* ----- pads ----- */
@@ -510,37 +556,18 @@ static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer*
                       (nullptr));
     return GST_FLOW_NOT_NEGOTIATED;
   }
-
-  std::vector<Pending> requests;
-  std::vector<gstmoe::FailedRequest> passed_on;
-  collect_requests(self, buf, &requests, &passed_on);
-  const GstClockTime pts = GST_BUFFER_PTS(buf);
+  std::vector<Pending> requests = collect_requests(self, buf);
   gst_buffer_unref(buf);
-
-  bool full;
-  {
-    std::lock_guard<std::mutex> lk(st->lock);
-    Batch& b = st->batch;
-    if (b.empty()) {
-      b.opened = Clock::now();
-      b.pts = pts;
-    }
-    for (Pending& p : requests) b.requests.push_back(std::move(p));
-    for (gstmoe::FailedRequest& f : passed_on) b.passed_on.push_back(std::move(f));
-    full = b.size() >= st->max_batch || st->max_latency == 0;
-  }
-  if (!full) {
-    st->wake.notify_all();
-    return GST_FLOW_OK;
-  }
-  std::lock_guard<std::mutex> push(st->push_lock);
-  return push_pending(self, /*only_due=*/false);
+  return enqueue(self, std::move(requests));
 }
 
-// Pushes the pending batch ahead of a serialized event; the caller holds push_lock.
+// Pushes everything queued ahead of a serialized event, in batches of at most max-batch; the
+// caller holds push_lock. The first failed push is kept for the next chain call.
 static void push_before_event(GstMoeEncode* self, GstEvent* event) {
-  const GstFlowReturn ret = push_pending(self, /*only_due=*/false);
-  if (ret != GST_FLOW_OK) defer_flow(self, ret, /*report_now=*/GST_EVENT_TYPE(event) == GST_EVENT_EOS);
+  GstFlowReturn ret, first = GST_FLOW_OK;
+  while (push_next_batch(self, &ret))
+    if (first == GST_FLOW_OK) first = ret;
+  if (first != GST_FLOW_OK) defer_flow(self, first, /*report_now=*/GST_EVENT_TYPE(event) == GST_EVENT_EOS);
 }
 
 // Sets the fixed output caps once per stream; the caller holds push_lock.
@@ -610,11 +637,13 @@ static gboolean gst_moe_encode_sink_event(GstPad* pad, GstObject* parent, GstEve
   switch (GST_EVENT_TYPE(event)) {
     case GST_EVENT_FLUSH_START:
       // Not serialized: must not wait for a push that is blocked downstream.
+      set_flushing(self, true);
       drop_pending(self, "flush");
       return gst_pad_event_default(pad, parent, event);
     case GST_EVENT_FLUSH_STOP: {
       std::lock_guard<std::mutex> push(st->push_lock);  // after any push racing the flush
       drop_pending(self, "flush");  // what a chain call still running at FLUSH_START queued
+      set_flushing(self, false);
       st->deferred_flow = GST_FLOW_OK;
       return gst_pad_event_default(pad, parent, event);
     }
@@ -656,9 +685,9 @@ static gboolean gst_moe_encode_src_query(GstPad* pad, GstObject* parent, GstQuer
       guint64 wait;
       {
         std::lock_guard<std::mutex> lk(st->lock);
-        wait = st->max_latency;
+        wait = st->batcher.limits().max_latency.count();
       }
-      // A request may wait up to max-latency here for its batch to fill.
+      // The declared wait: a request may queue behind a running batch (moe/batcher.h, rule 4).
       min += wait;
       if (GST_CLOCK_TIME_IS_VALID(max)) max += wait;
       gst_query_set_latency(query, live, min, max);
@@ -754,7 +783,10 @@ static GstStateChangeReturn gst_moe_encode_change_state(GstElement* element, Gst
       break;
     case GST_STATE_CHANGE_READY_TO_PAUSED:
       reset_stream(st);
-      start_timer(self);
+      start_worker(self);
+      break;
+    case GST_STATE_CHANGE_PAUSED_TO_READY:
+      set_flushing(self, true);  // a chain call waiting for room returns, so the pads can deactivate
       break;
     default:
       break;
@@ -762,14 +794,15 @@ static GstStateChangeReturn gst_moe_encode_change_state(GstElement* element, Gst
 
   const GstStateChangeReturn ret = GST_ELEMENT_CLASS(gst_moe_encode_parent_class)->change_state(element, transition);
   if (ret == GST_STATE_CHANGE_FAILURE) {
-    if (transition == GST_STATE_CHANGE_READY_TO_PAUSED) stop_timer(self);
+    if (transition == GST_STATE_CHANGE_READY_TO_PAUSED) stop_worker(self);
+    if (transition == GST_STATE_CHANGE_PAUSED_TO_READY) set_flushing(self, false);  // still running
     return ret;
   }
 
   switch (transition) {
     case GST_STATE_CHANGE_PAUSED_TO_READY:
       // The pads are inactive now: no chain call runs and pushes return FLUSHING.
-      stop_timer(self);
+      stop_worker(self);
       drop_pending(self, "stop");
       reset_stream(st);
       break;
@@ -816,24 +849,48 @@ static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GV
       GST_OBJECT_UNLOCK(self);
       break;
     }
-    case PROP_MAX_BATCH: {
-      std::lock_guard<std::mutex> lk(st->lock);
-      st->max_batch = g_value_get_uint(value);
-      break;
-    }
+    case PROP_MAX_BATCH:
     case PROP_MAX_LATENCY: {
       {
         std::lock_guard<std::mutex> lk(st->lock);
-        st->max_latency = g_value_get_uint64(value);
+        moe::BatchLimits limits = st->batcher.limits();
+        if (prop_id == PROP_MAX_BATCH)
+          limits.max_batch = g_value_get_uint(value);
+        else
+          limits.max_latency = std::chrono::nanoseconds(g_value_get_uint64(value));
+        st->batcher.set_limits(limits);  // within the ranges of the param specs
       }
-      st->wake.notify_all();  // a pending batch may be due now
-      gst_element_post_message(GST_ELEMENT(self), gst_message_new_latency(GST_OBJECT(self)));
+      if (prop_id == PROP_MAX_BATCH)
+        st->wake.notify_all();  // a larger batch leaves room for a waiting streaming thread
+      else
+        gst_element_post_message(GST_ELEMENT(self), gst_message_new_latency(GST_OBJECT(self)));
       break;
     }
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
   }
+}
+
+// The `stats` structure: the batcher's counters and the encoder's.
+static GstStructure* encode_stats(EncodeState* st) {
+  std::lock_guard<std::mutex> lk(st->lock);
+  const moe::BatcherStats& b = st->batcher.stats();
+  GValue by_size = G_VALUE_INIT;
+  gst_value_array_init(&by_size, static_cast<guint>(b.batches_by_size.size()));
+  for (const uint64_t n : b.batches_by_size) {
+    GValue v = G_VALUE_INIT;
+    g_value_init(&v, G_TYPE_UINT64);
+    g_value_set_uint64(&v, n);
+    gst_value_array_append_and_take_value(&by_size, &v);
+  }
+  GstStructure* s = gst_structure_new(
+      "moe-encode-stats", "requests", G_TYPE_UINT64, static_cast<guint64>(b.requests), "batches", G_TYPE_UINT64,
+      static_cast<guint64>(b.batches), "rows-failed", G_TYPE_UINT64, st->counters.rows_failed, "encode-ms",
+      G_TYPE_DOUBLE, st->counters.encode_ms, "queue-wait-ms", G_TYPE_DOUBLE, b.wait_ms_total, "queue-wait-max-ms",
+      G_TYPE_DOUBLE, b.wait_ms_max, "late", G_TYPE_UINT64, static_cast<guint64>(b.late), nullptr);
+  gst_structure_take_value(s, "batches-by-size", &by_size);
+  return s;
 }
 
 static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
@@ -857,14 +914,17 @@ static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* 
       break;
     case PROP_MAX_BATCH: {
       std::lock_guard<std::mutex> lk(st->lock);
-      g_value_set_uint(value, st->max_batch);
+      g_value_set_uint(value, static_cast<guint>(st->batcher.limits().max_batch));
       break;
     }
     case PROP_MAX_LATENCY: {
       std::lock_guard<std::mutex> lk(st->lock);
-      g_value_set_uint64(value, st->max_latency);
+      g_value_set_uint64(value, static_cast<guint64>(st->batcher.limits().max_latency.count()));
       break;
     }
+    case PROP_STATS:
+      g_value_take_boxed(value, encode_stats(st));
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -873,7 +933,7 @@ static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* 
 
 static void gst_moe_encode_finalize(GObject* object) {
   GstMoeEncode* self = GST_MOE_ENCODE(object);
-  stop_timer(self);  // only running if the element was disposed without going to NULL
+  stop_worker(self);  // only running if the element was disposed without going to NULL
   reset_stream(self->st);
   delete self->st;
   G_OBJECT_CLASS(gst_moe_encode_parent_class)->finalize(object);
@@ -912,17 +972,25 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
   g_object_class_install_property(
       gobject_class, PROP_MAX_BATCH,
       g_param_spec_uint("max-batch", "Maximum batch",
-                        "Most requests encoded together: a batch is pushed as soon as it holds this many", 1,
-                        kMaxMaxBatch, kDefaultMaxBatch,
-                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_PLAYING)));
+                        "Most requests encoded together. A request that finds the encoder idle is encoded at once; "
+                        "those that arrive while it is busy leave together, up to this many, when it is done. While "
+                        "this many are queued, the streaming thread waits (backpressure)",
+                        1, kMaxMaxBatch, kDefaultMaxBatch, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_MAX_LATENCY,
       g_param_spec_uint64("max-latency", "Maximum latency",
-                          "Longest time (ns) a partial batch waits for more requests before it is encoded; EOS and "
-                          "serialized events push it at once; 0 encodes every request on arrival. Added to the "
-                          "pipeline latency",
-                          0, kMaxMaxLatency, kDefaultMaxLatency,
-                          static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_PLAYING)));
+                          "How long (ns) a request may queue behind the batch being encoded: added to the pipeline "
+                          "latency; requests that queued longer are counted in stats (late). It delays nothing: "
+                          "batches never wait for more requests while the encoder is idle",
+                          0, kMaxMaxLatency, kDefaultMaxLatency, gstmoe::kPropertyMutablePlaying));
+  g_object_class_install_property(
+      gobject_class, PROP_STATS,
+      gstmoe::stats_param_spec(
+          "moe-encode-stats, since the element started: requests (queued, including those that failed before "
+          "or on arrival), batches (encoded), batches-by-size (array: [i] counts batches of 2^i to 2^(i+1)-1 "
+          "requests), rows-failed (requests that failed here), encode-ms (time in engine calls), queue-wait-ms "
+          "and queue-wait-max-ms (from arrival to the batch leaving: total and longest), late (requests that "
+          "queued longer than max-latency)"));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);

@@ -1,6 +1,8 @@
-// moe-encode and moe-catalog-src: batching, request ids, per-request failures, video input,
-// request buffers, state changes, latency; every embedding compared with the engine called
-// directly (moe::ClipModel on the same inputs).
+// moe-encode and moe-catalog-src: continuous batching, ordering, flushes, request ids,
+// per-request failures, video input, request buffers, state changes, latency, stats; every
+// embedding compared with the engine called directly (moe::ClipModel on the same inputs).
+// Batch boundaries depend on when the encoder is busy: tests merge the batches, or hold the
+// encoder busy at its src pad (PushGate) when they need to know them.
 #include <gst/app/gstappsink.h>
 #include <gst/app/gstappsrc.h>
 #include <gst/check/gstharness.h>
@@ -9,8 +11,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
+#include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -30,7 +36,7 @@ using moe::test::TempDir;
 
 const std::string kModelDir = std::string(MOE_SOURCE_DIR) + "/tests/fixtures/clip_tiny_bpe";
 constexpr int kWidth = 16;                                // clip_tiny_bpe's projection_dim
-constexpr guint64 kNeverFlush = 3600 * GST_SECOND;        // max-latency that never fires in a test
+constexpr guint64 kHour = 3600 * GST_SECOND;              // a max-latency far longer than any wait in a test
 constexpr double kTolerance = 1e-6;
 
 // GST_PLUGIN_PATH_1_0 as this process was started with (SetUp removes it).
@@ -121,6 +127,67 @@ void take(GstBuffer* buf, Output* out) {
   ASSERT_EQ(out->records.rows.size(), out->rows()) << "one record per row";
 }
 
+// Ends the stream and merges every output batch into `out`: rows, records and failures in the
+// order they left. `batches` (when given) gets each batch. The EOS pushes whatever is still
+// queued, so every batch is out when the event returns. Call through ASSERT_NO_FATAL_FAILURE.
+void take_all(GstHarness* h, Output* out, std::vector<Output>* batches = nullptr) {
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  bool first = true;
+  for (GstBuffer* buf; (buf = gst_harness_try_pull(h)) != nullptr; first = false) {
+    Output b;
+    ASSERT_NO_FATAL_FAILURE(take(buf, &b));
+    if (first) {
+      out->pts = b.pts;
+      out->records.encoder = b.records.encoder;
+      out->records.encoder_fingerprint = b.records.encoder_fingerprint;
+    }
+    out->data.insert(out->data.end(), b.data.begin(), b.data.end());
+    out->records.rows.insert(out->records.rows.end(), b.records.rows.begin(), b.records.rows.end());
+    out->records.failed.insert(out->records.failed.end(), b.records.failed.begin(), b.records.failed.end());
+    if (batches != nullptr) batches->push_back(std::move(b));
+  }
+}
+
+// Holds the buffers the element pushes at its src pad until release(): the encoder stays busy
+// with the batch it is pushing, so the requests that arrive meanwhile queue.
+class PushGate {
+ public:
+  explicit PushGate(GstElement* element) : pad_(gst_element_get_static_pad(element, "src")) {
+    probe_ = gst_pad_add_probe(pad_, static_cast<GstPadProbeType>(GST_PAD_PROBE_TYPE_BLOCK | GST_PAD_PROBE_TYPE_BUFFER),
+                               on_buffer, this, nullptr);
+  }
+  ~PushGate() {
+    release();
+    gst_object_unref(pad_);
+  }
+  // Whether a push is held, after waiting for one (bounded).
+  bool wait_held() {
+    std::unique_lock<std::mutex> lk(mutex_);
+    return held_cv_.wait_for(lk, std::chrono::seconds(60), [this] { return held_; });
+  }
+  void release() {
+    if (probe_ != 0) gst_pad_remove_probe(pad_, probe_);
+    probe_ = 0;
+  }
+
+ private:
+  static GstPadProbeReturn on_buffer(GstPad*, GstPadProbeInfo*, gpointer data) {
+    auto* gate = static_cast<PushGate*>(data);
+    {
+      std::lock_guard<std::mutex> lk(gate->mutex_);
+      gate->held_ = true;
+    }
+    gate->held_cv_.notify_all();
+    return GST_PAD_PROBE_OK;  // stays blocked until the probe is removed
+  }
+
+  GstPad* pad_;
+  gulong probe_ = 0;
+  std::mutex mutex_;
+  std::condition_variable held_cv_;
+  bool held_ = false;
+};
+
 double max_abs_diff(const float* got, const moe::Tensor& want, int64_t want_row) {
   EXPECT_EQ(want.dim(1), kWidth);
   double d = 0.0;
@@ -167,8 +234,8 @@ gstmoe::RequestRecord request(const std::string& id, gstmoe::Modality modality, 
 
 /* ----- text ----- */
 
-TEST(MoeEncode, TextBatchesOfMaxBatchThenRestAtEos) {
-  GstHarness* h = encode_harness(3, kNeverFlush, "text/x-raw, format=(string)utf8");
+TEST(MoeEncode, TextBatchesHoldAtMostMaxBatchInArrivalOrder) {
+  GstHarness* h = encode_harness(3, kHour, "text/x-raw, format=(string)utf8");
   const std::vector<std::string> texts = {"a red mug",   "two dogs on a beach", "sunset", "a photo of a cat",
                                           "green grass", "blue striped shirt",  "x"};
   for (size_t i = 0; i < texts.size(); ++i) {
@@ -176,18 +243,16 @@ TEST(MoeEncode, TextBatchesOfMaxBatchThenRestAtEos) {
     GST_BUFFER_PTS(buf) = i * GST_SECOND;
     ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
   }
-  // Full batches go out while pushing; the partial one waits (max-latency is an hour) for EOS.
-  EXPECT_EQ(gst_harness_buffers_in_queue(h), 2u);
-  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
-  ASSERT_EQ(gst_harness_buffers_in_queue(h), 3u);
+  Output all;
+  std::vector<Output> batches;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &all, &batches));
 
   const moe::Tensor want = model()->encode_texts(texts).embeds;
-  const size_t sizes[] = {3, 3, 1};
   size_t next = 0;
-  for (size_t b = 0; b < 3; ++b) {
-    Output out;
-    ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
-    ASSERT_EQ(out.rows(), sizes[b]) << "batch " << b;
+  for (size_t b = 0; b < batches.size(); ++b) {
+    const Output& out = batches[b];
+    EXPECT_GE(out.rows(), 1u) << "batch " << b;
+    EXPECT_LE(out.rows(), 3u) << "batch " << b;
     EXPECT_EQ(out.pts, next * GST_SECOND) << "PTS of the batch's first request";
     EXPECT_TRUE(out.records.failed.empty());
     EXPECT_EQ(out.records.encoder, "clip_tiny_bpe");
@@ -210,15 +275,51 @@ TEST(MoeEncode, TextBatchesOfMaxBatchThenRestAtEos) {
   gst_harness_teardown(h);
 }
 
+// The harness pulls with a 60 s timeout: far shorter than the hour of max-latency, so the
+// request cannot have waited for it.
+TEST(MoeEncode, LoneRequestIsEncodedAtOnceWhateverMaxLatency) {
+  GstHarness* h = encode_harness(8, kHour, "text/x-raw, format=(string)utf8");
+  ASSERT_EQ(gst_harness_push(h, text_buffer("lonely query")), GST_FLOW_OK);
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
+  ASSERT_EQ(out.rows(), 1u);
+  EXPECT_EQ(out.records.rows[0].text, "lonely query");
+  const moe::Tensor want = model()->encode_texts({"lonely query"}).embeds;
+  EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, RequestsQueuedWhileTheEncoderIsBusyLeaveTogether) {
+  GstHarness* h = encode_harness(8, kHour, "text/x-raw, format=(string)utf8");
+  PushGate gate(h->element);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("first")), GST_FLOW_OK);
+  ASSERT_TRUE(gate.wait_held()) << "the first request went out alone";
+  const std::vector<std::string> later = {"second", "third", "fourth"};
+  for (const std::string& t : later) ASSERT_EQ(gst_harness_push(h, text_buffer(t)), GST_FLOW_OK);
+  gate.release();
+
+  Output first, rest;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &first));
+  ASSERT_EQ(first.rows(), 1u);
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &rest));
+  ASSERT_EQ(rest.rows(), 3u) << "what queued while the encoder was busy leaves as one batch";
+  const moe::Tensor want = model()->encode_texts(later).embeds;
+  for (size_t r = 0; r < later.size(); ++r) {
+    EXPECT_EQ(rest.records.rows[r].text, later[r]);
+    EXPECT_LE(max_abs_diff(rest.row(r), want, static_cast<int64_t>(r)), kTolerance) << later[r];
+  }
+  gst_harness_teardown(h);
+}
+
 TEST(MoeEncode, IdsComeFromBufferOffsets) {
-  GstHarness* h = encode_harness(2, kNeverFlush, "text/x-raw, format=(string)utf8");
+  GstHarness* h = encode_harness(2, kHour, "text/x-raw, format=(string)utf8");
   for (guint64 off : {100u, 101u}) {
     GstBuffer* buf = text_buffer("query " + std::to_string(off));
     GST_BUFFER_OFFSET(buf) = off;
     ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
   }
   Output out;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
   ASSERT_EQ(out.rows(), 2u);
   EXPECT_EQ(out.records.rows[0].id, "100");
   EXPECT_EQ(out.records.rows[1].id, "101");
@@ -226,30 +327,26 @@ TEST(MoeEncode, IdsComeFromBufferOffsets) {
 }
 
 TEST(MoeEncode, InvalidUtf8FailsOnlyThatRequest) {
-  GstHarness* h = encode_harness(3, kNeverFlush, "text/x-raw, format=(string)utf8");
+  GstHarness* h = encode_harness(3, kHour, "text/x-raw, format=(string)utf8");
   ASSERT_EQ(gst_harness_push(h, text_buffer("hello")), GST_FLOW_OK);
   ASSERT_EQ(gst_harness_push(h, text_buffer("bad \xff\xfe bytes")), GST_FLOW_OK);
   ASSERT_EQ(gst_harness_push(h, text_buffer("world")), GST_FLOW_OK);
+  // A C string pushed with its terminator: the reason names the NUL.
+  ASSERT_EQ(gst_harness_push(h, bytes_buffer("mug", 4)), GST_FLOW_OK);
   Output out;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
   ASSERT_EQ(out.rows(), 2u);
   EXPECT_EQ(out.records.rows[0].id, "0");
   EXPECT_EQ(out.records.rows[1].id, "2");
-  ASSERT_EQ(out.records.failed.size(), 1u);
+  ASSERT_EQ(out.records.failed.size(), 2u);
   const gstmoe::FailedRequest& f = out.records.failed[0];
   EXPECT_EQ(f.request.id, "1");
   EXPECT_EQ(f.stage, "moe-encode");
   EXPECT_NE(f.reason.find("UTF-8"), std::string::npos) << f.reason;
   EXPECT_NE(f.reason.find("'1'"), std::string::npos) << f.reason;
-
-  // A C string pushed with its terminator: the reason names the NUL.
-  ASSERT_EQ(gst_harness_push(h, bytes_buffer("mug", 4)), GST_FLOW_OK);
-  ASSERT_EQ(gst_harness_push_event(h, gst_event_new_eos()), TRUE);
-  Output nul;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &nul));
-  ASSERT_EQ(nul.records.failed.size(), 1u);
-  EXPECT_NE(nul.records.failed[0].reason.find("NUL byte at offset 3"), std::string::npos)
-      << nul.records.failed[0].reason;
+  EXPECT_EQ(out.records.failed[1].request.id, "3");
+  EXPECT_NE(out.records.failed[1].reason.find("NUL byte at offset 3"), std::string::npos)
+      << out.records.failed[1].reason;
 
   const moe::Tensor want = model()->encode_texts({"hello", "world"}).embeds;
   EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
@@ -258,7 +355,7 @@ TEST(MoeEncode, InvalidUtf8FailsOnlyThatRequest) {
 }
 
 TEST(MoeEncode, AllFailedBatchIsPushedWithZeroRows) {
-  GstHarness* h = encode_harness(1, kNeverFlush, "text/x-raw, format=(string)utf8");
+  GstHarness* h = encode_harness(1, kHour, "text/x-raw, format=(string)utf8");
   ASSERT_EQ(gst_harness_push(h, text_buffer("\xc3")), GST_FLOW_OK);
   GstBuffer* buf = gst_harness_pull(h);
   ASSERT_NE(buf, nullptr);
@@ -272,7 +369,7 @@ TEST(MoeEncode, AllFailedBatchIsPushedWithZeroRows) {
 }
 
 TEST(MoeEncode, SrcCapsWidthIsProjectionDim) {
-  GstHarness* h = encode_harness(8, kNeverFlush, "text/x-raw, format=(string)utf8");
+  GstHarness* h = encode_harness(8, kHour, "text/x-raw, format=(string)utf8");
   GstCaps* caps = gst_pad_get_current_caps(h->sinkpad);
   ASSERT_NE(caps, nullptr);
   int width = 0;
@@ -290,18 +387,6 @@ TEST(MoeEncode, SrcCapsWidthIsProjectionDim) {
   gst_harness_teardown(h);
 }
 
-TEST(MoeEncode, MaxLatencyPushesPartialBatchWithoutEos) {
-  GstHarness* h = encode_harness(8, 5 * GST_MSECOND, "text/x-raw, format=(string)utf8");
-  ASSERT_EQ(gst_harness_push(h, text_buffer("lonely query")), GST_FLOW_OK);
-  Output out;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));  // blocks until the timer pushes it
-  ASSERT_EQ(out.rows(), 1u);
-  EXPECT_EQ(out.records.rows[0].text, "lonely query");
-  const moe::Tensor want = model()->encode_texts({"lonely query"}).embeds;
-  EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
-  gst_harness_teardown(h);
-}
-
 TEST(MoeEncode, LatencyQueryAddsMaxLatency) {
   GstHarness* h = encode_harness(8, 20 * GST_MSECOND, "text/x-raw, format=(string)utf8");
   gst_harness_set_upstream_latency(h, 5 * GST_MSECOND);
@@ -315,41 +400,95 @@ TEST(MoeEncode, LatencyQueryAddsMaxLatency) {
   gst_harness_teardown(h);
 }
 
-TEST(MoeEncode, TimerAndStreamingThreadKeepOrderAndAnswerEachRequestOnce) {
-  // A short max-latency: batches are pushed by both threads, in whatever interleaving.
-  GstHarness* h = encode_harness(5, 200 * GST_USECOND, "text/x-raw, format=(string)utf8");
-  constexpr int kRequests = 100;
-  for (int i = 0; i < kRequests; ++i) ASSERT_EQ(gst_harness_push(h, text_buffer("query " + std::to_string(i))), GST_FLOW_OK);
-  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
-  std::vector<std::string> ids;
-  for (GstBuffer* buf; (buf = gst_harness_try_pull(h)) != nullptr;) {
-    Output out;
-    ASSERT_NO_FATAL_FAILURE(take(buf, &out));
-    EXPECT_GE(out.rows(), 1u);
-    EXPECT_LE(out.rows(), 5u);
-    for (const gstmoe::RequestRecord& r : out.records.rows) ids.push_back(r.id);
+// What leaves the element's src pad, in order: "<id>" for each row, "event <n>" for each marker.
+struct Departures {
+  std::mutex mutex;
+  std::vector<std::string> seen;
+};
+
+GstPadProbeReturn record_departure(GstPad*, GstPadProbeInfo* info, gpointer data) {
+  auto* d = static_cast<Departures*>(data);
+  std::lock_guard<std::mutex> lk(d->mutex);
+  if (GST_PAD_PROBE_INFO_TYPE(info) & GST_PAD_PROBE_TYPE_BUFFER) {
+    if (const gstmoe::BatchRecords* records = batch_records(GST_PAD_PROBE_INFO_BUFFER(info)))
+      for (const gstmoe::RequestRecord& r : records->rows) d->seen.push_back(r.id);
+  } else if (GST_PAD_PROBE_INFO_TYPE(info) & GST_PAD_PROBE_TYPE_EVENT_DOWNSTREAM) {
+    GstEvent* ev = GST_PAD_PROBE_INFO_EVENT(info);
+    if (GST_EVENT_TYPE(ev) == GST_EVENT_CUSTOM_DOWNSTREAM) {
+      int n = -1;
+      gst_structure_get_int(gst_event_get_structure(ev), "n", &n);
+      d->seen.push_back("event " + std::to_string(n));
+    }
   }
-  ASSERT_EQ(ids.size(), static_cast<size_t>(kRequests));
-  for (int i = 0; i < kRequests; ++i) EXPECT_EQ(ids[i], std::to_string(i));
+  return GST_PAD_PROBE_OK;
+}
+
+TEST(MoeEncode, WorkerAndEventsKeepOrderAndAnswerEachRequestOnce) {
+  // The worker pushes batches while the streaming thread queues; every 10 requests a serialized
+  // event makes the streaming thread push what is queued itself, in whatever interleaving.
+  GstHarness* h = encode_harness(5, kHour, "text/x-raw, format=(string)utf8");
+  Departures departures;
+  GstPad* src = gst_element_get_static_pad(h->element, "src");
+  gst_pad_add_probe(src, GST_PAD_PROBE_TYPE_DATA_DOWNSTREAM, record_departure, &departures, nullptr);
+  gst_object_unref(src);
+  constexpr int kRequests = 100;
+  std::vector<std::string> want;
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_EQ(gst_harness_push(h, text_buffer("query " + std::to_string(i))), GST_FLOW_OK);
+    want.push_back(std::to_string(i));
+    if (i % 10 == 9) {
+      GstStructure* marker = gst_structure_new("marker", "n", G_TYPE_INT, i / 10, nullptr);
+      ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_custom(GST_EVENT_CUSTOM_DOWNSTREAM, marker)));
+      want.push_back("event " + std::to_string(i / 10));
+    }
+  }
+  std::vector<Output> batches;
+  Output all;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &all, &batches));
+  for (const Output& b : batches) EXPECT_LE(b.rows(), 5u);
+  std::lock_guard<std::mutex> lk(departures.mutex);
+  EXPECT_EQ(departures.seen, want) << "rows in arrival order, each before the events that followed it";
   gst_harness_teardown(h);
 }
 
-TEST(MoeEncode, FlushDropsThePendingBatch) {
-  GstHarness* h = encode_harness(8, kNeverFlush, "text/x-raw, format=(string)utf8");
+TEST(MoeEncode, FlushDropsWhatIsQueued) {
+  GstHarness* h = encode_harness(8, kHour, "text/x-raw, format=(string)utf8");
+  auto gate = std::make_unique<PushGate>(h->element);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("dropped in the push")), GST_FLOW_OK);
+  ASSERT_TRUE(gate->wait_held());
   ASSERT_EQ(gst_harness_push(h, text_buffer("dropped 1")), GST_FLOW_OK);
   ASSERT_EQ(gst_harness_push(h, text_buffer("dropped 2")), GST_FLOW_OK);
-  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_flush_start()));
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_flush_start()));  // the held push returns FLUSHING
+  gate.reset();
   ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_flush_stop(TRUE)));
   GstSegment segment;
   gst_segment_init(&segment, GST_FORMAT_TIME);
   ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_segment(&segment)));
   ASSERT_EQ(gst_harness_push(h, text_buffer("kept")), GST_FLOW_OK);
-  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
-  ASSERT_EQ(gst_harness_buffers_in_queue(h), 1u);
   Output out;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
   ASSERT_EQ(out.rows(), 1u);
   EXPECT_EQ(out.records.rows[0].text, "kept");
+  gst_harness_teardown(h);
+}
+
+// With a whole batch queued behind a busy encoder the streaming thread waits; a flush releases it.
+TEST(MoeEncode, FlushReleasesAStreamingThreadWaitingForRoom) {
+  GstHarness* h = encode_harness(2, kHour, "text/x-raw, format=(string)utf8");
+  auto gate = std::make_unique<PushGate>(h->element);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("in the push")), GST_FLOW_OK);
+  ASSERT_TRUE(gate->wait_held());
+  ASSERT_EQ(gst_harness_push(h, text_buffer("queued 1")), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("queued 2")), GST_FLOW_OK);
+  std::future<GstFlowReturn> third =
+      std::async(std::launch::async, [h] { return gst_harness_push(h, text_buffer("waits for room")); });
+  // A push that returns while the batcher is full was not held back (a bounded wait, not a timing).
+  EXPECT_EQ(third.wait_for(std::chrono::milliseconds(200)), std::future_status::timeout) << "backpressure";
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_flush_start()));
+  ASSERT_EQ(third.wait_for(std::chrono::seconds(60)), std::future_status::ready);
+  EXPECT_EQ(third.get(), GST_FLOW_FLUSHING);
+  gate.reset();
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_flush_stop(TRUE)));
   gst_harness_teardown(h);
 }
 
@@ -361,7 +500,7 @@ TEST(MoeEncode, RgbFramesWithPaddedStride) {
   GstVideoInfo info;
   gst_video_info_set_format(&info, GST_VIDEO_FORMAT_RGB, w, h_px);
   ASSERT_EQ(GST_VIDEO_INFO_PLANE_STRIDE(&info, 0), 124);
-  GstHarness* h = encode_harness(2, kNeverFlush, nullptr);
+  GstHarness* h = encode_harness(2, kHour, nullptr);
   gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
 
   std::vector<std::vector<uint8_t>> images;
@@ -377,7 +516,7 @@ TEST(MoeEncode, RgbFramesWithPaddedStride) {
     ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
   }
   Output out;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
   ASSERT_EQ(out.rows(), 2u);
   const moe::Tensor want = model()->encode_images({view_of(images[0], w, h_px), view_of(images[1], w, h_px)}).embeds;
   for (int i = 0; i < 2; ++i) {
@@ -399,7 +538,7 @@ TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
     gst_video_info_set_format(&rgb_info, GST_VIDEO_FORMAT_RGB, w, h_px);  // 120-byte rows: packed
     GST_VIDEO_INFO_FPS_N(&info) = GST_VIDEO_INFO_FPS_N(&rgb_info) = fps;
     GST_VIDEO_INFO_FPS_D(&info) = GST_VIDEO_INFO_FPS_D(&rgb_info) = 1;
-    GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
+    GstHarness* h = encode_harness(1, kHour, nullptr);
     gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
 
     GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
@@ -439,7 +578,7 @@ TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
 /* ----- request buffers ----- */
 
 TEST(MoeEncode, RequestBuffersMixTextAndImagesAndCarryFailures) {
-  GstHarness* h = encode_harness(4, kNeverFlush, GST_MOE_REQUEST_CAPS);
+  GstHarness* h = encode_harness(4, kHour, GST_MOE_REQUEST_CAPS);
   const int w = 9, h_px = 7;
   const std::vector<uint8_t> px = pattern_rgb(w, h_px, 3);
   const std::vector<uint8_t> png = make_png(px, w, h_px, 3);
@@ -460,7 +599,7 @@ TEST(MoeEncode, RequestBuffersMixTextAndImagesAndCarryFailures) {
   ASSERT_EQ(gst_harness_push(h, upstream_failure), GST_FLOW_OK);
 
   Output out;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
   ASSERT_EQ(out.rows(), 2u);
   EXPECT_EQ(out.records.rows[0].id, "img-ok");
   EXPECT_EQ(out.records.rows[0].uri, "file:///cat/ok.png");
@@ -528,7 +667,7 @@ TEST(MoeEncode, NoModelIsASettingsError) {
 
 // filesrc sends untyped bytes (caps ANY): the error tells the user to add a caps filter.
 TEST(MoeEncode, BufferWithoutCapsErrorNamesTheCapsFilter) {
-  GstHarness* h = encode_harness(1, kNeverFlush, nullptr);
+  GstHarness* h = encode_harness(1, kHour, nullptr);
   GstBus* bus = gst_bus_new();
   gst_element_set_bus(h->element, bus);
   EXPECT_EQ(gst_harness_push(h, text_buffer("red mug")), GST_FLOW_NOT_NEGOTIATED);
@@ -546,12 +685,11 @@ TEST(MoeEncode, BufferWithoutCapsErrorNamesTheCapsFilter) {
   gst_harness_teardown(h);
 }
 
-// A live source may send nothing after the request whose batch the timer could not push: the
+// A live source may send nothing after the request whose batch the worker could not push: the
 // failure is posted at once rather than kept for a chain call that never comes.
-TEST(MoeEncode, TimerPushFailureIsReportedWithoutAnotherBuffer) {
+TEST(MoeEncode, WorkerPushFailureIsReportedWithoutAnotherBuffer) {
   GstElement* pipeline = gst_parse_launch(
-      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode name=enc max-latency=1000000 model=" +
-       kModelDir)
+      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode name=enc model=" + kModelDir)
           .c_str(),
       nullptr);  // moe-encode's src pad stays unlinked
   ASSERT_NE(pipeline, nullptr);
@@ -559,9 +697,9 @@ TEST(MoeEncode, TimerPushFailureIsReportedWithoutAnotherBuffer) {
   ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
   ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(in), text_buffer("red mug")), GST_FLOW_OK);
   GstBus* bus = gst_element_get_bus(pipeline);
-  // Waits for the message only; it comes as soon as the 1 ms batch wait is over.
+  // Waits for the message only; it comes as soon as the worker's push fails.
   GstMessage* msg = gst_bus_timed_pop_filtered(bus, 60 * GST_SECOND, GST_MESSAGE_ERROR);
-  ASSERT_NE(msg, nullptr) << "no error for the batch the timer could not push";
+  ASSERT_NE(msg, nullptr) << "no error for the batch the worker could not push";
   EXPECT_STREQ(GST_OBJECT_NAME(GST_MESSAGE_SRC(msg)), "enc");
   GError* err = nullptr;
   gst_message_parse_error(msg, &err, nullptr);
@@ -588,7 +726,7 @@ TEST(MoeEncode, NullPlayingNullCyclesWork) {
     ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE) << cycle;
     ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(in), text_buffer("cycle")), GST_FLOW_OK);
     ASSERT_EQ(gst_app_src_end_of_stream(GST_APP_SRC(in)), GST_FLOW_OK);
-    GstSample* sample = gst_app_sink_pull_sample(GST_APP_SINK(out));  // the batch, pushed at EOS
+    GstSample* sample = gst_app_sink_pull_sample(GST_APP_SINK(out));  // the batch of one
     ASSERT_NE(sample, nullptr) << cycle;
     GstBuffer* batch = gst_buffer_ref(gst_sample_get_buffer(sample));
     gst_sample_unref(sample);
@@ -603,6 +741,83 @@ TEST(MoeEncode, NullPlayingNullCyclesWork) {
   gst_object_unref(in);
   gst_object_unref(out);
   gst_object_unref(pipeline);
+}
+
+/* ----- stats and properties ----- */
+
+guint64 stat_u64(const GstStructure* s, const char* field) {
+  guint64 v = 0;
+  EXPECT_TRUE(gst_structure_get_uint64(s, field, &v)) << field;
+  return v;
+}
+
+GstStructure* stats_of(GstElement* e) {
+  GstStructure* s = nullptr;
+  g_object_get(e, "stats", &s, nullptr);
+  return s;
+}
+
+TEST(MoeEncode, StatsCountRequestsBatchesAndFailuresSinceStart) {
+  GstHarness* h = encode_harness(4, kHour, "text/x-raw, format=(string)utf8");
+  for (const char* t : {"red mug", "bad \xff", "sunset"}) ASSERT_EQ(gst_harness_push(h, text_buffer(t)), GST_FLOW_OK);
+  std::vector<Output> batches;
+  Output all;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &all, &batches));
+
+  GstStructure* s = stats_of(h->element);
+  ASSERT_NE(s, nullptr);
+  EXPECT_TRUE(gst_structure_has_name(s, "moe-encode-stats"));
+  EXPECT_EQ(stat_u64(s, "requests"), 3u);
+  EXPECT_EQ(stat_u64(s, "batches"), batches.size());
+  EXPECT_EQ(stat_u64(s, "rows-failed"), 1u);
+  EXPECT_EQ(stat_u64(s, "late"), 0u) << "max-latency is an hour";
+  const GValue* by_size = gst_structure_get_value(s, "batches-by-size");
+  ASSERT_NE(by_size, nullptr);
+  ASSERT_TRUE(GST_VALUE_HOLDS_ARRAY(by_size));
+  guint64 counted = 0;
+  for (guint i = 0; i < gst_value_array_get_size(by_size); ++i)
+    counted += g_value_get_uint64(gst_value_array_get_value(by_size, i));
+  EXPECT_EQ(counted, batches.size());
+  double encode_ms = -1.0, wait_ms = -1.0, wait_max_ms = -1.0;
+  EXPECT_TRUE(gst_structure_get_double(s, "encode-ms", &encode_ms));
+  EXPECT_TRUE(gst_structure_get_double(s, "queue-wait-ms", &wait_ms));
+  EXPECT_TRUE(gst_structure_get_double(s, "queue-wait-max-ms", &wait_max_ms));
+  EXPECT_GT(encode_ms, 0.0);
+  EXPECT_GE(wait_ms, wait_max_ms);
+  EXPECT_GE(wait_max_ms, 0.0);
+  gst_structure_free(s);
+
+  // Kept after stop, reset at the next start.
+  ASSERT_EQ(gst_element_set_state(h->element, GST_STATE_READY), GST_STATE_CHANGE_SUCCESS);
+  s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "requests"), 3u);
+  gst_structure_free(s);
+  gst_harness_play(h);
+  s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "requests"), 0u);
+  EXPECT_EQ(stat_u64(s, "batches"), 0u);
+  gst_structure_free(s);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, PropertiesSayWhenTheyMayChange) {
+  GObjectClass* klass = static_cast<GObjectClass*>(g_type_class_ref(GST_TYPE_MOE_ENCODE));
+  constexpr guint kMutable = GST_PARAM_MUTABLE_READY | GST_PARAM_MUTABLE_PAUSED | GST_PARAM_MUTABLE_PLAYING;
+  for (const char* only_in_null : {"model", "device", "precision"}) {
+    GParamSpec* p = g_object_class_find_property(klass, only_in_null);
+    ASSERT_NE(p, nullptr) << only_in_null;
+    EXPECT_EQ(p->flags & kMutable, 0u) << only_in_null << ": loaded when going to READY";
+  }
+  for (const char* any_state : {"max-batch", "max-latency"}) {
+    GParamSpec* p = g_object_class_find_property(klass, any_state);
+    ASSERT_NE(p, nullptr) << any_state;
+    EXPECT_TRUE(p->flags & GST_PARAM_MUTABLE_PLAYING) << any_state << ": read as the data flows";
+  }
+  GParamSpec* stats = g_object_class_find_property(klass, "stats");
+  ASSERT_NE(stats, nullptr);
+  EXPECT_TRUE(stats->flags & G_PARAM_READABLE);
+  EXPECT_FALSE(stats->flags & G_PARAM_WRITABLE);
+  g_type_class_unref(klass);
 }
 
 /* ----- this binary's elements ----- */
@@ -632,7 +847,8 @@ TEST(MoeEncode, RunsWhenTheRegistryIsRebuiltInProcessWithThePluginOnThePath) {
   ASSERT_EQ(g_mkdir_with_parents(no_system_plugins.c_str(), 0700), 0);
   gchar* self = g_file_read_link("/proc/self/exe", nullptr);
   ASSERT_NE(self, nullptr);
-  gchar* argv[] = {self, const_cast<gchar*>("--gtest_filter=MoeEncode.TextBatchesOfMaxBatchThenRestAtEos"), nullptr};
+  gchar* argv[] = {self, const_cast<gchar*>("--gtest_filter=MoeEncode.TextBatchesHoldAtMostMaxBatchInArrivalOrder"),
+                   nullptr};
   gchar** env = g_get_environ();
   env = g_environ_setenv(env, "GST_REGISTRY_FORK", "no", TRUE);
   env = g_environ_setenv(env, "GST_REGISTRY_1_0", dir.file("registry.bin").c_str(), TRUE);
@@ -676,7 +892,7 @@ TEST(MoeEncode, DeviceAndPrecisionDefaultToCpuFp32) {
 
 TEST(MoeEncode, AutoDeviceInHalfPrecisionEncodesWithThatModel) {
   GstElement* e = gst_element_factory_make("moe-encode", nullptr);
-  g_object_set(e, "model", kModelDir.c_str(), "max-batch", 2u, "max-latency", kNeverFlush, "device", "auto", nullptr);
+  g_object_set(e, "model", kModelDir.c_str(), "max-batch", 2u, "max-latency", kHour, "device", "auto", nullptr);
   gst_util_set_object_arg(G_OBJECT(e), "precision", "bf16");
   GstHarness* h = gst_harness_new_with_element(e, "sink", "src");
   gst_object_unref(e);
@@ -684,7 +900,7 @@ TEST(MoeEncode, AutoDeviceInHalfPrecisionEncodesWithThatModel) {
   ASSERT_EQ(gst_harness_push(h, text_buffer("a red mug")), GST_FLOW_OK);
   ASSERT_EQ(gst_harness_push(h, text_buffer("sunset")), GST_FLOW_OK);
   Output out;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
   ASSERT_EQ(out.rows(), 2u);
   // The element's model is the cache's for (dir, the device "auto" means here, bf16).
   moe::ComputeOptions options;
