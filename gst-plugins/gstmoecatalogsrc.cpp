@@ -11,8 +11,6 @@
  */
 #include "gstmoecatalogsrc.h"
 
-#include <json-glib/json-glib.h>
-
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "gstmoemeta.h"
+#include "moe/catalog.h"
 #include "moe/error.h"
 #include "moe/image_decode.h"
 
@@ -32,12 +31,8 @@ constexpr const char* kStage = "moe-catalog-src";
 constexpr const char* kCatalogName = "catalog.jsonl";
 constexpr const char* kImageExtensions[] = {"png", "jpg", "jpeg", "bmp", "gif", "ppm", "webp", "tif", "tiff"};
 
-struct CatalogItem {
-  std::string id;
-  std::string path;     // absolute
-  std::string caption;
-  std::string error;    // set for a malformed catalog line
-};
+// id, absolute path, caption; `error` set for a malformed catalog line.
+using CatalogItem = moe::CatalogEntry;
 
 struct CatalogState {
   std::string location;  // under the object lock
@@ -68,14 +63,6 @@ static std::string take_string(gchar* s) {
   return out;
 }
 
-// The default id: the file name without its extension.
-static std::string id_from_path(const std::string& path) {
-  std::string name = take_string(g_path_get_basename(path.c_str()));
-  const size_t dot = name.rfind('.');
-  if (dot != std::string::npos && dot > 0) name.erase(dot);
-  return name;
-}
-
 static bool has_image_extension(const std::string& name) {
   const size_t dot = name.rfind('.');
   if (dot == std::string::npos) return false;
@@ -103,54 +90,10 @@ static bool list_folder(const std::string& dir, std::vector<CatalogItem>* items,
   for (const std::string& name : names) {
     CatalogItem item;
     item.path = take_string(g_build_filename(dir.c_str(), name.c_str(), nullptr));
-    item.id = id_from_path(name);
+    item.id = moe::catalog_id_from_path(name);
     items->push_back(std::move(item));
   }
   return true;
-}
-
-// One JSONL line: {"path": ..., "caption": ..., "id": ...}. A malformed line gives an item with
-// `error` set (and whatever id it had).
-static CatalogItem parse_line(JsonParser* parser, const std::string& line, const std::string& folder,
-                              const std::string& where) {
-  CatalogItem item;
-  GError* err = nullptr;
-  if (!json_parser_load_from_data(parser, line.data(), static_cast<gssize>(line.size()), &err)) {
-    item.error = where + ": invalid JSON (" + err->message + ")";
-    g_error_free(err);
-    return item;
-  }
-  JsonNode* root = json_parser_get_root(parser);
-  if (root == nullptr || !JSON_NODE_HOLDS_OBJECT(root)) {
-    item.error = where + ": not a JSON object";
-    return item;
-  }
-  JsonObject* obj = json_node_get_object(root);
-  auto member = [&](const char* key) { return json_object_get_member(obj, key); };
-  auto is_type = [](JsonNode* n, GType t) { return n != nullptr && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == t; };
-
-  if (JsonNode* id = member("id")) {
-    if (is_type(id, G_TYPE_STRING))
-      item.id = json_node_get_string(id);
-    else if (is_type(id, G_TYPE_INT64))
-      item.id = std::to_string(json_node_get_int(id));
-    else
-      item.error = where + ": \"id\" must be a string or an integer";
-  }
-  if (JsonNode* caption = member("caption")) {
-    if (is_type(caption, G_TYPE_STRING))
-      item.caption = json_node_get_string(caption);
-    else if (item.error.empty())
-      item.error = where + ": \"caption\" must be a string";
-  }
-  JsonNode* path = member("path");
-  if (!is_type(path, G_TYPE_STRING) || *json_node_get_string(path) == '\0') {
-    if (item.error.empty()) item.error = where + ": \"path\" (a non-empty string) is missing";
-    return item;
-  }
-  item.path = take_string(g_canonicalize_filename(json_node_get_string(path), folder.c_str()));
-  if (item.id.empty() && item.error.empty()) item.id = id_from_path(item.path);
-  return item;
 }
 
 // The items of a JSONL catalog. Returns false with `error` set if the file cannot be read.
@@ -164,7 +107,6 @@ static bool read_catalog(const std::string& file, std::vector<CatalogItem>* item
     return false;
   }
   const std::string folder = take_string(g_path_get_dirname(file.c_str()));
-  JsonParser* parser = json_parser_new();
   const std::string all(text, size);
   g_free(text);
   size_t start = 0;
@@ -174,9 +116,9 @@ static bool read_catalog(const std::string& file, std::vector<CatalogItem>* item
     const std::string line = all.substr(start, end - start);
     start = end + 1;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines
-    items->push_back(parse_line(parser, line, folder, "catalog '" + file + "' line " + std::to_string(line_no)));
+    // One {"path": ..., "caption": ..., "id": ...} object: parsed by the engine (bounded JSON).
+    items->push_back(moe::parse_catalog_line(line, folder, "catalog '" + file + "' line " + std::to_string(line_no)));
   }
-  g_object_unref(parser);
   return true;
 }
 

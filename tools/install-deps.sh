@@ -13,6 +13,11 @@ packages=(
   gstreamer1.0-plugins-good libzmq3-dev cppzmq-dev
   # tests and examples
   libgtest-dev python3-zmq python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
+  # fuzzing (tools/run-fuzz.sh): clang 14 with its sanitizer and libFuzzer runtimes (the clang
+  # package gives the clang/clang++ names; FuzzedDataProvider.h comes with libclang-common-14-dev)
+  clang clang-14 libclang-rt-14-dev
+  # the AddressSanitizer + UndefinedBehaviorSanitizer build (gcc's runtimes)
+  libasan8 libubsan1
 )
 
 missing=()

@@ -15,22 +15,20 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <sstream>
 #include <utility>
 
 #include "backend.h"
 #include "compute_util.h"
 #include "cpu_ops.h"
 #include "device_buffer.h"
-#include "json_util.h"
+#include "moe/catalog.h"
 #include "moe/compute.h"
 #include "moe/error.h"
 
 namespace moe {
 
 namespace {
-
-constexpr const char* kItemsFormat = "gst-moe-items";
-constexpr int kItemsVersion = 1;
 
 std::string items_path_for(const std::string& path) { return path + ".items.jsonl"; }
 
@@ -141,19 +139,12 @@ void add_int(JsonBuilder* b, const char* key, int64_t value) {
   json_builder_add_int_value(b, value);
 }
 
-// A provenance that cannot be checked is no provenance: the encoder fingerprint is required.
-void check_provenance(const AnnProvenance& p, const std::string& what) {
-  if (p.encoder_fingerprint.empty()) throw Error(what + ": no encoder fingerprint (encoder '" + p.encoder + "')");
-}
-
 void write_all(AtomicFile& file, const std::string& text) {
   if (std::fwrite(text.data(), 1, text.size(), file.stream()) != text.size())
     throw Error("'" + file.path() + "' cannot be written: " + std::strerror(errno));
 }
 
 }  // namespace
-
-const char* ann_index_type_name(AnnIndexType type) { return type == AnnIndexType::Hnsw ? "hnsw" : "flat"; }
 
 // The unit vectors of a flat index in a backend's memory, and what searching them needs.
 struct AnnIndex::DeviceVectors {
@@ -212,7 +203,8 @@ const AnnItem& AnnIndex::item(int64_t i) const {
 }
 
 void AnnIndex::set_provenance(AnnProvenance provenance) {
-  check_provenance(provenance, "ANN index provenance");
+  // A provenance that cannot be checked is no provenance: the encoder fingerprint is required.
+  check_ann_provenance(provenance, "ANN index provenance");
   provenance_ = std::move(provenance);
 }
 
@@ -330,8 +322,8 @@ void AnnIndex::save(const std::string& path) const {
   LineWriter writer;
   JsonBuilder* b = json_builder_new();
   json_builder_begin_object(b);
-  add_string(b, "format", kItemsFormat);
-  add_int(b, "version", kItemsVersion);
+  add_string(b, "format", kAnnItemsFormat);
+  add_int(b, "version", kAnnItemsVersion);
   add_int(b, "count", static_cast<int64_t>(items_.size()));
   add_int(b, "dim", dim_);
   add_string(b, "index_type", ann_index_type_name(type_));
@@ -395,55 +387,13 @@ AnnIndex AnnIndex::load(const std::string& path) {
   const std::string items_path = items_path_for(path);
   std::ifstream in(items_path, std::ios::binary);
   if (!in) throw Error("ANN item table '" + items_path + "' cannot be read: " + std::strerror(errno));
-  std::string line;
-  if (!std::getline(in, line)) throw Error("ANN item table '" + items_path + "': empty file (no header line)");
-  {
-    const std::string what = "ANN item table '" + items_path + "' line 1 (header)";
-    json::Document doc(line, what);
-    JsonObject* h = doc.root_object();
-    if (json::get_string(h, "format", what) != kItemsFormat)
-      throw Error(what + ": format is not '" + kItemsFormat + "'");
-    if (json::get_int(h, "version", what) != kItemsVersion)
-      throw Error(what + ": unsupported version " + std::to_string(json::get_int(h, "version", what)));
-    const int64_t header_count = json::get_int(h, "count", what);
-    const int64_t header_dim = json::get_int(h, "dim", what);
-    const std::string header_type = json::get_string(h, "index_type", what);
-    if (header_count != count)
-      throw Error(what + ": count " + std::to_string(header_count) + " but the index '" + path + "' holds " +
-                  std::to_string(count) + " vectors");
-    if (header_dim != dim)
-      throw Error(what + ": dim " + std::to_string(header_dim) + " but the index '" + path + "' has dimension " +
-                  std::to_string(dim));
-    if (header_type != ann_index_type_name(type))
-      throw Error(what + ": index_type '" + header_type + "' but the index '" + path + "' is " +
-                  ann_index_type_name(type));
-    if (JsonObject* p = json::get_object_or_null(h, "provenance", what)) {
-      const std::string pwhat = what + " provenance";
-      AnnProvenance prov{json::get_string(p, "encoder", pwhat), json::get_string(p, "encoder_fingerprint", pwhat),
-                         json::get_string(p, "adapter", pwhat), json::get_string(p, "adapter_fingerprint", pwhat)};
-      check_provenance(prov, pwhat);
-      out.provenance_ = std::move(prov);
-    }
-  }
-  out.items_.reserve(static_cast<size_t>(count));
-  int64_t line_no = 1;
-  while (std::getline(in, line)) {
-    ++line_no;
-    const std::string what = "ANN item table '" + items_path + "' line " + std::to_string(line_no);
-    const int64_t i = static_cast<int64_t>(out.items_.size());
-    if (i == count) throw Error(what + ": more items than the " + std::to_string(count) + " in the header");
-    json::Document doc(line, what);
-    JsonObject* obj = doc.root_object();
-    if (json::get_int(obj, "item", what) != i)
-      throw Error(what + ": item " + std::to_string(json::get_int(obj, "item", what)) + " where " +
-                  std::to_string(i) + " was expected (items must be in index order)");
-    out.items_.push_back({json::get_string_or(obj, "id", "", what), json::get_string_or(obj, "uri", "", what),
-                          json::get_string_or(obj, "caption", "", what)});
-  }
+  std::ostringstream text;
+  text << in.rdbuf();
   if (in.bad()) throw Error("ANN item table '" + items_path + "': read error");
-  if (static_cast<int64_t>(out.items_.size()) != count)
-    throw Error("ANN item table '" + items_path + "' has " + std::to_string(out.items_.size()) +
-                " items but the header and the index '" + path + "' say " + std::to_string(count));
+  // The parsing lives in catalog.cpp, apart from FAISS, so that it can be fuzzed alone.
+  AnnItemTable table = parse_ann_item_table(text.str(), items_path, path, count, dim, type);
+  out.items_ = std::move(table.items);
+  out.provenance_ = std::move(table.provenance);
   return out;
 }
 

@@ -87,6 +87,7 @@ class AnnIndex {
   static AnnIndex create(int dim, const AnnBuildOptions& options);
   // Reads PATH and PATH.items.jsonl and checks that they agree. Throws moe::Error naming the
   // file and the reason (FAISS's own message for an unreadable index, the line for a bad item).
+  // The item table's text is parsed by parse_ann_item_table (moe/catalog.h), which needs no FAISS.
   static AnnIndex load(const std::string& path);
 
   AnnIndex(AnnIndex&&) noexcept;

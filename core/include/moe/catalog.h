@@ -1,0 +1,57 @@
+// gst-moe: the two JSON Lines tables that describe catalog items, parsed from their text:
+//   - an image catalog, catalog.jsonl, one {"path": ..., "caption": ..., "id": ...} per line
+//     (read by moe-catalog-src);
+//   - an ANN index's item table, PATH.items.jsonl (format in moe/ann_index.h; read by
+//     AnnIndex::load).
+// Both come from files a user hands over, so both parse through the engine's bounded JSON reader
+// (size and nesting depth checked before JSON-GLib runs). Neither needs FAISS or GStreamer: the
+// fuzz targets in tests/fuzz build them alone.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moe/ann_index.h"
+
+namespace moe {
+
+// One catalog line. A malformed line gives an entry with `error` set ("<where>: ...") and
+// whatever id and caption it had; a valid one has `path` absolute and `error` empty.
+struct CatalogEntry {
+  std::string id;
+  std::string path;     // absolute
+  std::string caption;
+  std::string error;    // set for a malformed catalog line
+};
+
+// Parses one catalog.jsonl line: "path" (a non-empty string, relative to `folder` unless
+// absolute), "caption" (a string, optional), "id" (a string or an integer, optional: the file name
+// without its extension). `where` ("catalog 'F' line N") prefixes every error. Never throws for
+// bad input: the failure is in the entry.
+CatalogEntry parse_catalog_line(std::string_view line, const std::string& folder, const std::string& where);
+
+// The default id of an item at `path`: the file name without its extension.
+std::string catalog_id_from_path(const std::string& path);
+
+// The item table's format name and version (its header's "format" and "version").
+constexpr const char* kAnnItemsFormat = "gst-moe-items";
+constexpr int kAnnItemsVersion = 1;
+
+struct AnnItemTable {
+  std::vector<AnnItem> items;
+  std::optional<AnnProvenance> provenance;
+};
+
+// Parses the text of an item table (`items_path`, for messages) that must describe the index
+// `index_path`: `count` items, vectors of dimension `dim`, of `type`. Lines split as
+// std::getline splits them. Throws moe::Error with AnnIndex::load's messages.
+AnnItemTable parse_ann_item_table(std::string_view text, const std::string& items_path, const std::string& index_path,
+                                  int64_t count, int dim, AnnIndexType type);
+
+// Throws moe::Error "<what>: no encoder fingerprint (...)" for a provenance that cannot be checked.
+void check_ann_provenance(const AnnProvenance& provenance, const std::string& what);
+
+}  // namespace moe
