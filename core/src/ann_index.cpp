@@ -155,7 +155,7 @@ struct AnnIndex::DeviceVectors {
   ~DeviceVectors() {
     if (!base) return;
     const auto held = detail::lock_if(mutex);
-    backend->deallocate(base);
+    detail::deallocate_noexcept(*backend, base);  // a sticky device error must not throw here
   }
 };
 
