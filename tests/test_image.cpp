@@ -459,6 +459,10 @@ TEST(DecodeImage, RefusesGifFramesThatShowNothing) {
   expect_error([&] { moe::decode_image(gif, size, "empty-frame.gif"); },
                {"empty-frame.gif", "GIF frame 1 (0x2 at 0,512) shows nothing of the 2x2 canvas"});
   g_free(gif);
+  // The same frame behind bytes that are no block: the loader skips them, and so does the check.
+  gif = g_base64_decode("R0lGODlhAgACAIEAAP8AAAABAGAgAAEAMP8AAAD/////IfkEAAAAAAAsAAAAAgAAAgAAAgADCAJbAAAAO5Y5kQAAADBJREFUeANENQUAOw==", &size);
+  expect_error([&] { moe::decode_image(gif, size, "skipped.gif"); }, {"skipped.gif", "GIF frame 1 (0x2 at 0,512)"});
+  g_free(gif);
 }
 
 TEST(DecodeImage, RefusesTruncatedJpeg) {

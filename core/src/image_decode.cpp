@@ -55,8 +55,8 @@ bool png_has_iend(const uint8_t* data, size_t size) {
   return false;
 }
 
-// Why a GIF cannot be decoded safely, or "" (also when its structure cannot be followed: the
-// loader then reports that itself). gdk-pixbuf's GIF loader clips each frame to the canvas and,
+// Why a GIF cannot be decoded safely, or "" (also when it ends early: the loader then reports
+// that itself). gdk-pixbuf's GIF loader clips each frame to the canvas and,
 // for a frame that lies wholly outside it, asks for a pixbuf of width 0: a GLib critical (fatal
 // where criticals are) instead of an error. PIL would draw nothing of such a frame; we refuse it.
 std::string gif_frame_problem(const uint8_t* data, size_t size) {
@@ -87,9 +87,8 @@ std::string gif_frame_problem(const uint8_t* data, size_t size) {
                "x" + std::to_string(canvas_h) + " canvas";
       at += kDescriptor + color_table(data[at + 8]) + 1;  // + the LZW code size byte
       skip_sub_blocks();
-    } else {
-      break;
     }
+    // Any other byte is skipped, as the loader skips it, looking for the next block.
   }
   return "";
 }

@@ -163,6 +163,9 @@ def image_seeds():
         # a frame 0 pixels wide: gdk-pixbuf's GIF loader logged a critical for it (a fuzz finding,
         # now refused by decode_image before the loader sees it)
         "zero-width-frame.gif": GIF[:34] + b"\x00\x00\x00\x02\x00\x00\x02\x00" + GIF[42:],
+        # the same frame behind stray bytes, which the GIF loader skips while looking for a block
+        "stray-bytes-zero-width-frame.gif": bytes.fromhex(
+            "47494638396102000200810000ff000000ff000000ff010000de06fc00020000002c0000000200000200000203443405003b"),
         "rgb-2x2.ppm": b"P6\n2 2\n255\n" + bytes(range(12)),
         "rgb-2x1-ascii.ppm": b"P3\n2 1\n255\n255 0 0 0 255 0\n",
         "gray-2x2.pgm": b"P5\n2 2\n255\n\x00\x40\x80\xff",
