@@ -15,6 +15,10 @@ tools/install-deps.sh
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
 
 jobs=${MOE_BUILD_JOBS:-2}
+# Where ccache is installed (meson then uses it), objects compiled in another clone of the tree
+# are reused: paths are taken relative to the clone, and the debug builds' working folder is not
+# part of the key.
+export CCACHE_BASEDIR="$root" CCACHE_NOHASHDIR=true
 configs=("cpu:-Dcuda=disabled")
 if command -v nvcc >/dev/null 2>&1; then
   configs=("cuda:-Dcuda=enabled" "${configs[@]}")
