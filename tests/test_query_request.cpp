@@ -46,6 +46,18 @@ void expect_rejected(const std::string& message, const std::string& reason_part,
   EXPECT_EQ(r.request.id, id) << r.what();
 }
 
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kAddressSanitizer = true;
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+#else
+constexpr bool kAddressSanitizer = false;
+#endif
+
 // Runs `fn` in a child process whose stack is `stack_bytes` and whose address space is limited to
 // `memory_bytes`; true if it returned normally. A crash (stack overflow) or an allocation beyond
 // the limit fails it, so a test cannot pass by luck on a machine with much memory.
@@ -54,8 +66,12 @@ bool runs_within(rlim_t stack_bytes, rlim_t memory_bytes, Fn&& fn) {
   const pid_t pid = fork();
   if (pid == 0) {
     const rlimit stack{stack_bytes, stack_bytes};
-    const rlimit memory{memory_bytes, memory_bytes};
-    setrlimit(RLIMIT_AS, &memory);
+    // AddressSanitizer reserves terabytes of address space for its shadow memory: there, only
+    // the stack is limited (its own checks catch an overflow of it).
+    if (!kAddressSanitizer) {
+      const rlimit memory{memory_bytes, memory_bytes};
+      setrlimit(RLIMIT_AS, &memory);
+    }
     // The main thread's stack limit is read at exec; a thread gets exactly the size asked for.
     pthread_attr_t attr;
     pthread_attr_init(&attr);
