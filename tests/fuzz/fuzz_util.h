@@ -24,14 +24,20 @@ namespace moe_fuzz {
 // Once per process: a GLib critical or warning (JSON-GLib, GLib and gdk-pixbuf report misuse that
 // way and then carry on with a default value) aborts, so that libFuzzer records the input. (GLib's
 // own fatal-log path raises SIGTRAP, which libFuzzer does not catch: no input would be saved.)
+// `fatal`: the levels that abort; the others are dropped silently.
+inline GLogLevelFlags fatal_glib_levels = static_cast<GLogLevelFlags>(G_LOG_LEVEL_CRITICAL | G_LOG_LEVEL_WARNING);
+
 inline void glib_log_abort(const gchar* domain, GLogLevelFlags level, const gchar* message, gpointer) {
-  if ((level & (G_LOG_LEVEL_ERROR | G_LOG_LEVEL_CRITICAL | G_LOG_LEVEL_WARNING)) == 0) return;
+  if ((level & (fatal_glib_levels | G_LOG_LEVEL_ERROR)) == 0) return;
   std::fprintf(stderr, "%s-%s: %s\n", domain != nullptr ? domain : "(none)",
                (level & G_LOG_LEVEL_WARNING) != 0 ? "WARNING" : "CRITICAL", message);
   std::abort();
 }
 
-inline void init_glib() { g_log_set_default_handler(glib_log_abort, nullptr); }
+inline void init_glib(GLogLevelFlags fatal = static_cast<GLogLevelFlags>(G_LOG_LEVEL_CRITICAL | G_LOG_LEVEL_WARNING)) {
+  fatal_glib_levels = fatal;
+  g_log_set_default_handler(glib_log_abort, nullptr);
+}
 
 // An anonymous in-memory file (memfd) reachable by path (/proc/self/fd/N), for engine loaders that
 // take a path. One per target, rewritten for each input: no disk I/O, nothing left behind.

@@ -169,6 +169,8 @@ def image_seeds():
         "rgb-2x2.ppm": b"P6\n2 2\n255\n" + bytes(range(12)),
         "rgb-2x1-ascii.ppm": b"P3\n2 1\n255\n255 0 0 0 255 0\n",
         "gray-2x2.pgm": b"P5\n2 2\n255\n\x00\x40\x80\xff",
+        # over the size limit: the PNM loader, asked for a 0x0 result, fails without saying why
+        "huge-width.pbm": b"P4\n2442454\n35\n\x00\x00\x00\x00",
         "rgb-3x2.tga": tga(3, 2),
         "icon.xpm": b'/* XPM */\nstatic char * x[] = {\n"2 2 2 1",\n"a c #FF0000",\n"b c #0000FF",\n"ab",\n"ba"};\n',
         "mask.xbm": b"#define m_width 8\n#define m_height 2\nstatic unsigned char m_bits[] = { 0x0f, 0xf0 };\n",
