@@ -463,6 +463,11 @@ TEST(DecodeImage, RefusesGifFramesThatShowNothing) {
   gif = g_base64_decode("R0lGODlhAgACAIEAAP8AAAABAGAgAAEAMP8AAAD/////IfkEAAAAAAAsAAAAAgAAAgAAAgADCAJbAAAAO5Y5kQAAADBJREFUeANENQUAOw==", &size);
   expect_error([&] { moe::decode_image(gif, size, "skipped.gif"); }, {"skipped.gif", "GIF frame 1 (0x2 at 0,512)"});
   g_free(gif);
+  // A frame beyond the canvas with disposal "restore to previous" (found by fuzz_image_decode).
+  gif = g_base64_decode("R0lGODlhAgACAIEAAP8AAAD/AAAA/////yH5BAwAAAAALAAAAAADAAIAAAIDRDQFADs=", &size);
+  expect_error([&] { moe::decode_image(gif, size, "restore.gif"); },
+               {"restore.gif", "GIF frame 1 (3x2 at 0,0) restores what it covers but reaches beyond the 2x2 canvas"});
+  g_free(gif);
 }
 
 TEST(DecodeImage, RefusesTruncatedJpeg) {

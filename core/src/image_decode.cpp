@@ -71,10 +71,13 @@ std::string gif_frame_problem(const uint8_t* data, size_t size) {
     while (at < size && data[at] != 0) at += size_t{data[at]} + 1;
     ++at;
   };
+  int disposal = 0;
   for (int frame = 0; at < size;) {
     const uint8_t kind = data[at++];
     if (kind == 0x3B) break;  // trailer
     if (kind == 0x21) {       // extension: its label, then sub-blocks
+      // A graphic control extension (label 0xF9, block size 4) sets the next frame's disposal.
+      if (at + 2 < size && data[at] == 0xF9 && data[at + 1] >= 1) disposal = (data[at + 2] >> 2) & 7;
       ++at;
       skip_sub_blocks();
     } else if (kind == 0x2C) {
@@ -85,6 +88,13 @@ std::string gif_frame_problem(const uint8_t* data, size_t size) {
         return "GIF frame " + std::to_string(frame) + " (" + std::to_string(w) + "x" + std::to_string(h) + " at " +
                std::to_string(left) + "," + std::to_string(top) + ") shows nothing of the " + std::to_string(canvas_w) +
                "x" + std::to_string(canvas_h) + " canvas";
+      // "Restore to previous" makes the loader copy the frame's area of the canvas, which must lie
+      // inside it (a frame beyond the canvas is a GLib critical there).
+      if (disposal == 3 && (left + w > canvas_w || top + h > canvas_h))
+        return "GIF frame " + std::to_string(frame) + " (" + std::to_string(w) + "x" + std::to_string(h) + " at " +
+               std::to_string(left) + "," + std::to_string(top) + ") restores what it covers but reaches beyond the " +
+               std::to_string(canvas_w) + "x" + std::to_string(canvas_h) + " canvas";
+      disposal = 0;
       at += kDescriptor + color_table(data[at + 8]) + 1;  // + the LZW code size byte
       skip_sub_blocks();
     }

@@ -163,6 +163,10 @@ def image_seeds():
         # a frame 0 pixels wide: gdk-pixbuf's GIF loader logged a critical for it (a fuzz finding,
         # now refused by decode_image before the loader sees it)
         "zero-width-frame.gif": GIF[:34] + b"\x00\x00\x00\x02\x00\x00\x02\x00" + GIF[42:],
+        # a frame one pixel wider than the canvas, disposed by "restore to previous": gdk-pixbuf's
+        # GIF loader copies an area outside the canvas back (a GLib critical; a fuzz finding)
+        "restore-previous-oversized-frame.gif": GIF[:25] + b"\x21\xf9\x04\x0c\x00\x00\x00\x00" +
+        b"\x2c\x00\x00\x00\x00\x03\x00\x02\x00\x00" + GIF[43:],
         # the same frame behind stray bytes, which the GIF loader skips while looking for a block
         "stray-bytes-zero-width-frame.gif": bytes.fromhex(
             "47494638396102000200810000ff000000ff000000ff010000de06fc00020000002c0000000200000200000203443405003b"),
