@@ -77,12 +77,15 @@ if [ "${MOE_SKIP_SANITIZERS:-0}" != 1 ]; then
   # LD_PRELOAD, which they inherit.
   section_start=$SECONDS
   asan_dir="$root/build-test-asan"
-  asan_opts=(-Dcuda=disabled -Db_sanitize=address,undefined -Db_lundef=false)
+  # -O0 (buildtype debug): the sanitizers' reports are exact, and gcc compiles the instrumented
+  # tests in a tenth of the -O2 time (the whole build: about 4 CPU-minutes instead of 20; the
+  # tests run about as long, OpenBLAS doing the heavy arithmetic either way).
+  asan_opts=(-Dcuda=disabled -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debug)
   echo "=== build 'asan' (${asan_opts[*]}) in $asan_dir"
   if [ -f "$asan_dir/build.ninja" ]; then
     meson configure "$asan_dir" "${asan_opts[@]}" >/dev/null
   else
-    meson setup "$asan_dir" "${asan_opts[@]}" --buildtype=debugoptimized
+    meson setup "$asan_dir" "${asan_opts[@]}"
   fi
   meson compile -C "$asan_dir" -j "$jobs"
   echo "=== tests 'asan'"
