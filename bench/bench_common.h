@@ -133,8 +133,10 @@ inline std::vector<std::string> resolve_devices(const std::string& spec) {
   const int cuda = kernels::cuda_device_count(&why);
   if (spec == "auto") {
     std::vector<std::string> out = {"cpu"};
-    if (cuda > 0) out.push_back("cuda:0");
-    else std::fprintf(stderr, "note: no CUDA device (%s): CPU only\n", why.c_str());
+    if (cuda > 0)
+      out.push_back("cuda:0");
+    else
+      std::fprintf(stderr, "note: no CUDA device (%s): CPU only\n", why.c_str());
     return out;
   }
   std::vector<std::string> out;
@@ -172,9 +174,7 @@ using moe::parse_precision;
 
 using Clock = std::chrono::steady_clock;
 
-inline double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 struct Sample {
   double median = 0;  // seconds per call
@@ -322,7 +322,10 @@ class DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(DeviceBuffer&&) = delete;
-  template <typename T = void> T* get() const { return static_cast<T*>(p_); }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(p_);
+  }
   size_t bytes() const { return bytes_; }
 
  private:
@@ -401,8 +404,16 @@ class Json {
   Json(bool v) : kind_(Kind::Bool), b_(v) {}
   Json(const char* s) : kind_(Kind::String), str_(s) {}
   Json(std::string s) : kind_(Kind::String), str_(std::move(s)) {}
-  static Json array() { Json j; j.kind_ = Kind::Array; return j; }
-  static Json object() { Json j; j.kind_ = Kind::Object; return j; }
+  static Json array() {
+    Json j;
+    j.kind_ = Kind::Array;
+    return j;
+  }
+  static Json object() {
+    Json j;
+    j.kind_ = Kind::Object;
+    return j;
+  }
 
   Json& push(Json v) {
     items_.push_back(std::move(v));
@@ -425,10 +436,18 @@ class Json {
     out += '"';
     for (char c : s) {
       switch (c) {
-        case '"': out += "\\\""; break;
-        case '\\': out += "\\\\"; break;
-        case '\n': out += "\\n"; break;
-        case '\t': out += "\\t"; break;
+        case '"':
+          out += "\\\"";
+          break;
+        case '\\':
+          out += "\\\\";
+          break;
+        case '\n':
+          out += "\\n";
+          break;
+        case '\t':
+          out += "\\t";
+          break;
         default:
           if (static_cast<unsigned char>(c) < 0x20) {
             char buf[8];
@@ -445,8 +464,12 @@ class Json {
     const std::string nl = indent ? "\n" : "", pad = std::string(indent * (depth + 1), ' '),
                       pad0 = std::string(indent * depth, ' ');
     switch (kind_) {
-      case Kind::Null: out += "null"; break;
-      case Kind::Bool: out += b_ ? "true" : "false"; break;
+      case Kind::Null:
+        out += "null";
+        break;
+      case Kind::Bool:
+        out += b_ ? "true" : "false";
+        break;
       case Kind::Number: {
         if (!std::isfinite(num_)) {
           out += "null";
@@ -457,7 +480,9 @@ class Json {
         }
         break;
       }
-      case Kind::String: escape(out, str_); break;
+      case Kind::String:
+        escape(out, str_);
+        break;
       case Kind::Array:
         out += "[";
         for (size_t i = 0; i < items_.size(); ++i) {

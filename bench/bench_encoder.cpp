@@ -41,8 +41,8 @@ const char* kUsage =
 
 // The one place where the encoder's device and precision are chosen: a device that cannot be
 // used (no GPU, built without CUDA) is reported with the reason and skipped by the caller.
-std::optional<ClipModel> select_encoder(const std::string& dir, const std::string& device,
-                                        const std::string& precision, std::string* why) {
+std::optional<ClipModel> select_encoder(const std::string& dir, const std::string& device, const std::string& precision,
+                                        std::string* why) {
   try {
     moe::ComputeOptions options;
     options.device = device;
@@ -131,11 +131,12 @@ int run(int argc, char** argv) {
     const ClipConfig& cfg = model->config();
     const int64_t L = std::min<int64_t>(text_tokens, cfg.text.max_position_embeddings);
     const int64_t S = cfg.vision.image_size, C = cfg.vision.num_channels;
-    std::printf("vision: hidden %d, %d layers, %lldx%lld px, patch %d; text: hidden %d, %d layers, %lld tokens/text; "
-                "%s, %s; %d warm-up + median of %d\n",
-                cfg.vision.hidden_size, cfg.vision.num_hidden_layers, static_cast<long long>(S),
-                static_cast<long long>(S), cfg.vision.patch_size, cfg.text.hidden_size, cfg.text.num_hidden_layers,
-                static_cast<long long>(L), device.c_str(), precision.c_str(), t.warmup, t.reps);
+    std::printf(
+        "vision: hidden %d, %d layers, %lldx%lld px, patch %d; text: hidden %d, %d layers, %lld tokens/text; "
+        "%s, %s; %d warm-up + median of %d\n",
+        cfg.vision.hidden_size, cfg.vision.num_hidden_layers, static_cast<long long>(S), static_cast<long long>(S),
+        cfg.vision.patch_size, cfg.text.hidden_size, cfg.text.num_hidden_layers, static_cast<long long>(L),
+        device.c_str(), precision.c_str(), t.warmup, t.reps);
     for (const std::string& modality : modalities) {
       for (int64_t B : batches) {
         std::function<void()> call;
@@ -165,8 +166,8 @@ int run(int argc, char** argv) {
     }
   }
 
-  Table table({"device", "input", "batch", "items/s", "ms/batch", "vs batch " + std::to_string(batches.front()),
-               "spread"});
+  Table table(
+      {"device", "input", "batch", "items/s", "ms/batch", "vs batch " + std::to_string(batches.front()), "spread"});
   Json out = report_header("moe-bench-encoder", quick);
   out.set("model", model_name);
   out.set("precision", precision);

@@ -190,8 +190,8 @@ struct Method {
 };
 
 // cblas_sgemm(RowMajor=101, NoTrans=111, Trans=112, ...): the engine's call (kernels/cpu).
-using cblas_sgemm_t = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
-                               float*, int);
+using cblas_sgemm_t = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float, float*,
+                               int);
 
 Method cblas_method(const std::string& name, cblas_sgemm_t f) {
   Method m{name, 1e-4, nullptr};
@@ -273,8 +273,10 @@ Child open_openblas(const std::string& variant) {
       setenv("OPENBLAS_CORETYPE", want.c_str(), 1);
       quit();
       init();
-      if (forced) setenv("OPENBLAS_CORETYPE", saved.c_str(), 1);
-      else unsetenv("OPENBLAS_CORETYPE");
+      if (forced)
+        setenv("OPENBLAS_CORETYPE", saved.c_str(), 1);
+      else
+        unsetenv("OPENBLAS_CORETYPE");
     }
     ch.info["core_after_repick"] = corename();
   }
@@ -337,15 +339,24 @@ void ok(dnnl_status_t st, const char* what) {
 
 const char* isa_name(dnnl_cpu_isa_t isa) {
   switch (isa) {
-    case dnnl_cpu_isa_sse41: return "sse41";
-    case dnnl_cpu_isa_avx: return "avx";
-    case dnnl_cpu_isa_avx2: return "avx2";
-    case dnnl_cpu_isa_avx2_vnni: return "avx2_vnni";
-    case dnnl_cpu_isa_avx512_core: return "avx512_core";
-    case dnnl_cpu_isa_avx512_core_vnni: return "avx512_core_vnni";
-    case dnnl_cpu_isa_avx512_core_bf16: return "avx512_core_bf16";
-    case dnnl_cpu_isa_avx512_core_amx: return "avx512_core_amx";
-    default: return "other";
+    case dnnl_cpu_isa_sse41:
+      return "sse41";
+    case dnnl_cpu_isa_avx:
+      return "avx";
+    case dnnl_cpu_isa_avx2:
+      return "avx2";
+    case dnnl_cpu_isa_avx2_vnni:
+      return "avx2_vnni";
+    case dnnl_cpu_isa_avx512_core:
+      return "avx512_core";
+    case dnnl_cpu_isa_avx512_core_vnni:
+      return "avx512_core_vnni";
+    case dnnl_cpu_isa_avx512_core_bf16:
+      return "avx512_core_bf16";
+    case dnnl_cpu_isa_avx512_core_amx:
+      return "avx512_core_amx";
+    default:
+      return "other";
   }
 }
 
@@ -365,8 +376,10 @@ Method dnnl_matmul_method(std::shared_ptr<Dnnl> d, const std::string& name, bool
     ok(d->dnnl_memory_desc_init_by_tag(&c_md, 2, c_dims, dnnl_f32, dnnl_ab), "c md");
     const dnnl_data_type_t in_t = bf16 ? dnnl_bf16 : dnnl_f32;
     ok(d->dnnl_memory_desc_init_by_tag(&a_md, 2, a_dims, in_t, dnnl_ab), "a md");
-    if (packed || bf16) ok(d->dnnl_memory_desc_init_by_tag(&b_md, 2, b_dims, in_t, dnnl_format_tag_any), "b md");
-    else b_md = b_user;
+    if (packed || bf16)
+      ok(d->dnnl_memory_desc_init_by_tag(&b_md, 2, b_dims, in_t, dnnl_format_tag_any), "b md");
+    else
+      b_md = b_user;
     dnnl_matmul_desc_t desc;
     ok(d->dnnl_matmul_desc_init(&desc, &a_md, &b_md, nullptr, &c_md), "matmul desc");
     dnnl_primitive_desc_t pd;
@@ -729,7 +742,8 @@ std::string fmt(double v, int sig = 3) {
   if (v == 0) return "0";
   char b[64];
   const double a = std::fabs(v);
-  const int decimals = a >= 100 ? 0 : std::max(0, sig - 1 - static_cast<int>(std::floor(std::log10(std::max(a, 1e-9)))));
+  const int decimals =
+      a >= 100 ? 0 : std::max(0, sig - 1 - static_cast<int>(std::floor(std::log10(std::max(a, 1e-9)))));
   std::snprintf(b, sizeof b, "%.*f", std::min(decimals, 6), v);
   return b;
 }
@@ -771,7 +785,8 @@ int run_parent(const std::vector<std::string>& variants, const std::vector<int>&
   // Children run this binary again; if it was rebuilt meanwhile, they run the new one.
   std::string self_path = self;
   const std::string deleted = " (deleted)";
-  if (self_path.size() > deleted.size() && self_path.compare(self_path.size() - deleted.size(), deleted.size(), deleted) == 0)
+  if (self_path.size() > deleted.size() &&
+      self_path.compare(self_path.size() - deleted.size(), deleted.size(), deleted) == 0)
     self_path.resize(self_path.size() - deleted.size());
   const std::string spec = shapes_spec(shapes);
 
@@ -812,7 +827,8 @@ int run_parent(const std::vector<std::string>& variants, const std::vector<int>&
           auto base = got["openblas"].results.find({shape, "sgemm"});
           if (base != got["openblas"].results.end()) vs_debian[key].push_back(base->second.first / kv.second.first);
         }
-        for (const auto& kv : c.unsupported) infos[v]["unsupported " + kv.first.second + " " + kv.first.first] = kv.second;
+        for (const auto& kv : c.unsupported)
+          infos[v]["unsupported " + kv.first.second + " " + kv.first.first] = kv.second;
       }
     }
   }
@@ -832,9 +848,10 @@ int run_parent(const std::vector<std::string>& variants, const std::vector<int>&
            std::make_pair(variant_rank(y.first), method_rank(y.second));
   });
 
-  std::printf("# moe-bench-gemm\n\nCPU: %s; %d round%s, rotating order; figures are medians over rounds; %.0f s in all; "
-              "load average %s at start, %s at end.\n",
-              cpu_model().c_str(), rounds, rounds == 1 ? "" : "s", total, load_start.c_str(), loadavg().c_str());
+  std::printf(
+      "# moe-bench-gemm\n\nCPU: %s; %d round%s, rotating order; figures are medians over rounds; %.0f s in all; "
+      "load average %s at start, %s at end.\n",
+      cpu_model().c_str(), rounds, rounds == 1 ? "" : "s", total, load_start.c_str(), loadavg().c_str());
   std::printf("Layout: C[M,N] = A[M,K]·B[N,K]ᵀ row-major (the engine's Linear). GFLOP/s = 2·M·N·K / time.\n\n");
   std::printf("## What each library picked\n\n");
   for (const std::string& v : variants) {
@@ -849,7 +866,8 @@ int run_parent(const std::vector<std::string>& variants, const std::vector<int>&
   for (int t : threads) {
     std::printf("\n## %d thread%s: GFLOP/s (vs Debian's OpenBLAS in the same round)\n\n", t, t == 1 ? "" : "s");
     std::printf("| library | method |");
-    for (const Shape& s : shapes) std::printf(" %s%s%s |", s.key().c_str(), s.label.empty() ? "" : " ", s.label.c_str());
+    for (const Shape& s : shapes)
+      std::printf(" %s%s%s |", s.key().c_str(), s.label.empty() ? "" : " ", s.label.c_str());
     std::printf(" geomean vs Debian | worst spread | max error |\n|---|---|");
     for (size_t i = 0; i < shapes.size(); ++i) std::printf("---|");
     std::printf("---|---|---|\n");
@@ -885,8 +903,9 @@ int run_parent(const std::vector<std::string>& variants, const std::vector<int>&
                   fmt(100 * worst_spread, 2).c_str(), err, wrong ? " WRONG" : "");
     }
   }
-  std::printf("\nmax error = worst |c − ref| / Σ|a·b| over 16 checked rows per shape and every round (fp32 ≈ 1e-7; "
-              "WRONG above 1e-4, bf16 above 2e-2).\nspread = (max − min) / median over rounds.\n");
+  std::printf(
+      "\nmax error = worst |c − ref| / Σ|a·b| over 16 checked rows per shape and every round (fp32 ≈ 1e-7; "
+      "WRONG above 1e-4, bf16 above 2e-2).\nspread = (max − min) / median over rounds.\n");
   for (const auto& f : failures) std::printf("failed: %s (%s)\n", f.first.c_str(), f.second.c_str());
 
   if (!json_path.empty()) {
@@ -908,9 +927,9 @@ int run_parent(const std::vector<std::string>& variants, const std::vector<int>&
     first = true;
     for (const auto& kv : samples) {
       const Key& k = kv.first;
-      j << (first ? "\n" : ",\n") << "    {\"library\": " << json_str(std::get<0>(k)) << ", \"method\": "
-        << json_str(std::get<1>(k)) << ", \"threads\": " << std::get<2>(k) << ", \"shape\": " << json_str(std::get<3>(k))
-        << ", \"seconds\": [";
+      j << (first ? "\n" : ",\n") << "    {\"library\": " << json_str(std::get<0>(k))
+        << ", \"method\": " << json_str(std::get<1>(k)) << ", \"threads\": " << std::get<2>(k)
+        << ", \"shape\": " << json_str(std::get<3>(k)) << ", \"seconds\": [";
       for (size_t i = 0; i < kv.second.size(); ++i) j << (i ? ", " : "") << kv.second[i];
       j << "], \"vs_debian_openblas\": [";
       const auto& vd = vs_debian[k];
@@ -949,18 +968,23 @@ int run(int argc, char** argv) {
   }
   const bool quick = opt.count("quick");
   std::vector<Shape> shapes;
-  if (opt.count("shapes")) shapes = parse_shapes(opt["shapes"]);
-  else if (quick) shapes = parse_shapes("1600x3072x768,512x2048x512,50x3072x768");
-  else shapes = default_shapes();
+  if (opt.count("shapes"))
+    shapes = parse_shapes(opt["shapes"]);
+  else if (quick)
+    shapes = parse_shapes("1600x3072x768,512x2048x512,50x3072x768");
+  else
+    shapes = default_shapes();
   const double min_ms = opt.count("min-sample-ms") ? std::stod(opt["min-sample-ms"]) : 150.0;
   if (opt.count("child")) return run_child(opt["child"], std::stoi(opt["threads"]), shapes, min_ms / 1e3);
   std::vector<int> threads;
-  for (const std::string& t : split(opt.count("threads") ? opt["threads"] : "1,2", ',')) threads.push_back(std::stoi(t));
-  std::vector<std::string> variants = split(
-      opt.count("variants") ? opt["variants"]
-                            : "openblas,openblas:SkylakeX,openblas:Haswell,openblas:Zen,openblas:Prescott,openblas-repick,"
-                              "blis,dnnl",
-      ',');
+  for (const std::string& t : split(opt.count("threads") ? opt["threads"] : "1,2", ','))
+    threads.push_back(std::stoi(t));
+  std::vector<std::string> variants =
+      split(opt.count("variants")
+                ? opt["variants"]
+                : "openblas,openblas:SkylakeX,openblas:Haswell,openblas:Zen,openblas:Prescott,openblas-repick,"
+                  "blis,dnnl",
+            ',');
   if (std::find(variants.begin(), variants.end(), "openblas") == variants.end())
     variants.insert(variants.begin(), "openblas");  // the baseline of every ratio
   const int rounds = opt.count("rounds") ? std::stoi(opt["rounds"]) : (quick ? 3 : 5);

@@ -38,10 +38,10 @@ struct Config {
 };
 
 struct Layer {
-  DeviceBuffer router;                 // [E, d] f32
-  std::vector<DeviceBuffer> experts;   // per expert: w1 | w3 | w2 in the weight type
+  DeviceBuffer router;                // [E, d] f32
+  std::vector<DeviceBuffer> experts;  // per expert: w1 | w3 | w2 in the weight type
   std::vector<kernels::ExpertWeights> refs;
-  DeviceBuffer dense;                  // [3·k·I, d]
+  DeviceBuffer dense;  // [3·k·I, d]
 };
 
 Layer make_layer(kernels::Backend& b, const Config& c, kernels::WeightType type, uint64_t seed) {
@@ -52,12 +52,14 @@ Layer make_layer(kernels::Backend& b, const Config& c, kernels::WeightType type,
   const size_t es = kernels::weight_type_size(type);
   const std::vector<float> dense = random_floats(3 * static_cast<size_t>(c.k) * mat, sd, seed + 99991);
   const std::vector<uint8_t> dbytes = to_weight_bytes(dense, type);
-  Layer L{DeviceBuffer(b, router.data(), router.size() * sizeof(float)), {}, {},
+  Layer L{DeviceBuffer(b, router.data(), router.size() * sizeof(float)),
+          {},
+          {},
           DeviceBuffer(b, dbytes.data(), dbytes.size())};
   for (int64_t e = 0; e < c.E; ++e) {
     std::vector<float> w(3 * mat);
-    fill_uniform(w.data(), 2 * mat, sd, seed + 1 + 3 * e);                 // w1, w3: fan-in d
-    fill_uniform(w.data() + 2 * mat, mat, si, seed + 2 + 3 * e);           // w2: fan-in I
+    fill_uniform(w.data(), 2 * mat, sd, seed + 1 + 3 * e);        // w1, w3: fan-in d
+    fill_uniform(w.data() + 2 * mat, mat, si, seed + 2 + 3 * e);  // w2: fan-in I
     const std::vector<uint8_t> bytes = to_weight_bytes(w, type);
     L.experts.emplace_back(b, bytes.data(), bytes.size());
     const uint8_t* p = L.experts.back().get<uint8_t>();
@@ -81,8 +83,10 @@ int run(int argc, char** argv) {
   const std::string device_spec = args.str("device", "auto");
   const std::vector<std::string> precisions = args.str_list("precision", "f32,f16,bf16");
   std::vector<int64_t> default_batches;
-  if (quick) default_batches = {1, 4, 16, 64, 256};
-  else for (int64_t b = 1; b <= 8192; b *= 2) default_batches.push_back(b);
+  if (quick)
+    default_batches = {1, 4, 16, 64, 256};
+  else
+    for (int64_t b = 1; b <= 8192; b *= 2) default_batches.push_back(b);
   const std::vector<int64_t> batches = args.int_list("batches", default_batches);
   Config c;
   c.d = args.integer("hidden", quick ? 512 : 1024);
@@ -96,13 +100,15 @@ int run(int argc, char** argv) {
   const std::string json_path = args.str("json", "");
   args.finish();
   const std::vector<std::string> devices = resolve_devices(device_spec);
-  if (c.d <= 0 || c.E <= 0 || c.k <= 0 || c.k > c.E || c.I <= 0) args.fail("need hidden, inter, experts > 0 and 0 < top-k <= experts");
+  if (c.d <= 0 || c.E <= 0 || c.k <= 0 || c.k > c.E || c.I <= 0)
+    args.fail("need hidden, inter, experts > 0 and 0 < top-k <= experts");
   for (const std::string& p : precisions) parse_precision(p);
 
-  std::printf("# moe-bench-layer\n\nlayer: hidden %lld, %lld experts, top-%lld, intermediate %lld (SwiGLU); "
-              "router f32; %d warm-up + median of %d samples (≥ %.0f ms each)\n",
-              static_cast<long long>(c.d), static_cast<long long>(c.E), static_cast<long long>(c.k),
-              static_cast<long long>(c.I), t.warmup, t.reps, t.min_sample_s * 1000);
+  std::printf(
+      "# moe-bench-layer\n\nlayer: hidden %lld, %lld experts, top-%lld, intermediate %lld (SwiGLU); "
+      "router f32; %d warm-up + median of %d samples (≥ %.0f ms each)\n",
+      static_cast<long long>(c.d), static_cast<long long>(c.E), static_cast<long long>(c.k),
+      static_cast<long long>(c.I), t.warmup, t.reps, t.min_sample_s * 1000);
   std::printf("baseline: dense linear [B, %lld] x [%lld, %lld]^T of the same FLOPs, same backend and precision\n\n",
               static_cast<long long>(c.d), static_cast<long long>(3 * c.k * c.I), static_cast<long long>(c.d));
 
@@ -153,8 +159,8 @@ int run(int argc, char** argv) {
     }
   }
 
-  Table table({"device", "weights", "batch", "tokens/s", "ms/forward", "MoE GFLOP/s", "dense GFLOP/s",
-               "MoE/dense", "vs batch 1", "spread"});
+  Table table({"device", "weights", "batch", "tokens/s", "ms/forward", "MoE GFLOP/s", "dense GFLOP/s", "MoE/dense",
+               "vs batch 1", "spread"});
   Json out = report_header("moe-bench-layer", quick);
   Json& cfg = out.set("layer", Json::object());
   cfg.set("hidden", c.d);
@@ -171,9 +177,9 @@ int run(int argc, char** argv) {
         base_tps = static_cast<double>(q.batch) / q.moe.median;
     const double tps = static_cast<double>(r.batch) / r.moe.median;
     const double moe_rate = r.flops / r.moe.median, dense_rate = r.flops / r.dense.median;
-    table.add({r.device, r.precision, std::to_string(r.batch), fmt(tps), fmt(r.moe.median * 1e3),
-               fmt(moe_rate / 1e9), fmt(dense_rate / 1e9), fmt_ratio(r.ratio),
-               fmt_ratio(tps / base_tps), fmt_pct(std::max(r.moe.spread(), r.dense.spread()))});
+    table.add({r.device, r.precision, std::to_string(r.batch), fmt(tps), fmt(r.moe.median * 1e3), fmt(moe_rate / 1e9),
+               fmt(dense_rate / 1e9), fmt_ratio(r.ratio), fmt_ratio(tps / base_tps),
+               fmt_pct(std::max(r.moe.spread(), r.dense.spread()))});
     Json j = Json::object();
     j.set("device", r.device);
     j.set("precision", r.precision);
@@ -192,10 +198,11 @@ int run(int argc, char** argv) {
     results.push(j);
   }
   table.print();
-  std::printf("\nMoE/dense = MoE FLOP/s ÷ dense FLOP/s = dense time ÷ MoE time (equal FLOPs), median over "
-              "alternating pairs of samples; "
-              "vs batch 1 = tokens/s ÷ tokens/s at batch %lld; spread = (max-min)/median of the noisier timing.\n",
-              static_cast<long long>(batches.front()));
+  std::printf(
+      "\nMoE/dense = MoE FLOP/s ÷ dense FLOP/s = dense time ÷ MoE time (equal FLOPs), median over "
+      "alternating pairs of samples; "
+      "vs batch 1 = tokens/s ÷ tokens/s at batch %lld; spread = (max-min)/median of the noisier timing.\n",
+      static_cast<long long>(batches.front()));
   write_json(json_path, out);
   return 0;
 }

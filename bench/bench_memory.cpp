@@ -8,10 +8,10 @@
 // CLIP model and the MoE adapter with the device and precision, encodes one batch of images and
 // one of texts and runs the adapter on them (so every weight page is touched and the working
 // buffers exist), then reports its peak resident set (VmHWM, host memory including mmap-ed
-// checkpoint pages it read) above the resident set it started with and, on a GPU, the device memory taken since it started
-// (total - free, before and after). Models: the synthetic ViT-B/32 of moe-bench-encoder and a
-// synthetic adapter for it (512 wide, 8 experts of width 2048, top-2), f32 safetensors written
-// once to a temporary directory; --quick the tiny test fixtures.
+// checkpoint pages it read) above the resident set it started with and, on a GPU, the device memory taken since it
+// started (total - free, before and after). Models: the synthetic ViT-B/32 of moe-bench-encoder and a synthetic adapter
+// for it (512 wide, 8 experts of width 2048, top-2), f32 safetensors written once to a temporary directory; --quick the
+// tiny test fixtures.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -71,8 +71,8 @@ Usage measure(const std::string& clip_dir, const std::string& adapter_dir, const
   const ClipModel clip = ClipModel::load(clip_dir, options);
   const MoeAdapter adapter = MoeAdapter::load(adapter_dir, options);
   const ClipConfig& cfg = clip.config();
-  Tensor pixels = Tensor::zeros(DType::F32, {batch, cfg.vision.num_channels, cfg.vision.image_size,
-                                             cfg.vision.image_size});
+  Tensor pixels =
+      Tensor::zeros(DType::F32, {batch, cfg.vision.num_channels, cfg.vision.image_size, cfg.vision.image_size});
   fill_uniform(pixels.data<float>(), static_cast<size_t>(pixels.numel()), 2.0f, 5);
   const int64_t L = std::min<int64_t>(16, cfg.text.max_position_embeddings);
   std::vector<std::vector<int32_t>> ids(static_cast<size_t>(batch), std::vector<int32_t>(static_cast<size_t>(L), 320));
@@ -86,8 +86,8 @@ Usage measure(const std::string& clip_dir, const std::string& adapter_dir, const
   u.host_peak_mib = (status_kib("VmHWM:") - start_kib) / 1024.0;
   if (backend) {
     const kernels::MemoryInfo after = backend->memory_info();
-    u.device_mib = static_cast<double>(before.free_bytes - std::min(before.free_bytes, after.free_bytes)) /
-                   (1024.0 * 1024.0);
+    u.device_mib =
+        static_cast<double>(before.free_bytes - std::min(before.free_bytes, after.free_bytes)) / (1024.0 * 1024.0);
   }
   return u;
 }
@@ -110,8 +110,8 @@ Usage measure_in_child(const std::string& clip_dir, const std::string& adapter_d
   int fds[2];
   if (pipe(fds) != 0) throw Error("pipe failed");
   const std::string batch_arg = std::to_string(batch);
-  const char* argv[] = {"/proc/self/exe", "--child", clip_dir.c_str(), adapter_dir.c_str(), device.c_str(),
-                        precision.c_str(), batch_arg.c_str(), nullptr};
+  const char* argv[] = {"/proc/self/exe", "--child",         clip_dir.c_str(),  adapter_dir.c_str(),
+                        device.c_str(),   precision.c_str(), batch_arg.c_str(), nullptr};
   std::fflush(nullptr);
   const pid_t pid = fork();
   if (pid < 0) throw Error("fork failed");
@@ -133,8 +133,9 @@ Usage measure_in_child(const std::string& clip_dir, const std::string& adapter_d
   while (!text.empty() && text.back() == '\n') text.pop_back();
   if (text.rfind("ok ", 0) != 0)
     throw Error(device + " " + precision + ": " +
-                (text.rfind("error ", 0) == 0 ? text.substr(6) : "the measuring process failed (status " +
-                                                                       std::to_string(status) + ")"));
+                (text.rfind("error ", 0) == 0
+                     ? text.substr(6)
+                     : "the measuring process failed (status " + std::to_string(status) + ")"));
   Usage u;
   std::sscanf(text.c_str() + 3, "%lf %lf", &u.host_peak_mib, &u.device_mib);
   return u;
@@ -198,8 +199,8 @@ int run(int argc, char** argv) {
       }
     }
 
-  Table table({"device", "weights", "host peak MiB", "vs " + precisions.front(), "device MiB",
-               "vs " + precisions.front()});
+  Table table(
+      {"device", "weights", "host peak MiB", "vs " + precisions.front(), "device MiB", "vs " + precisions.front()});
   Json out = report_header("moe-bench-memory", quick);
   out.set("model", model_name);
   out.set("batch", batch);
@@ -210,7 +211,8 @@ int run(int argc, char** argv) {
     for (const Row& q : rows)
       if (q.device == r.device && q.precision == precisions.front()) base = &q;
     auto ratio = [](double v, double b) { return b > 0 ? fmt_ratio(v / b) : std::string("-"); };
-    table.add({r.device, r.precision, fmt(r.u.host_peak_mib), base ? ratio(r.u.host_peak_mib, base->u.host_peak_mib) : "-",
+    table.add({r.device, r.precision, fmt(r.u.host_peak_mib),
+               base ? ratio(r.u.host_peak_mib, base->u.host_peak_mib) : "-",
                r.device == "cpu" ? "-" : fmt(r.u.device_mib),
                r.device == "cpu" || !base ? "-" : ratio(r.u.device_mib, base->u.device_mib)});
     Json j = Json::object();
@@ -222,9 +224,10 @@ int run(int argc, char** argv) {
   }
   std::printf("\n");
   table.print();
-  std::printf("\nhost peak = peak resident set (VmHWM) of the process that loaded and ran the models, above what it "
-              "started with (includes the checkpoint pages it read); device = device memory taken (total - free) by "
-              "that process.\n");
+  std::printf(
+      "\nhost peak = peak resident set (VmHWM) of the process that loaded and ran the models, above what it "
+      "started with (includes the checkpoint pages it read); device = device memory taken (total - free) by "
+      "that process.\n");
   for (const auto& s : skipped) std::printf("skipped %s: %s\n", s.first.c_str(), s.second.c_str());
   write_json(json_path, out);
   return skipped.empty() ? 0 : 1;  // a row asked for and not measured is a failure

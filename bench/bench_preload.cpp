@@ -63,7 +63,8 @@ std::vector<Batch> make_batches(const Params& p, int count, uint64_t seed) {
   Rng rng(seed);
   std::vector<int32_t> expert_of_rank(static_cast<size_t>(p.E));
   for (int i = 0; i < p.E; ++i) expert_of_rank[static_cast<size_t>(i)] = i;
-  for (int i = p.E - 1; i > 0; --i) std::swap(expert_of_rank[static_cast<size_t>(i)], expert_of_rank[rng.next() % (i + 1)]);
+  for (int i = p.E - 1; i > 0; --i)
+    std::swap(expert_of_rank[static_cast<size_t>(i)], expert_of_rank[rng.next() % (i + 1)]);
   std::vector<double> cdf(static_cast<size_t>(p.E));
   double sum = 0;
   for (int r = 0; r < p.E; ++r) cdf[static_cast<size_t>(r)] = (sum += std::pow(r + 1.0, -p.zipf));
@@ -110,7 +111,9 @@ struct ModeResult {
 class Rig {
  public:
   Rig(kernels::Backend& b, const Params& p, const HostExpertStore& store)
-      : b_(b), p_(p), store_(store),
+      : b_(b),
+        p_(p),
+        store_(store),
         x_(b, random_floats(static_cast<size_t>(p.tokens * p.d), 1.0f, 5).data(),
            static_cast<size_t>(p.tokens * p.d) * sizeof(float)),
         ids_(b, static_cast<size_t>(p.tokens * p.k) * sizeof(int32_t)),
@@ -128,7 +131,8 @@ class Rig {
                                                         p_.d, xs_.get<float>(), slot_of_.get<int32_t>());
     std::vector<kernels::ExpertWeights> ew(static_cast<size_t>(p_.E));
     for (int e = 0; e < p_.E; ++e)
-      if (offsets[static_cast<size_t>(e) + 1] > offsets[static_cast<size_t>(e)]) ew[static_cast<size_t>(e)] = lease.acquire(e);
+      if (offsets[static_cast<size_t>(e) + 1] > offsets[static_cast<size_t>(e)])
+        ew[static_cast<size_t>(e)] = lease.acquire(e);
     b_.grouped_swiglu(xs_.get<float>(), offsets, ew, p_.d, p_.I, outs_.get<float>());
     b_.moe_unpermute(outs_.get<float>(), slot_of_.get<int32_t>(), w_.get<float>(), p_.tokens, p_.k, p_.d,
                      y_.get<float>());
@@ -231,8 +235,8 @@ int run(int argc, char** argv) {
   const std::string json_path = args.str("json", "");
   args.finish();
   p.type = parse_precision(p.precision);
-  if (p.E < 2 || p.slots < 1 || p.slots > p.E || p.k < 1 || p.k > p.E || p.tokens < 1 || p.batches < 1 ||
-      p.reps < 1 || p.warmup < 0 || p.d < 1 || p.I < 1)
+  if (p.E < 2 || p.slots < 1 || p.slots > p.E || p.k < 1 || p.k > p.E || p.tokens < 1 || p.batches < 1 || p.reps < 1 ||
+      p.warmup < 0 || p.d < 1 || p.I < 1)
     args.fail("invalid sizes");
   if (p.tokens * p.k > p.slots)
     args.fail("tokens × top-k (" + std::to_string(p.tokens * p.k) + ") exceeds the cache's " + std::to_string(p.slots) +
@@ -241,7 +245,8 @@ int run(int argc, char** argv) {
   const std::vector<std::string> devices = resolve_devices(device_spec);
   const std::vector<Batch> batches = make_batches(p, p.warmup + p.batches, 2024);
   double distinct = 0;
-  for (size_t n = static_cast<size_t>(p.warmup); n < batches.size(); ++n) distinct += static_cast<double>(batches[n].experts.size());
+  for (size_t n = static_cast<size_t>(p.warmup); n < batches.size(); ++n)
+    distinct += static_cast<double>(batches[n].experts.size());
   distinct /= p.batches;
 
   // A few distinct random matrices, reused across experts: copy and GEMM speed do not depend
@@ -257,11 +262,12 @@ int run(int argc, char** argv) {
       mats[static_cast<size_t>(i)][static_cast<size_t>(m)] = t;
     }
 
-  std::printf("# moe-bench-preload\n\n%d experts (hidden %lld, inter %lld, %s), cache %d slots, top-%d, %d "
-              "tokens/batch (%.1f distinct experts/batch on average), Zipf s=%.2f; %d warm-up + %d timed batches per "
-              "run, median of %d runs per mode (modes interleaved)\n",
-              p.E, static_cast<long long>(p.d), static_cast<long long>(p.I), p.precision.c_str(), p.slots, p.k,
-              p.tokens, distinct, p.zipf, p.warmup, p.batches, p.reps);
+  std::printf(
+      "# moe-bench-preload\n\n%d experts (hidden %lld, inter %lld, %s), cache %d slots, top-%d, %d "
+      "tokens/batch (%.1f distinct experts/batch on average), Zipf s=%.2f; %d warm-up + %d timed batches per "
+      "run, median of %d runs per mode (modes interleaved)\n",
+      p.E, static_cast<long long>(p.d), static_cast<long long>(p.I), p.precision.c_str(), p.slots, p.k, p.tokens,
+      distinct, p.zipf, p.warmup, p.batches, p.reps);
 
   struct DeviceResult {
     std::string device;
@@ -320,11 +326,12 @@ int run(int argc, char** argv) {
       for (size_t i = 0; i < mr.runs.size(); ++i) ratios.push_back(dr.modes[0].runs[i].seconds / mr.runs[i].seconds);
       const double vs_off = median_of(ratios);
       const double copies = static_cast<double>(r.misses);
-      table.add({dr.device, mr.mode, fmt(bps), fmt(1e3 / bps), fmt_ratio(vs_off),
-                 r.hits + r.misses ? fmt_pct(static_cast<double>(r.hits) / static_cast<double>(r.hits + r.misses)) : "n/a",
-                 fmt(copies / p.batches), fmt(static_cast<double>(r.bytes) / (1 << 20) / p.batches),
-                 copies > 0 ? fmt_pct(static_cast<double>(r.exposed) / copies) : "-",
-                 fmt(static_cast<double>(r.exposed_ns) / 1e6 / p.batches), std::to_string(r.deferred)});
+      table.add(
+          {dr.device, mr.mode, fmt(bps), fmt(1e3 / bps), fmt_ratio(vs_off),
+           r.hits + r.misses ? fmt_pct(static_cast<double>(r.hits) / static_cast<double>(r.hits + r.misses)) : "n/a",
+           fmt(copies / p.batches), fmt(static_cast<double>(r.bytes) / (1 << 20) / p.batches),
+           copies > 0 ? fmt_pct(static_cast<double>(r.exposed) / copies) : "-",
+           fmt(static_cast<double>(r.exposed_ns) / 1e6 / p.batches), std::to_string(r.deferred)});
       Json j = Json::object();
       j.set("device", dr.device);
       j.set("mode", mr.mode);
@@ -344,13 +351,15 @@ int run(int argc, char** argv) {
       res.push(j);
     }
   }
-  std::printf("expert size: %.1f MiB\n\n", results.empty() ? 0.0 : static_cast<double>(results[0].expert_bytes) / (1 << 20));
+  std::printf("expert size: %.1f MiB\n\n",
+              results.empty() ? 0.0 : static_cast<double>(results[0].expert_bytes) / (1 << 20));
   table.print();
-  std::printf("\nvs off = time without preload ÷ time of this mode, median over repetitions of adjacent runs "
-              "(same batches, same process). exposed copies = share of "
-              "copies still running at their first acquire; exposed wait = host time acquire() blocked (CPU: the "
-              "whole stall; CUDA: ~0, the stream waits, not the host). resident = every expert in the cache, no "
-              "copies: the ceiling.\n");
+  std::printf(
+      "\nvs off = time without preload ÷ time of this mode, median over repetitions of adjacent runs "
+      "(same batches, same process). exposed copies = share of "
+      "copies still running at their first acquire; exposed wait = host time acquire() blocked (CPU: the "
+      "whole stall; CUDA: ~0, the stream waits, not the host). resident = every expert in the cache, no "
+      "copies: the ceiling.\n");
   write_json(json_path, out);
   return 0;
 }

@@ -37,8 +37,8 @@ int run(int argc, char** argv) {
   const std::vector<std::string> devices = resolve_devices(args.str("device", "auto"));
   const int64_t items = args.integer("items", quick ? 20000 : 200000);
   const int dim = static_cast<int>(args.integer("dim", 512));
-  const std::vector<int64_t> batches = args.int_list("batches", quick ? std::vector<int64_t>{1, 64}
-                                                                      : std::vector<int64_t>{1, 16, 256});
+  const std::vector<int64_t> batches =
+      args.int_list("batches", quick ? std::vector<int64_t>{1, 64} : std::vector<int64_t>{1, 16, 256});
   const int k = static_cast<int>(args.integer("k", 10));
   TimingOptions t;
   t.reps = static_cast<int>(args.integer("reps", 5));
@@ -83,8 +83,9 @@ int run(int argc, char** argv) {
   out.set("items", items);
   out.set("dim", dim);
   out.set("k", k);
-  out.set("baseline", "the same index searched as ann-query device=cpu does (FAISS IndexFlatIP; the engine's CPU "
-                      "search below 20 queries per call), alternated in the same run");
+  out.set("baseline",
+          "the same index searched as ann-query device=cpu does (FAISS IndexFlatIP; the engine's CPU "
+          "search below 20 queries per call), alternated in the same run");
   Json& results = out.set("results", Json::array());
   for (const Row& r : rows) {
     const double qps = static_cast<double>(r.batch) / r.s.a.median;
@@ -104,8 +105,9 @@ int run(int argc, char** argv) {
   }
   std::printf("\n");
   table.print();
-  std::printf("\nvs CPU search = median over alternated samples of time(CPU search) / time(backend): above 1x the "
-              "backend is faster. hits differing: top-k ids that differ (ties and float rounding only).\n");
+  std::printf(
+      "\nvs CPU search = median over alternated samples of time(CPU search) / time(backend): above 1x the "
+      "backend is faster. hits differing: top-k ids that differ (ties and float rounding only).\n");
   write_json(json_path, out);
   return 0;
 }

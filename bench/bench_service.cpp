@@ -215,8 +215,8 @@ class ServiceClient {
       const char* type = json_object_has_member(doc, "type") ? json_object_get_string_member(doc, "type") : nullptr;
       answer->id = id != nullptr ? id : "";
       answer->error = g_strcmp0(type, "error") == 0;
-      JsonObject* timings = json_object_has_member(doc, "timings_ms") ? json_object_get_object_member(doc, "timings_ms")
-                                                                       : nullptr;
+      JsonObject* timings =
+          json_object_has_member(doc, "timings_ms") ? json_object_get_object_member(doc, "timings_ms") : nullptr;
       if (timings != nullptr && json_object_has_member(timings, "total"))
         answer->pipeline_ms = json_object_get_double_member(timings, "total");
     }

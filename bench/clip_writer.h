@@ -81,16 +81,23 @@ inline void write_planned_safetensors(const std::string& path, const std::vector
     buf.resize(static_cast<size_t>(p.numel()));
     for (float& v : buf) {
       switch (p.init) {
-        case PlannedTensor::Normalish: v = rng.symmetric(0.035f); break;  // sd ≈ 0.02 (transformers' init)
-        case PlannedTensor::Ones: v = 1.0f + rng.symmetric(0.01f); break;
-        case PlannedTensor::Small: v = rng.symmetric(0.01f); break;
-        case PlannedTensor::Scalar: v = 2.6592f; break;  // log(1/0.07), CLIP's initial logit scale
+        case PlannedTensor::Normalish:
+          v = rng.symmetric(0.035f);
+          break;  // sd ≈ 0.02 (transformers' init)
+        case PlannedTensor::Ones:
+          v = 1.0f + rng.symmetric(0.01f);
+          break;
+        case PlannedTensor::Small:
+          v = rng.symmetric(0.01f);
+          break;
+        case PlannedTensor::Scalar:
+          v = 2.6592f;
+          break;  // log(1/0.07), CLIP's initial logit scale
       }
     }
     f.write(reinterpret_cast<const char*>(buf.data()), static_cast<std::streamsize>(buf.size() * 4));
   }
   if (!f) throw Error("error writing " + path);
-
 }
 
 }  // namespace detail
@@ -100,16 +107,18 @@ inline void write_random_clip(const std::string& dir, const ClipShape& s, uint64
   using detail::PlannedTensor;
   std::vector<PlannedTensor> t;
   t.push_back({"text_model.embeddings.token_embedding.weight", {s.vocab, s.text_hidden}, PlannedTensor::Normalish});
-  t.push_back({"text_model.embeddings.position_embedding.weight", {s.max_positions, s.text_hidden},
-               PlannedTensor::Normalish});
+  t.push_back(
+      {"text_model.embeddings.position_embedding.weight", {s.max_positions, s.text_hidden}, PlannedTensor::Normalish});
   detail::plan_encoder(t, "text_model.", s.text_hidden, s.text_inter, s.text_layers);
   t.push_back({"text_model.final_layer_norm.weight", {s.text_hidden}, PlannedTensor::Ones});
   t.push_back({"text_model.final_layer_norm.bias", {s.text_hidden}, PlannedTensor::Small});
   const int64_t grid = s.image_size / s.patch_size;
   t.push_back({"vision_model.embeddings.class_embedding", {s.vision_hidden}, PlannedTensor::Normalish});
-  t.push_back({"vision_model.embeddings.patch_embedding.weight", {s.vision_hidden, s.channels, s.patch_size, s.patch_size},
+  t.push_back({"vision_model.embeddings.patch_embedding.weight",
+               {s.vision_hidden, s.channels, s.patch_size, s.patch_size},
                PlannedTensor::Normalish});
-  t.push_back({"vision_model.embeddings.position_embedding.weight", {grid * grid + 1, s.vision_hidden},
+  t.push_back({"vision_model.embeddings.position_embedding.weight",
+               {grid * grid + 1, s.vision_hidden},
                PlannedTensor::Normalish});
   t.push_back({"vision_model.pre_layrnorm.weight", {s.vision_hidden}, PlannedTensor::Ones});
   t.push_back({"vision_model.pre_layrnorm.bias", {s.vision_hidden}, PlannedTensor::Small});
@@ -160,11 +169,10 @@ inline void write_random_clip(const std::string& dir, const ClipShape& s, uint64
   if (!c) throw Error("error writing " + dir + "/config.json");
 }
 
-
 // A synthetic MoE adapter directory (docs/model-formats.md: adapter_config.json +
 // adapter.safetensors) with random weights, for a CLIP of projection width `hidden`.
-inline void write_random_adapter(const std::string& dir, int64_t hidden, int64_t experts, int64_t top_k,
-                                 int64_t inter, uint64_t seed) {
+inline void write_random_adapter(const std::string& dir, int64_t hidden, int64_t experts, int64_t top_k, int64_t inter,
+                                 uint64_t seed) {
   using detail::PlannedTensor;
   std::vector<PlannedTensor> t = {{"gate.weight", {experts, hidden}, PlannedTensor::Normalish}};
   for (int64_t e = 0; e < experts; ++e) {

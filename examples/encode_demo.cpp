@@ -103,10 +103,14 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--model") model_dir = value();
-    else if (a == "--adapter") adapter_dir = value();
-    else if (a == "--text") texts.push_back(value());
-    else if (a == "--image") image_paths.push_back(value());
+    if (a == "--model")
+      model_dir = value();
+    else if (a == "--adapter")
+      adapter_dir = value();
+    else if (a == "--text")
+      texts.push_back(value());
+    else if (a == "--image")
+      image_paths.push_back(value());
     else {
       std::fprintf(stderr, "usage: %s [--model DIR] [--adapter DIR] [--text STR]... [--image FILE.ppm]...\n", argv[0]);
       return 2;

@@ -38,10 +38,14 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     if ((a == "--model" || a == "--adapter" || a == "--index" || a == "--k") && i + 1 < argc) {
       const char* v = argv[++i];
-      if (a == "--model") model = v;
-      else if (a == "--adapter") adapter = v;
-      else if (a == "--index") index = v;
-      else k = std::atoi(v);
+      if (a == "--model")
+        model = v;
+      else if (a == "--adapter")
+        adapter = v;
+      else if (a == "--index")
+        index = v;
+      else
+        k = std::atoi(v);
     } else {
       queries.push_back(a);
     }

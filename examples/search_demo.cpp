@@ -63,7 +63,8 @@ std::string experts_text(JsonObject* doc) {
   for (guint i = 0; ex && i < json_array_get_length(ex); ++i) {
     JsonObject* e = json_array_get_object_element(ex, i);
     char buf[64];
-    std::snprintf(buf, sizeof buf, "%s#%lld %.2f", i ? ", " : "", static_cast<long long>(json_object_get_int_member(e, "expert")),
+    std::snprintf(buf, sizeof buf, "%s#%lld %.2f", i ? ", " : "",
+                  static_cast<long long>(json_object_get_int_member(e, "expert")),
                   json_object_get_double_member(e, "weight"));
     out += buf;
   }
@@ -72,7 +73,8 @@ std::string experts_text(JsonObject* doc) {
 
 void print_table(const std::vector<Query>& queries) {
   for (const Query& q : queries) {
-    std::printf("\n%s  %s\n", q.text.empty() ? "image" : "text ", q.text.empty() ? q.image.c_str() : ("\"" + q.text + "\"").c_str());
+    std::printf("\n%s  %s\n", q.text.empty() ? "image" : "text ",
+                q.text.empty() ? q.image.c_str() : ("\"" + q.text + "\"").c_str());
     if (!q.result) {
       std::printf("  (no answer)\n");
       continue;
@@ -98,14 +100,18 @@ void write_html(const std::vector<Query>& queries, const std::string& path) {
   out << "<!doctype html><html><head><meta charset=\"utf-8\"><title>gst-moe search demo</title><style>"
          "body{font-family:sans-serif;margin:2em;background:#fafafa}h2{margin-top:1.6em;font-size:1.1em}"
          ".row{display:flex;gap:12px;flex-wrap:wrap}.hit{width:110px;font-size:11px;text-align:center}"
-         ".hit img,.q img{width:96px;height:96px;object-fit:contain;image-rendering:pixelated;border:1px solid #ccc;background:#fff}"
+         ".hit img,.q img{width:96px;height:96px;object-fit:contain;image-rendering:pixelated;border:1px solid "
+         "#ccc;background:#fff}"
          ".meta{color:#666;font-size:12px}</style></head><body><h1>gst-moe search demo</h1>"
-         "<p class=\"meta\">Each query went through the query pipeline (zmq-query → moe-encode → moe-route → moe-expert → "
+         "<p class=\"meta\">Each query went through the query pipeline (zmq-query → moe-encode → moe-route → "
+         "moe-expert → "
          "ann-query → zmq-publish); results are the catalog items nearest to the adapted embedding.</p>\n";
   for (const Query& q : queries) {
     out << "<h2>";
-    if (!q.text.empty()) out << "“" << html_escape(q.text) << "”";
-    else out << "image query <span class=\"q\"><img src=\"" << data_uri(q.image) << "\"></span>";
+    if (!q.text.empty())
+      out << "“" << html_escape(q.text) << "”";
+    else
+      out << "image query <span class=\"q\"><img src=\"" << data_uri(q.image) << "\"></span>";
     out << "</h2>\n";
     if (!q.result) {
       out << "<p>(no answer)</p>\n";
@@ -113,7 +119,8 @@ void write_html(const std::vector<Query>& queries, const std::string& path) {
     }
     JsonObject* doc = json_node_get_object(q.result);
     if (g_strcmp0(str_or(doc, "type", ""), "error") == 0) {
-      out << "<p>error: " << html_escape(str_or(json_object_get_object_member(doc, "error"), "reason", "?")) << "</p>\n";
+      out << "<p>error: " << html_escape(str_or(json_object_get_object_member(doc, "error"), "reason", "?"))
+          << "</p>\n";
       continue;
     }
     out << "<p class=\"meta\">experts " << html_escape(experts_text(doc)) << "</p><div class=\"row\">";
@@ -143,12 +150,18 @@ int main(int argc, char** argv) {
       return 2;
     }
     const std::string v = argv[++i];
-    if (a == "--requests") requests = v;
-    else if (a == "--results") results = v;
-    else if (a == "--k") k = std::atoi(v.c_str());
-    else if (a == "--html") html = v;
-    else if (a == "--text") queries.push_back({"q" + std::to_string(queries.size()), v, "", nullptr});
-    else if (a == "--image") queries.push_back({"q" + std::to_string(queries.size()), "", v, nullptr});
+    if (a == "--requests")
+      requests = v;
+    else if (a == "--results")
+      results = v;
+    else if (a == "--k")
+      k = std::atoi(v.c_str());
+    else if (a == "--html")
+      html = v;
+    else if (a == "--text")
+      queries.push_back({"q" + std::to_string(queries.size()), v, "", nullptr});
+    else if (a == "--image")
+      queries.push_back({"q" + std::to_string(queries.size()), "", v, nullptr});
     else {
       std::fprintf(stderr, "unknown option %s\n", a.c_str());
       return 2;

@@ -74,8 +74,9 @@ int main(int argc, char** argv) {
     const std::string client_public = zcert_value(client_key, "public-key");
     const std::string client_secret = zcert_value(client_key, "secret-key");
     if (server_public.size() != 40 || client_public.size() != 40 || client_secret.size() != 40) {
-      std::fprintf(stderr, "CURVE needs --server-key with the service's public-key (its .key file) and --client-key "
-                           "with this client's public-key and secret-key (its .key_secret file)\n");
+      std::fprintf(stderr,
+                   "CURVE needs --server-key with the service's public-key (its .key file) and --client-key "
+                   "with this client's public-key and secret-key (its .key_secret file)\n");
       return 2;
     }
     sub.set(zmq::sockopt::curve_serverkey, server_public);
@@ -94,7 +95,8 @@ int main(int argc, char** argv) {
     }
     JsonParser* parser = json_parser_new();
     GError* err = nullptr;
-    if (!json_parser_load_from_data(parser, static_cast<const char*>(msg.data()), static_cast<gssize>(msg.size()), &err)) {
+    if (!json_parser_load_from_data(parser, static_cast<const char*>(msg.data()), static_cast<gssize>(msg.size()),
+                                    &err)) {
       std::printf("not JSON: %s\n", err->message);
       g_error_free(err);
     } else if (!JSON_NODE_HOLDS_OBJECT(json_parser_get_root(parser))) {

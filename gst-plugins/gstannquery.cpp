@@ -96,16 +96,16 @@ namespace {
 // (PAUSED->READY); only the streaming thread touches it while the pads are active.
 struct AnnQueryState {
   GstAnnQueryMode mode = DEFAULT_MODE;
-  std::string index_path;                  // as set in `index`
-  moe::AnnBuildOptions build;              // build mode
-  std::optional<moe::AnnIndex> index;      // search: loaded; build: created at the first caps
-  std::string index_name;                  // basename of index_path, for the result documents
-  int width = 0;                           // negotiated tensor width; 0 before caps
-  int64_t build_failed = 0;                // build mode: error documents sent
+  std::string index_path;                        // as set in `index`
+  moe::AnnBuildOptions build;                    // build mode
+  std::optional<moe::AnnIndex> index;            // search: loaded; build: created at the first caps
+  std::string index_name;                        // basename of index_path, for the result documents
+  int width = 0;                                 // negotiated tensor width; 0 before caps
+  int64_t build_failed = 0;                      // build mode: error documents sent
   std::optional<moe::AnnProvenance> built_from;  // build mode: the models of the first rows
-  bool build_refused = false;              // build mode: rows from other models came; not written
-  bool mismatch_logged = false;            // search mode: the first refused batch was logged
-  bool unchecked_logged = false;           // search mode: the first batch of unknown origin was logged
+  bool build_refused = false;                    // build mode: rows from other models came; not written
+  bool mismatch_logged = false;                  // search mode: the first refused batch was logged
+  bool unchecked_logged = false;                 // search mode: the first batch of unknown origin was logged
 };
 
 }  // namespace
@@ -174,8 +174,7 @@ GType gst_ann_query_index_type_get_type(void) {
 
 #define gst_ann_query_parent_class parent_class
 G_DEFINE_TYPE_WITH_CODE(GstAnnQuery, gst_ann_query, GST_TYPE_ELEMENT,
-                        GST_DEBUG_CATEGORY_INIT(gst_ann_query_debug, "ann-query", 0,
-                                                "ANN search and index build"));
+                        GST_DEBUG_CATEGORY_INIT(gst_ann_query_debug, "ann-query", 0, "ANN search and index build"));
 GST_ELEMENT_REGISTER_DEFINE(ann_query, "ann-query", GST_RANK_NONE, GST_TYPE_ANN_QUERY)
 
 /* ---- properties ------------------------------------------------------------------------ */
@@ -248,11 +247,11 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
       g_value_set_string(value, self->device);
       break;
     case PROP_STATS:
-      g_value_take_boxed(value, gst_structure_new("ann-query-stats", "requests", G_TYPE_UINT64, self->requests,
-                                                  "results", G_TYPE_UINT64, self->results, "errors", G_TYPE_UINT64,
-                                                  self->errors, "refused", G_TYPE_UINT64, self->refused, "added",
-                                                  G_TYPE_UINT64, self->added, "batches", G_TYPE_UINT64, self->batches,
-                                                  "search-ms", G_TYPE_DOUBLE, self->search_ms, nullptr));
+      g_value_take_boxed(
+          value, gst_structure_new("ann-query-stats", "requests", G_TYPE_UINT64, self->requests, "results",
+                                   G_TYPE_UINT64, self->results, "errors", G_TYPE_UINT64, self->errors, "refused",
+                                   G_TYPE_UINT64, self->refused, "added", G_TYPE_UINT64, self->added, "batches",
+                                   G_TYPE_UINT64, self->batches, "search-ms", G_TYPE_DOUBLE, self->search_ms, nullptr));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -271,8 +270,7 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
   self->search_ms = 0;
   s->mode = self->mode;
   s->index_path = self->index_path ? self->index_path : "";
-  s->build.type =
-      self->index_type == GST_ANN_QUERY_INDEX_TYPE_HNSW ? moe::AnnIndexType::Hnsw : moe::AnnIndexType::Flat;
+  s->build.type = self->index_type == GST_ANN_QUERY_INDEX_TYPE_HNSW ? moe::AnnIndexType::Hnsw : moe::AnnIndexType::Flat;
   s->build.hnsw_m = static_cast<int>(self->hnsw_m);
   s->build.ef_construction = static_cast<int>(self->ef_construction);
   const std::string device = self->device;
@@ -292,16 +290,18 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
     try {
       s->index = moe::AnnIndex::load(s->index_path);
     } catch (const moe::Error& e) {
-      GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()), ("loading the ANN index '%s'", s->index_path.c_str()));
+      GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()),
+                        ("loading the ANN index '%s'", s->index_path.c_str()));
       return FALSE;
     }
     std::string searched_on;
     try {
       searched_on = s->index->place_on(device);
     } catch (const moe::Error& e) {  // names the device and the reason
-      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("cannot search the ANN index '%s' on device '%s': %s",
-                                                   s->index_path.c_str(), device.c_str(), e.what()),
-                        (nullptr));
+      GST_ELEMENT_ERROR(
+          self, RESOURCE, SETTINGS,
+          ("cannot search the ANN index '%s' on device '%s': %s", s->index_path.c_str(), device.c_str(), e.what()),
+          (nullptr));
       return FALSE;
     }
     GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s, searched on %s%s",
@@ -311,10 +311,13 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
     if (s->index->provenance())
       GST_INFO_OBJECT(self, "%s was built from %s", s->index_path.c_str(), s->index->provenance()->describe().c_str());
     else
-      GST_INFO_OBJECT(self, "%s records no provenance (written before gst-moe recorded it, or from vectors of unknown "
-                            "origin): queries cannot be checked against the encoder and adapter that built it; "
-                            "rebuild it to enable the check", s->index_path.c_str());
-    if (s->index->size() == 0) GST_WARNING_OBJECT(self, "index '%s' is empty: results will be empty", s->index_path.c_str());
+      GST_INFO_OBJECT(self,
+                      "%s records no provenance (written before gst-moe recorded it, or from vectors of unknown "
+                      "origin): queries cannot be checked against the encoder and adapter that built it; "
+                      "rebuild it to enable the check",
+                      s->index_path.c_str());
+    if (s->index->size() == 0)
+      GST_WARNING_OBJECT(self, "index '%s' is empty: results will be empty", s->index_path.c_str());
   } else {
     // Fail now rather than at EOS, after the whole catalog was encoded.
     gchar* dir = g_path_get_dirname(s->index_path.c_str());
@@ -410,8 +413,10 @@ static std::string search_refusal(GstAnnQuery* self, AnnQueryState& s, const gst
   const moe::AnnProvenance query = provenance_of(batch);
   if (query.encoder_fingerprint.empty()) {
     if (!s.unchecked_logged)
-      GST_INFO_OBJECT(self, "rows without an encoder fingerprint (not encoded by moe-encode): searched without "
-                            "checking them against the provenance of '%s'", s.index_path.c_str());
+      GST_INFO_OBJECT(self,
+                      "rows without an encoder fingerprint (not encoded by moe-encode): searched without "
+                      "checking them against the provenance of '%s'",
+                      s.index_path.c_str());
     s.unchecked_logged = true;
     return {};
   }
@@ -450,8 +455,7 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
   GST_OBJECT_UNLOCK(self);
 
   std::vector<int> ks;
-  for (const gstmoe::RequestRecord& row : batch.rows)
-    ks.push_back(row.k > 0 ? std::min(row.k, MAX_K) : default_k);
+  for (const gstmoe::RequestRecord& row : batch.rows) ks.push_back(row.k > 0 ? std::min(row.k, MAX_K) : default_k);
   const int k_max = *std::max_element(ks.begin(), ks.end());
 
   const int64_t start = g_get_monotonic_time();
@@ -522,8 +526,10 @@ static gboolean finish_build(GstAnnQuery* self, AnnQueryState& s) {
   if (s.built_from && !s.built_from->encoder_fingerprint.empty())
     s.index->set_provenance(*s.built_from);
   else
-    GST_INFO_OBJECT(self, "the rows carry no encoder fingerprint (not encoded by moe-encode): '%s' records no "
-                          "provenance and searches of it are not checked", s.index_path.c_str());
+    GST_INFO_OBJECT(self,
+                    "the rows carry no encoder fingerprint (not encoded by moe-encode): '%s' records no "
+                    "provenance and searches of it are not checked",
+                    s.index_path.c_str());
   try {
     s.index->save(s.index_path);
   } catch (const moe::Error& e) {
@@ -643,10 +649,10 @@ static gboolean handle_caps(GstAnnQuery* self, AnnQueryState& s, GstCaps* caps) 
   }
   if (s.mode == GST_ANN_QUERY_MODE_BUILD && s.index && width != s.index->dim()) {
     if (s.index->size() > 0) {
-      GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
-                        ("Embedding width changed from %d to %d while building '%s'", s.index->dim(), width,
-                         s.index_path.c_str()),
-                        ("one index holds vectors of one width"));
+      GST_ELEMENT_ERROR(
+          self, CORE, NEGOTIATION,
+          ("Embedding width changed from %d to %d while building '%s'", s.index->dim(), width, s.index_path.c_str()),
+          ("one index holds vectors of one width"));
       return FALSE;
     }
     s.index.reset();
@@ -728,8 +734,8 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
                         DEFAULT_K, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_MODE,
-      g_param_spec_enum("mode", "Mode", "Search the index, or build it from the incoming rows",
-                        GST_TYPE_ANN_QUERY_MODE, DEFAULT_MODE, gstmoe::kPropertyMutableReady));
+      g_param_spec_enum("mode", "Mode", "Search the index, or build it from the incoming rows", GST_TYPE_ANN_QUERY_MODE,
+                        DEFAULT_MODE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_INDEX_TYPE,
       g_param_spec_enum("index-type", "Index type",

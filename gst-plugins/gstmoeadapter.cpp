@@ -14,8 +14,7 @@ using ExecutorRef = std::shared_ptr<moe::ExpertExecutor>;
 
 static GType executor_ref_get_type() {
   static const GType type = g_boxed_type_register_static(
-      "GstMoeExpertExecutorRef",
-      [](gpointer p) -> gpointer { return new ExecutorRef(*static_cast<ExecutorRef*>(p)); },
+      "GstMoeExpertExecutorRef", [](gpointer p) -> gpointer { return new ExecutorRef(*static_cast<ExecutorRef*>(p)); },
       [](gpointer p) { delete static_cast<ExecutorRef*>(p); });
   return type;
 }

@@ -67,8 +67,7 @@ static bool has_image_extension(const std::string& name) {
   const size_t dot = name.rfind('.');
   if (dot == std::string::npos) return false;
   const std::string ext = take_string(g_ascii_strdown(name.c_str() + dot + 1, -1));
-  return std::any_of(std::begin(kImageExtensions), std::end(kImageExtensions),
-                     [&](const char* e) { return ext == e; });
+  return std::any_of(std::begin(kImageExtensions), std::end(kImageExtensions), [&](const char* e) { return ext == e; });
 }
 
 // The image files of a folder, in name order. Returns false with `error` set if it cannot be listed.
@@ -134,8 +133,8 @@ static gboolean gst_moe_catalog_src_start(GstBaseSrc* src) {
   st->next = 0;
 
   if (location.empty()) {
-    GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("No catalog location set: set 'location' to a folder or a .jsonl file"),
-                      (nullptr));
+    GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND,
+                      ("No catalog location set: set 'location' to a folder or a .jsonl file"), (nullptr));
     return FALSE;
   }
   const std::string path = take_string(g_canonicalize_filename(location.c_str(), nullptr));

@@ -75,9 +75,9 @@ using Clock = moe::Batcher::Clock;
 // One entry of the queue: a request, already turned into what the engine takes, or one that
 // failed (here on arrival, or upstream) and only travels on to be answered.
 struct Pending {
-  gstmoe::RequestRecord record;  // record.text is what text requests encode
-  moe::RgbImage image;           // image requests
-  std::string error;             // set when it failed: it then only travels as a failure
+  gstmoe::RequestRecord record;            // record.text is what text requests encode
+  moe::RgbImage image;                     // image requests
+  std::string error;                       // set when it failed: it then only travels as a failure
   std::string failed_stage = kStage;       // where it failed: here, or the upstream stage named in the meta
   GstClockTime pts = GST_CLOCK_TIME_NONE;  // its buffer's; a batch takes its first entry's
 };
@@ -144,7 +144,8 @@ enum { PROP_0, PROP_MODEL, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_DEVICE, PROP_P
 
 static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE(
     "sink", GST_PAD_SINK, GST_PAD_ALWAYS,
-    GST_STATIC_CAPS("text/x-raw, format=(string)utf8; " GST_VIDEO_CAPS_MAKE(MOE_ENCODE_VIDEO_FORMATS) "; " GST_MOE_REQUEST_CAPS));
+    GST_STATIC_CAPS(
+        "text/x-raw, format=(string)utf8; " GST_VIDEO_CAPS_MAKE(MOE_ENCODE_VIDEO_FORMATS) "; " GST_MOE_REQUEST_CAPS));
 
 static GstStaticPadTemplate src_template =
     GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
@@ -307,9 +308,10 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, GstBuffer* buf)
       Pending p;
       p.record = row;
       complete_record(&p.record, buf, n, wall, mono);
-      p.error = "request '" + p.record.id + "': its buffer carries " +
-                (in == nullptr ? std::string("no GstMoeBatchMeta") : std::to_string(in->rows.size()) + " request rows") +
-                ", expected exactly one request per buffer";
+      p.error =
+          "request '" + p.record.id + "': its buffer carries " +
+          (in == nullptr ? std::string("no GstMoeBatchMeta") : std::to_string(in->rows.size()) + " request rows") +
+          ", expected exactly one request per buffer";
       add(std::move(p));
     }
     return out;
@@ -642,7 +644,7 @@ static gboolean gst_moe_encode_sink_event(GstPad* pad, GstObject* parent, GstEve
       return gst_pad_event_default(pad, parent, event);
     case GST_EVENT_FLUSH_STOP: {
       std::lock_guard<std::mutex> push(st->push_lock);  // after any push racing the flush
-      drop_pending(self, "flush");  // what a chain call still running at FLUSH_START queued
+      drop_pending(self, "flush");                      // what a chain call still running at FLUSH_START queued
       set_flushing(self, false);
       st->deferred_flow = GST_FLOW_OK;
       return gst_pad_event_default(pad, parent, event);
@@ -745,9 +747,9 @@ static gboolean load_model(GstMoeEncode* self) {
     st->model = moe::shared_clip_model(path, options);
   } catch (const std::exception& e) {  // moe::Error names the file (or the device) and the reason
     if (g_file_test(path.c_str(), G_FILE_TEST_EXISTS))
-      GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("Cannot load the CLIP model: %s", e.what()),
-                        ("model=%s device=%s precision=%s", path.c_str(), options.device.c_str(),
-                         gstmoe::precision_nick(precision)));
+      GST_ELEMENT_ERROR(
+          self, RESOURCE, SETTINGS, ("Cannot load the CLIP model: %s", e.what()),
+          ("model=%s device=%s precision=%s", path.c_str(), options.device.c_str(), gstmoe::precision_nick(precision)));
     else
       GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("Cannot load the CLIP model: %s", e.what()),
                         ("model directory '%s' does not exist", path.c_str()));

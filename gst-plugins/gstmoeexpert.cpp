@@ -108,8 +108,8 @@ struct ExpertState {
   std::string adapter_dir;
   std::string adapter_name;
   std::shared_ptr<LazyExecutor> executor;  // nullptr on the plain CPU path
-  int width = 0;          // negotiated tensor width; 0 before caps
-  std::string route_dir;  // the adapter of the moe-route upstream, when one answered
+  int width = 0;                           // negotiated tensor width; 0 before caps
+  std::string route_dir;                   // the adapter of the moe-route upstream, when one answered
   // What made the rows, for the meta's adapter_fingerprint: this adapter's fingerprint, followed
   // by "+<router's>" when a moe-route with other weights chose the experts (both shape the rows).
   std::string rows_fingerprint;
@@ -253,9 +253,8 @@ static void gst_moe_expert_get_property(GObject* object, guint prop_id, GValue* 
 // `e` is the moe::Error of the device check or of building the executor: it names the device
 // and the reason.
 static void post_executor_error(GstMoeExpert* self, const std::string& adapter, const std::exception& e) {
-  GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("cannot run the experts of the MoE adapter '%s': %s", adapter.c_str(),
-                                               e.what()),
-                    (nullptr));
+  GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
+                    ("cannot run the experts of the MoE adapter '%s': %s", adapter.c_str(), e.what()), (nullptr));
 }
 
 static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
@@ -302,8 +301,8 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   state->executor = std::move(executor);
   state->rows_fingerprint = state->adapter->fingerprint();
   self->stats->reset(cfg.num_experts);
-  GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, on %s", dir.c_str(), cfg.hidden_size,
-                  cfg.num_experts, device.c_str());
+  GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, on %s", dir.c_str(), cfg.hidden_size, cfg.num_experts,
+                  device.c_str());
   GST_OBJECT_LOCK(self);
   self->batches_prefetched = 0;
   self->state = state;
@@ -346,8 +345,8 @@ static bool gst_moe_expert_build_executor(GstMoeExpert* self, LazyExecutor& exec
     return false;
   }
   for (const moe::ExpertDeviceStats& d : built->stats())
-    GST_INFO_OBJECT(self, "%s: %zu experts, cache of %d slots (%zu bytes)", d.device.c_str(), d.experts.size(),
-                    d.slots, d.budget_bytes);
+    GST_INFO_OBJECT(self, "%s: %zu experts, cache of %d slots (%zu bytes)", d.device.c_str(), d.experts.size(), d.slots,
+                    d.budget_bytes);
   GST_OBJECT_LOCK(self);
   executor.built = std::move(built);
   GST_OBJECT_UNLOCK(self);
@@ -431,15 +430,15 @@ static bool gst_moe_expert_routing(GstMoeExpert* self, const gstmoe::BatchRecord
       return false;
     }
     if (r.experts.size() != top_k) {
-      GST_ELEMENT_ERROR(self, STREAM, FORMAT,
-                        ("row %zu was routed to %zu experts but row 0 to %zu: one batch needs one top-k", i,
-                         r.experts.size(), top_k),
-                        (nullptr));
+      GST_ELEMENT_ERROR(
+          self, STREAM, FORMAT,
+          ("row %zu was routed to %zu experts but row 0 to %zu: one batch needs one top-k", i, r.experts.size(), top_k),
+          (nullptr));
       return false;
     }
     for (int32_t e : r.experts) {
       if (e < 0 || e >= num_experts) {
-        const std::string source = !st->route_dir.empty()      ? "the MoE adapter '" + st->route_dir + "' of moe-route"
+        const std::string source = !st->route_dir.empty()     ? "the MoE adapter '" + st->route_dir + "' of moe-route"
                                    : !records.adapter.empty() ? "an adapter named '" + records.adapter + "'"
                                                               : "an unknown router";
         GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
@@ -483,7 +482,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   // Routing to another number of experts (moe-route top-k) makes other vectors from the same weights.
   if (rows > 0 && routing.top_k != st->adapter->layer().config().top_k)
     records.adapter_fingerprint += "/top" + std::to_string(routing.top_k);
-  if (rows == 0) return GST_FLOW_OK;   // only failed requests: they travel on untouched
+  if (rows == 0) return GST_FLOW_OK;  // only failed requests: they travel on untouched
   GST_OBJECT_LOCK(self);
   const std::shared_ptr<moe::ExpertExecutor> executor = st->executor ? st->executor->built : nullptr;
   GST_OBJECT_UNLOCK(self);
@@ -501,8 +500,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
     y = executor ? executor->run(x, routing, prefetched ? prefetch : nullptr) : st->adapter->apply_experts(x, routing);
   } catch (const std::exception& e) {
     gst_buffer_unmap(buf, &map);
-    GST_ELEMENT_ERROR(self, LIBRARY, FAILED, ("running the experts on %zu rows failed: %s", rows, e.what()),
-                      (nullptr));
+    GST_ELEMENT_ERROR(self, LIBRARY, FAILED, ("running the experts on %zu rows failed: %s", rows, e.what()), (nullptr));
     return GST_FLOW_ERROR;
   }
   const double ms = gstmoe::elapsed_ms(t0, g_get_monotonic_time());
@@ -540,16 +538,17 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
   g_object_class_install_property(gobject_class, PROP_MODEL, gstmoe::adapter::model_param_spec());
   g_object_class_install_property(
       gobject_class, PROP_DEVICE,
-      g_param_spec_string("device", "Device",
-                          "Where the experts run: \"cpu\", \"cuda:N\", a list \"cuda:0,cuda:1\" (experts placed over "
-                          "the devices by free memory and, after rebalance-interval batches, by load; rows sent to a device "
-                          "holding their expert) or \"all\" "
-                          "(every CUDA device), or \"auto\" (every CUDA device when there is one, else cpu; the "
-                          "choice and its reason are logged). A device that cannot be used fails the start, saying "
-                          "why; other "
-                          "failures to set the experts up there (e.g. out of memory) stop the pipeline at its first "
-                          "caps, saying why",
-                          DEFAULT_DEVICE, gstmoe::kPropertyMutableReady));
+      g_param_spec_string(
+          "device", "Device",
+          "Where the experts run: \"cpu\", \"cuda:N\", a list \"cuda:0,cuda:1\" (experts placed over "
+          "the devices by free memory and, after rebalance-interval batches, by load; rows sent to a device "
+          "holding their expert) or \"all\" "
+          "(every CUDA device), or \"auto\" (every CUDA device when there is one, else cpu; the "
+          "choice and its reason are logged). A device that cannot be used fails the start, saying "
+          "why; other "
+          "failures to set the experts up there (e.g. out of memory) stop the pipeline at its first "
+          "caps, saying why",
+          DEFAULT_DEVICE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_PRECISION,
       g_param_spec_enum("precision", "Precision",

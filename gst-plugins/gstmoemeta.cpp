@@ -22,9 +22,12 @@ bool parse_tensor_caps(const GstCaps* caps, int* width) {
 
 moe::kernels::WeightType weight_type(GstMoePrecision precision) {
   switch (precision) {
-    case GST_MOE_PRECISION_FP16: return moe::kernels::WeightType::F16;
-    case GST_MOE_PRECISION_BF16: return moe::kernels::WeightType::BF16;
-    case GST_MOE_PRECISION_FP32: break;
+    case GST_MOE_PRECISION_FP16:
+      return moe::kernels::WeightType::F16;
+    case GST_MOE_PRECISION_BF16:
+      return moe::kernels::WeightType::BF16;
+    case GST_MOE_PRECISION_FP32:
+      break;
   }
   return moe::kernels::WeightType::F32;
 }

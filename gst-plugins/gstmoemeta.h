@@ -34,15 +34,15 @@ const char* modality_name(Modality m);
 
 // One request, from the moment it enters the pipeline to its result document.
 struct RequestRecord {
-  std::string id;            // from the client, an upstream meta, the buffer offset or a counter
+  std::string id;  // from the client, an upstream meta, the buffer offset or a counter
   Modality modality = Modality::Text;
-  std::string text;          // the query text (text requests) or the caption (catalog images)
-  std::string uri;           // the image's uri (image requests)
-  int64_t arrival_wall_us = 0;  // g_get_real_time() when it entered (for reports)
-  int64_t arrival_mono_us = 0;  // g_get_monotonic_time() when it entered (for timings)
-  int k = 0;                    // results wanted; 0: ann-query's k
-  std::vector<int32_t> experts;        // after moe-route: chosen experts, best first
-  std::vector<float> expert_weights;   // their weights
+  std::string text;                   // the query text (text requests) or the caption (catalog images)
+  std::string uri;                    // the image's uri (image requests)
+  int64_t arrival_wall_us = 0;        // g_get_real_time() when it entered (for reports)
+  int64_t arrival_mono_us = 0;        // g_get_monotonic_time() when it entered (for timings)
+  int k = 0;                          // results wanted; 0: ann-query's k
+  std::vector<int32_t> experts;       // after moe-route: chosen experts, best first
+  std::vector<float> expert_weights;  // their weights
   std::vector<std::pair<std::string, double>> timings_ms;  // stage -> milliseconds, in order
 };
 
@@ -54,9 +54,9 @@ struct FailedRequest {
 };
 
 struct BatchRecords {
-  std::vector<RequestRecord> rows;     // rows[i] describes tensor row i
-  std::vector<FailedRequest> failed;   // answered with an error record by ann-query
-  std::string encoder;                 // model identifiers, for the result documents
+  std::vector<RequestRecord> rows;    // rows[i] describes tensor row i
+  std::vector<FailedRequest> failed;  // answered with an error record by ann-query
+  std::string encoder;                // model identifiers, for the result documents
   std::string adapter;
   // What made the vectors, for ann-query's provenance check: moe-encode's and moe-expert's
   // fingerprint() of their models (16 hex digits; moe-expert appends "+<router's>" when the
@@ -89,8 +89,7 @@ const GstMetaInfo* gst_moe_batch_meta_get_info(void);
 
 // Attaches a meta holding a copy of `records` (buffer must be writable).
 GstMoeBatchMeta* gst_buffer_add_moe_batch_meta(GstBuffer* buffer, const gstmoe::BatchRecords& records);
-#define gst_buffer_get_moe_batch_meta(b) \
-  ((GstMoeBatchMeta*)gst_buffer_get_meta((b), GST_MOE_BATCH_META_API_TYPE))
+#define gst_buffer_get_moe_batch_meta(b) ((GstMoeBatchMeta*)gst_buffer_get_meta((b), GST_MOE_BATCH_META_API_TYPE))
 
 // How an element's model stores its Linear weights (the `precision` property of the elements that
 // load a model on a compute device). Activations and accumulation stay f32.

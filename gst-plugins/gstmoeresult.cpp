@@ -121,10 +121,10 @@ void request_members(JsonBuilder* b, const char* type, const RequestRecord& r) {
   member_string_or_null(b, "id", r.id);
   member_string(b, "modality", modality_name(r.modality));
   // Echoes are clipped: an answer goes to every subscriber, whatever a request carried.
-  member_string_or_null(b, "query", r.modality == Modality::Text ? moe::clip_utf8(r.text, moe::kMaxEchoedQueryBytes)
-                                                                   : std::string());
-  member_string_or_null(b, "uri", r.modality == Modality::Image ? moe::clip_utf8(r.uri, moe::kMaxEchoedQueryBytes)
-                                                                 : std::string());
+  member_string_or_null(
+      b, "query", r.modality == Modality::Text ? moe::clip_utf8(r.text, moe::kMaxEchoedQueryBytes) : std::string());
+  member_string_or_null(
+      b, "uri", r.modality == Modality::Image ? moe::clip_utf8(r.uri, moe::kMaxEchoedQueryBytes) : std::string());
 }
 
 void arrival_member(JsonBuilder* b, const RequestRecord& r) {

@@ -250,7 +250,8 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   GST_LOG_OBJECT(self, "routed %zu rows in %.3f ms", rows, ms);
 
   // Asked per batch, so the answer follows relinking and restarts downstream; cheap next to routing.
-  if (std::shared_ptr<moe::ExpertExecutor> executor = gstmoe::adapter::query_executor(GST_BASE_TRANSFORM_SRC_PAD(trans))) {
+  if (std::shared_ptr<moe::ExpertExecutor> executor =
+          gstmoe::adapter::query_executor(GST_BASE_TRANSFORM_SRC_PAD(trans))) {
     try {
       records.expert_prefetch = executor->prefetch(routing);  // may wait while moe-expert catches up
     } catch (const std::exception& e) {
@@ -293,7 +294,8 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
       "Routes every row of an embedding batch to the top-k experts of a Mixture-of-Experts adapter and writes "
       "the experts and their weights into the request meta; the embeddings pass through unchanged for moe-expert. "
       "When the moe-expert downstream runs its experts on GPU devices (or in reduced precision), moe-route starts "
-      "loading each batch's experts there as soon as it has routed the batch. Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! moe-encode model=models/default/clip "
+      "loading each batch's experts there as soon as it has routed the batch. Example: gst-launch-1.0 zmq-query "
+      "endpoint=tcp://127.0.0.1:5555 ! moe-encode model=models/default/clip "
       "! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter "
       "! ann-query index=catalog.faiss ! zmq-publish endpoint=tcp://127.0.0.1:5556",
       "gst-moe developers");

@@ -141,8 +141,9 @@ std::string load_secret_key(const std::string& path) {
       if (key_line(line, &key))
         keys.push_back(key);
       else if (!line.empty() && line[0] != '#')
-        throw KeyError{"it is neither a zcert secret certificate (secret-key = \"...\") nor a bare 40-character Z85 "
-                       "secret key"};
+        throw KeyError{
+            "it is neither a zcert secret certificate (secret-key = \"...\") nor a bare 40-character Z85 "
+            "secret key"};
     }
     if (keys.size() != 1)
       throw KeyError{keys.empty() ? "it holds no key: expected a zcert secret certificate (secret-key = \"...\") or a "
@@ -216,15 +217,18 @@ void serve_zap(zmq::socket_t handler, const std::set<std::string>& allowed, cons
     }
     const bool well_formed = request.size() >= 6 && request[0].to_string_view() == "1.0";
     const std::string mechanism = well_formed ? request[5].to_string() : "?";
-    const bool admitted = well_formed && mechanism == "CURVE" && request.size() == 7 &&
-                          allowed.count(request[6].to_string()) > 0;
+    const bool admitted =
+        well_formed && mechanism == "CURVE" && request.size() == 7 && allowed.count(request[6].to_string()) > 0;
     if (!admitted)
       GST_INFO("%s: refused a client from %s: %s", endpoint.c_str(), well_formed ? request[3].to_string().c_str() : "?",
                mechanism == "CURVE" ? "its public key is not in curve-allowed-keys" : "it does not use CURVE");
     const std::string request_id = request.size() >= 2 ? request[1].to_string() : "";
     const std::vector<zmq::const_buffer> reply = {
-        zmq::str_buffer("1.0"), zmq::buffer(request_id), admitted ? zmq::str_buffer("200") : zmq::str_buffer("400"),
-        admitted ? zmq::str_buffer("OK") : zmq::str_buffer("client not allowed"), zmq::str_buffer(""),
+        zmq::str_buffer("1.0"),
+        zmq::buffer(request_id),
+        admitted ? zmq::str_buffer("200") : zmq::str_buffer("400"),
+        admitted ? zmq::str_buffer("OK") : zmq::str_buffer("client not allowed"),
+        zmq::str_buffer(""),
         zmq::str_buffer("")};
     for (;;) {
       try {
@@ -239,10 +243,14 @@ void serve_zap(zmq::socket_t handler, const std::set<std::string>& allowed, cons
 
 const char* socket_type_name(zmq::socket_type type) {
   switch (type) {
-    case zmq::socket_type::pub: return "PUB";
-    case zmq::socket_type::pull: return "PULL";
-    case zmq::socket_type::router: return "ROUTER";
-    default: return "ZeroMQ";
+    case zmq::socket_type::pub:
+      return "PUB";
+    case zmq::socket_type::pull:
+      return "PULL";
+    case zmq::socket_type::router:
+      return "ROUTER";
+    default:
+      return "ZeroMQ";
   }
 }
 
@@ -309,11 +317,12 @@ ZmqSocket::ZapThread::~ZapThread() {
 ZmqSocket::ZmqSocket(zmq::socket_type type, const std::string& endpoint, bool bind,
                      const std::optional<CurveServer>& curve, const std::function<void(zmq::socket_t&)>& configure)
     : socket_(context_, type) {
-  const std::string what = std::string("cannot ") + (bind ? "bind" : "connect") + " ZeroMQ " +
-                           socket_type_name(type) + " socket to '" + endpoint + "': ";
+  const std::string what = std::string("cannot ") + (bind ? "bind" : "connect") + " ZeroMQ " + socket_type_name(type) +
+                           " socket to '" + endpoint + "': ";
   if (endpoint.rfind("inproc://", 0) == 0)
-    throw std::runtime_error(what + "inproc:// endpoints are private to the element's own ZeroMQ context and "
-                                    "cannot be reached; use tcp:// or ipc://");
+    throw std::runtime_error(what +
+                             "inproc:// endpoints are private to the element's own ZeroMQ context and "
+                             "cannot be reached; use tcp:// or ipc://");
   // libzmq keeps only the low 16 bits of a tcp port: tcp://127.0.0.1:99999 would bind 34463.
   if (endpoint.rfind("tcp://", 0) == 0) {
     const std::string port = endpoint.substr(endpoint.rfind(':') + 1);

@@ -14,7 +14,7 @@ namespace gstmoe {
 
 // CURVE on a server socket: the socket's own secret key and the clients allowed to connect.
 struct CurveServer {
-  std::string secret_key;                   // Z85, 40 characters
+  std::string secret_key;                     // Z85, 40 characters
   std::set<std::string> allowed_client_keys;  // 32-byte binary public keys, as ZAP requests carry them
 };
 

@@ -108,7 +108,8 @@ struct _GstZmqPublish {
   ZmqPublishState* state;
 };
 
-static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS_ANY);
+static GstStaticPadTemplate sink_template =
+    GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS_ANY);
 
 #define gst_zmq_publish_parent_class parent_class
 G_DEFINE_TYPE_WITH_CODE(GstZmqPublish, gst_zmq_publish, GST_TYPE_BASE_SINK,
@@ -178,8 +179,8 @@ static void gst_zmq_publish_get_property(GObject* object, guint prop_id, GValue*
       break;
     case PROP_STATS:
       g_value_take_boxed(value, gst_structure_new("zmq-publish-stats", "sent", G_TYPE_UINT64, self->sent, "bytes",
-                                                  G_TYPE_UINT64, self->bytes, "seq", G_TYPE_UINT64, self->seq,
-                                                  "stream", G_TYPE_STRING, self->stream, nullptr));
+                                                  G_TYPE_UINT64, self->bytes, "seq", G_TYPE_UINT64, self->seq, "stream",
+                                                  G_TYPE_STRING, self->stream, nullptr));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);

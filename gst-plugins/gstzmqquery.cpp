@@ -186,7 +186,8 @@ GstBuffer* parse_request(const zmq::message_t& message, const moe::QueryLimits& 
     throw;
   }
   fill_record(request, record);
-  if (request.modality == moe::QueryModality::Text) return gst_buffer_new_memdup(request.text.data(), request.text.size());
+  if (request.modality == moe::QueryModality::Text)
+    return gst_buffer_new_memdup(request.text.data(), request.text.size());
   if (!request.image.empty()) {
     if (!image_root)
       throw moe::Error(
@@ -374,13 +375,13 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
   const int64_t max_msgsize = max_message == 0 ? -1 : static_cast<int64_t>(max_message);
   ZmqQueryState* state = nullptr;
   try {
-    state = new ZmqQueryState{gstmoe::ZmqSocket(router ? zmq::socket_type::router : zmq::socket_type::pull, endpoint,
-                                                bind, curve,
-                                                [hwm, max_msgsize](zmq::socket_t& s) {
-                                                  s.set(zmq::sockopt::rcvhwm, hwm);
-                                                  s.set(zmq::sockopt::maxmsgsize, max_msgsize);
-                                                }),
-                              router, root_path};
+    state = new ZmqQueryState{
+        gstmoe::ZmqSocket(router ? zmq::socket_type::router : zmq::socket_type::pull, endpoint, bind, curve,
+                          [hwm, max_msgsize](zmq::socket_t& s) {
+                            s.set(zmq::sockopt::rcvhwm, hwm);
+                            s.set(zmq::sockopt::maxmsgsize, max_msgsize);
+                          }),
+        router, root_path};
   } catch (const std::exception& e) {
     GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()), (nullptr));
     return FALSE;
@@ -509,7 +510,8 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   else
     GST_INFO_OBJECT(self, "request '%s' rejected: %s", record.id.c_str(), reason.c_str());
 
-  if (st->router) gst_zmq_query_reply(self, frames, envelope, reply_json(record.id, reason.empty() ? nullptr : &reason));
+  if (st->router)
+    gst_zmq_query_reply(self, frames, envelope, reply_json(record.id, reason.empty() ? nullptr : &reason));
   *out = buffer;
   return GST_FLOW_OK;
 }
@@ -564,7 +566,8 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
                           "Largest request frame accepted, in bytes (ZMQ_MAXMSGSIZE). ZeroMQ disconnects a client "
                           "that sends a larger one and discards the message before it is read in full, so that "
                           "request gets no error document and no router reply. An image_base64 request takes 4/3 x "
-                          "max-image-bytes plus a line break (escaped in JSON as \\n) per 76 characters and the JSON around it (45917618 "
+                          "max-image-bytes plus a line break (escaped in JSON as \\n) per 76 characters and the JSON "
+                          "around it (45917618 "
                           "bytes for the default 32 MiB, hence the default 48 MiB); start warns when this is "
                           "smaller than that. 0: unlimited",
                           0, MAX_MAX_MESSAGE_BYTES, DEFAULT_MAX_MESSAGE_BYTES, gstmoe::kPropertyMutableReady));
@@ -572,8 +575,8 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
       gobject_class, PROP_MAX_IMAGE_BYTES,
       g_param_spec_uint64("max-image-bytes", "Maximum image bytes",
                           "Largest image (file or decoded image_base64) accepted; larger ones are rejected. Keep "
-                          "max-message-bytes large enough for an image_base64 request of this size", 1,
-                          G_MAXUINT64, DEFAULT_MAX_IMAGE_BYTES, gstmoe::kPropertyMutablePlaying));
+                          "max-message-bytes large enough for an image_base64 request of this size",
+                          1, G_MAXUINT64, DEFAULT_MAX_IMAGE_BYTES, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_MAX_TEXT_BYTES,
       g_param_spec_uint("max-text-bytes", "Maximum text bytes",

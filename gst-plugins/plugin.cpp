@@ -23,5 +23,5 @@ static gboolean plugin_init(GstPlugin* plugin) {
 }
 
 GST_PLUGIN_DEFINE(GST_VERSION_MAJOR, GST_VERSION_MINOR, moe,
-                  "Multimodal search: CLIP encoder, Mixture-of-Experts adapter, ANN index, ZeroMQ I/O",
-                  plugin_init, VERSION, "LGPL", "gst-moe", "https://github.com/gst-moe/gst-moe")
+                  "Multimodal search: CLIP encoder, Mixture-of-Experts adapter, ANN index, ZeroMQ I/O", plugin_init,
+                  VERSION, "LGPL", "gst-moe", "https://github.com/gst-moe/gst-moe")

@@ -153,11 +153,10 @@ class Backend {
 
   // ---- operations ---------------------------------------------------------------------------
   // y[m,n] = x[m,k] · w[n,k]ᵀ (+ bias[n] when bias != nullptr).
-  virtual void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n,
-                      int64_t k) = 0;
+  virtual void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) = 0;
   // Per row: (x - mean) / sqrt(var + eps) · gamma + beta (population variance). y may alias x.
-  virtual void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows,
-                          int64_t cols, float eps) = 0;
+  virtual void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
+                          float eps) = 0;
   // In place: exact GELU 0.5·x·(1 + erf(x/√2)).
   virtual void gelu(float* x, int64_t n) = 0;
   // In place: x · sigmoid(1.702·x).
@@ -205,8 +204,8 @@ class Backend {
   // Exact inner-product search: for each of nq queries [nq, d] the k best of nb base vectors
   // [nb, d] (k ≤ nb), scores descending, ties to the lower index; ids [nq, k] int64, scores f32.
   // CUDA: k ≤ 1024 (moe::Error otherwise).
-  virtual void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d,
-                                  int64_t k, int64_t* ids, float* scores) = 0;
+  virtual void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,
+                                  int64_t* ids, float* scores) = 0;
 
  protected:
   // supports() for a desc that fits its operation: "" when this backend runs it, else why not.

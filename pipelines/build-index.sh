@@ -19,7 +19,7 @@ INDEX_TYPE=${INDEX_TYPE:-flat}
 ITEMS=$INDEX.items.jsonl
 
 # ann-query writes INDEX and ITEMS under temporary names and renames them into place once both
-# are complete (AtomicFile in core/src/ann_index.cpp), so a new identity means a new index.
+# are complete (AtomicFile in core/src/search/ann_index.cpp), so a new identity means a new index.
 index_identity() { stat -c '%d:%i' -- "$INDEX" 2>/dev/null || true; }
 index_before=$(index_identity)
 

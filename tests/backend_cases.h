@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "backend.h"
-#include "compute_util.h"
+#include "runtime/compute_util.h"
 #include "moe/error.h"
 #include "moe/tensor.h"
 
@@ -402,8 +402,7 @@ class LinearCase : public TypedCase<LinearInputs, std::vector<float>> {
 
  protected:
   LinearInputs inputs() const override {
-    return {random_values(m_ * k_, seed_), random_values(n_, seed_ + 1),
-            make_weight(type_, n_, k_, seed_ + 2, 0.05f)};
+    return {random_values(m_ * k_, seed_), random_values(n_, seed_ + 1), make_weight(type_, n_, k_, seed_ + 2, 0.05f)};
   }
   std::vector<float> run(Backend& b, const LinearInputs& in) const override {
     DeviceBuffer<float> x(b, in.x), bias(b, in.bias), y(b, static_cast<size_t>(m_ * n_));
@@ -536,11 +535,21 @@ class ElementwiseCase : public TypedCase<ElementwiseInputs, std::vector<float>> 
   std::vector<float> run(Backend& b, const ElementwiseInputs& in) const override {
     DeviceBuffer<float> x(b, in.a), y(b, in.b);
     switch (op_) {
-      case Elementwise::Gelu: b.gelu(x.get(), n_); break;
-      case Elementwise::QuickGelu: b.quick_gelu(x.get(), n_); break;
-      case Elementwise::SiluMulIntoGate: b.silu_mul(x.get(), y.get(), x.get(), n_); break;
-      case Elementwise::SiluMulIntoUp: b.silu_mul(x.get(), y.get(), y.get(), n_); return y.host();
-      case Elementwise::Add: b.add(x.get(), y.get(), n_); break;
+      case Elementwise::Gelu:
+        b.gelu(x.get(), n_);
+        break;
+      case Elementwise::QuickGelu:
+        b.quick_gelu(x.get(), n_);
+        break;
+      case Elementwise::SiluMulIntoGate:
+        b.silu_mul(x.get(), y.get(), x.get(), n_);
+        break;
+      case Elementwise::SiluMulIntoUp:
+        b.silu_mul(x.get(), y.get(), y.get(), n_);
+        return y.host();
+      case Elementwise::Add:
+        b.add(x.get(), y.get(), n_);
+        break;
     }
     return x.host();
   }
@@ -549,11 +558,19 @@ class ElementwiseCase : public TypedCase<ElementwiseInputs, std::vector<float>> 
     for (size_t i = 0; i < out.size(); ++i) {
       const double a = in.a[i], b = in.b[i];
       switch (op_) {
-        case Elementwise::Gelu: out[i] = static_cast<float>(0.5 * a * (1.0 + std::erf(a / std::sqrt(2.0)))); break;
-        case Elementwise::QuickGelu: out[i] = static_cast<float>(a / (1.0 + std::exp(-1.702 * a))); break;
+        case Elementwise::Gelu:
+          out[i] = static_cast<float>(0.5 * a * (1.0 + std::erf(a / std::sqrt(2.0))));
+          break;
+        case Elementwise::QuickGelu:
+          out[i] = static_cast<float>(a / (1.0 + std::exp(-1.702 * a)));
+          break;
         case Elementwise::SiluMulIntoGate:
-        case Elementwise::SiluMulIntoUp: out[i] = static_cast<float>(naive_silu(a) * b); break;
-        case Elementwise::Add: out[i] = in.a[i] + in.b[i]; break;  // y += x is one f32 addition
+        case Elementwise::SiluMulIntoUp:
+          out[i] = static_cast<float>(naive_silu(a) * b);
+          break;
+        case Elementwise::Add:
+          out[i] = in.a[i] + in.b[i];
+          break;  // y += x is one f32 addition
       }
     }
     return out;
@@ -628,7 +645,11 @@ class AttentionCase : public TypedCase<std::vector<float>, std::vector<float>> {
  public:
   AttentionCase(std::string label, std::vector<int64_t> lens, int64_t heads, int64_t head_dim, bool causal,
                 unsigned seed)
-      : label_(std::move(label)), lens_(std::move(lens)), heads_(heads), head_dim_(head_dim), causal_(causal),
+      : label_(std::move(label)),
+        lens_(std::move(lens)),
+        heads_(heads),
+        head_dim_(head_dim),
+        causal_(causal),
         seed_(seed) {}
   std::string name() const override {
     return "attention_" + label_ + "_h" + std::to_string(heads_) + "_d" + std::to_string(head_dim_) +
@@ -679,7 +700,11 @@ class TopkSoftmaxCase : public TypedCase<std::vector<float>, Routing> {
  public:
   TopkSoftmaxCase(std::string label, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
                   std::function<std::vector<float>()> logits)
-      : label_(std::move(label)), rows_(rows), experts_(experts), top_k_(top_k), renormalize_(renormalize),
+      : label_(std::move(label)),
+        rows_(rows),
+        experts_(experts),
+        top_k_(top_k),
+        renormalize_(renormalize),
         logits_(std::move(logits)) {}
   std::string name() const override {
     return "topk_softmax_" + label_ + "_" + dims({rows_, experts_}) + "_top" + std::to_string(top_k_) +
@@ -904,8 +929,8 @@ class MoeUnpermuteCase : public TypedCase<UnpermuteInputs, std::vector<float>> {
       for (int64_t c = 0; c < cols_; ++c) {
         double acc = 0.0;
         for (int64_t j = 0; j < top_k_; ++j)
-          acc += static_cast<double>(in.weights[r * top_k_ + j]) *
-                 in.out_sorted[in.slot_of[r * top_k_ + j] * cols_ + c];
+          acc +=
+              static_cast<double>(in.weights[r * top_k_ + j]) * in.out_sorted[in.slot_of[r * top_k_ + j] * cols_ + c];
         y[r * cols_ + c] = static_cast<float>(acc);
       }
     return y;
@@ -1023,7 +1048,10 @@ class RejectedCall : public OpCase {
  public:
   RejectedCall(std::string label, OpDesc op, std::vector<std::string> reason, std::function<void(Backend&)> call,
                std::function<void(Backend&)> after = {})
-      : label_(std::move(label)), op_(std::move(op)), reason_(std::move(reason)), call_(std::move(call)),
+      : label_(std::move(label)),
+        op_(std::move(op)),
+        reason_(std::move(reason)),
+        call_(std::move(call)),
         after_(std::move(after)) {}
   std::string name() const override { return std::string(moe::kernels::op_name(op_.op)) + "_rejects_" + label_; }
   std::vector<OpDesc> ops() const override { return {op_}; }
@@ -1052,8 +1080,13 @@ inline const std::vector<std::unique_ptr<OpCase>>& op_cases() {
 
     // linear, every weight type, with and without bias: small shapes; 3x1000x300 spans several
     // widening blocks of the CPU's f16/bf16 path; then CLIP's projections and MLPs.
-    for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 7, 11}, {3, 1000, 300}, {1, 1, 1}, {7, 33, 5},
-                           {1, 768, 768}, {308, 2304, 768}, {1000, 512, 768}})
+    for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{5, 7, 11},
+                           {3, 1000, 300},
+                           {1, 1, 1},
+                           {7, 33, 5},
+                           {1, 768, 768},
+                           {308, 2304, 768},
+                           {1000, 512, 768}})
       for (WeightType type : {f32, f16, bf16})
         for (bool bias : {false, true}) add(LinearCase(m, n, k, type, bias, 50));
     add(LinearCase(0, 4, 4, f32, false, 50));
@@ -1115,9 +1148,9 @@ inline const std::vector<std::unique_ptr<OpCase>>& op_cases() {
       int64_t rows, experts, top_k;
       bool renormalize;
     };
-    for (const Router& r : {Router{1, 8, 2, true}, Router{1000, 8, 2, true}, Router{1000, 60, 4, false},
-                            Router{333, 64, 8, true}, Router{100, 256, 8, false}, Router{10, 7, 7, true},
-                            Router{50, 3000, 3, true}})
+    for (const Router& r :
+         {Router{1, 8, 2, true}, Router{1000, 8, 2, true}, Router{1000, 60, 4, false}, Router{333, 64, 8, true},
+          Router{100, 256, 8, false}, Router{10, 7, 7, true}, Router{50, 3000, 3, true}})
       add(TopkSoftmaxCase("random_with_ties", r.rows, r.experts, r.top_k, r.renormalize,
                           [r] { return logits_with_ties(r.rows, r.experts, 80); }));
     add(TopkSoftmaxCase("experts_beyond_cuda", 4, 12289, 2, true, [] { return logits_with_ties(4, 12289, 81); }));
@@ -1139,8 +1172,14 @@ inline const std::vector<std::unique_ptr<OpCase>>& op_cases() {
     // Activations and SwiGLU products far beyond f16's 65504.
     add(MoeCase({64, 512, 256, 8, 2, true, {f16}, 7, 0.05f, 1e5f}, 90));
     add(MoeCase({64, 512, 256, 8, 2, true, {f16, f32, bf16}, 7, 0.05f, 1e5f}, 90));
-    for (auto [rows, top_k, cols] : {std::tuple<int64_t, int64_t, int64_t>{9, 2, 6}, {1, 2, 512}, {1000, 2, 768},
-                                     {300, 2, 512}, {300, 2, 768}, {100, 4, 512}, {50, 2, 512}, {64, 2, 512}})
+    for (auto [rows, top_k, cols] : {std::tuple<int64_t, int64_t, int64_t>{9, 2, 6},
+                                     {1, 2, 512},
+                                     {1000, 2, 768},
+                                     {300, 2, 512},
+                                     {300, 2, 768},
+                                     {100, 4, 512},
+                                     {50, 2, 512},
+                                     {64, 2, 512}})
       add(MoeUnpermuteCase(rows, top_k, cols, 95));
     add(RejectedCall(
         "an_expert_id_out_of_range", {Op::MoePermute, {}, {2, 2, 4, 4}}, {"expert id 9 at row 1", "[0, 4)"},

@@ -71,7 +71,8 @@ inline MoeLayer random_moe_layer(int experts, int hidden, int inter, int top_k, 
     f.write(reinterpret_cast<const char*>(&n), 8);
     f.write(header.data(), static_cast<std::streamsize>(header.size()));
     for (const Item& it : items)
-      f.write(reinterpret_cast<const char*>(it.data.data()), static_cast<std::streamsize>(it.data.size() * sizeof(float)));
+      f.write(reinterpret_cast<const char*>(it.data.data()),
+              static_cast<std::streamsize>(it.data.size() * sizeof(float)));
   }
   MoeConfig cfg;
   cfg.hidden_size = hidden;

@@ -33,14 +33,14 @@ using moe::test::TempDir;
 std::vector<AnnItem> numbered_items(int64_t n) {
   std::vector<AnnItem> items;
   for (int64_t i = 0; i < n; ++i)
-    items.push_back({"id-" + std::to_string(i), "file:///catalog/" + std::to_string(i) + ".png",
-                     "caption " + std::to_string(i)});
+    items.push_back(
+        {"id-" + std::to_string(i), "file:///catalog/" + std::to_string(i) + ".png", "caption " + std::to_string(i)});
   return items;
 }
 
 // The exact top-k by inner product, best first.
-std::vector<std::vector<AnnHit>> brute_force(const std::vector<float>& base, const std::vector<float>& queries,
-                                             int dim, int k) {
+std::vector<std::vector<AnnHit>> brute_force(const std::vector<float>& base, const std::vector<float>& queries, int dim,
+                                             int k) {
   const int64_t nb = static_cast<int64_t>(base.size()) / dim, nq = static_cast<int64_t>(queries.size()) / dim;
   std::vector<std::vector<AnnHit>> out;
   for (int64_t q = 0; q < nq; ++q) {

@@ -255,13 +255,22 @@ TEST(CpuBackend, SupportsEveryWellFormedCallAndRefusesMalformedOnes) {
   EXPECT_TRUE(cpu->supports({Op::Attention, {}, {10, 5, 2, 4096}}, &why));  // no limits on the CPU
   EXPECT_TRUE(cpu->supports({Op::GroupedSwiglu, {WeightType::BF16, WeightType::F32}, {8, 4, 16, 32}}, &why));
   EXPECT_EQ(why, "untouched");
-  expect_error([&] { cpu->supports({Op::Linear, {WeightType::F32}, {1, 2}}); },
-               {"cpu: supports: linear: 2 sizes, want 3 (m, n, k)"});
+  expect_error(
+      [&] {
+        cpu->supports({Op::Linear, {WeightType::F32}, {1, 2}});
+      },
+      {"cpu: supports: linear: 2 sizes, want 3 (m, n, k)"});
   expect_error([&] { cpu->supports({Op::Linear, {}, {1, 2, 3}}); }, {"cpu: supports: linear: 0 weight types, want 1"});
-  expect_error([&] { cpu->supports({Op::Gelu, {WeightType::F16}, {4}}); },
-               {"cpu: supports: gelu: 1 weight types, want none"});
-  expect_error([&] { cpu->supports({Op::Linear, {static_cast<WeightType>(9)}, {1, 2, 3}}); },
-               {"cpu: supports: linear: unknown weight type 9"});
+  expect_error(
+      [&] {
+        cpu->supports({Op::Gelu, {WeightType::F16}, {4}});
+      },
+      {"cpu: supports: gelu: 1 weight types, want none"});
+  expect_error(
+      [&] {
+        cpu->supports({Op::Linear, {static_cast<WeightType>(9)}, {1, 2, 3}});
+      },
+      {"cpu: supports: linear: unknown weight type 9"});
   const auto beyond = static_cast<Op>(moe::kernels::kOpCount);
   expect_error([&] { cpu->supports({beyond, {}, {}}); }, {"cpu: supports: unknown operation 13"});
   EXPECT_STREQ(moe::kernels::op_name(Op::InnerProductTopk), "inner_product_topk");

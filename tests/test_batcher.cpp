@@ -11,8 +11,8 @@
 #include "moe/error.h"
 #include "test_util.h"
 
-using moe::BatchLimits;
 using moe::Batcher;
+using moe::BatchLimits;
 using moe::test::expect_error;
 using std::chrono::milliseconds;
 
@@ -98,8 +98,8 @@ TEST(Batcher, LateCountsRequestsThatQueuedLongerThanMaxLatency) {
   Batcher b(limits(8, milliseconds(5)));
   b.arrived(t0);
   ASSERT_EQ(b.take(t0), 1u);
-  b.arrived(t0);                     // will wait 6 ms: late
-  b.arrived(t0 + milliseconds(1));   // 5 ms: exactly the bound, not late
+  b.arrived(t0);                    // will wait 6 ms: late
+  b.arrived(t0 + milliseconds(1));  // 5 ms: exactly the bound, not late
   b.finished();
   ASSERT_EQ(b.take(t0 + milliseconds(6)), 2u);
   EXPECT_EQ(b.stats().late, 1u);

@@ -13,9 +13,9 @@
 using moe::ClipModel;
 using moe::Tensor;
 using moe::test::expect_error;
-using moe::test::real_ids;
 using moe::test::fixture_path;
 using moe::test::max_rel_error;
+using moe::test::real_ids;
 
 namespace {
 
@@ -87,8 +87,8 @@ TEST(ClipModelLoad, FingerprintIsTheWeightsFingerprint) {
   EXPECT_EQ(ClipModel::load(fixture_path("clip_tiny")).fingerprint(), fp);
   moe::test::TempDir retrained;
   std::filesystem::copy_file(fixture_path("clip_tiny/config.json"), retrained.file("config.json"));
-  moe::test::copy_with_one_value_changed(fixture_path("clip_tiny/model.safetensors"), retrained.file("model.safetensors"),
-                                         "visual_projection.weight");
+  moe::test::copy_with_one_value_changed(fixture_path("clip_tiny/model.safetensors"),
+                                         retrained.file("model.safetensors"), "visual_projection.weight");
   EXPECT_NE(ClipModel::load(retrained.path()).fingerprint(), fp);
 }
 
@@ -104,29 +104,39 @@ TEST(ClipModelLoad, ErrorsNameFileTensorAndReason) {
   wrong.text.num_attention_heads = 4;
   expect_error([&] { ClipModel::load(wrong, moe::Checkpoint::open(fixture_path("clip_tiny"))); },
                {"token_embedding.weight", "has shape [1000,32]", "expected [1000,16]"});
-  expect_error([] { moe::ClipConfig::from_json(R"({"model_type":"clip","text_config":{"hidden_act":"relu"},"vision_config":{}})", "cfg.json"); },
-               {"cfg.json text_config", "unsupported hidden_act 'relu'"});
+  expect_error(
+      [] {
+        moe::ClipConfig::from_json(R"({"model_type":"clip","text_config":{"hidden_act":"relu"},"vision_config":{}})",
+                                   "cfg.json");
+      },
+      {"cfg.json text_config", "unsupported hidden_act 'relu'"});
   expect_error([] { moe::ClipConfig::from_json(R"({"model_type":"bert"})", "cfg.json"); }, {"model_type is 'bert'"});
-  expect_error([] { moe::ClipConfig::from_json(R"({"text_config":{"hidden_size":30,"num_attention_heads":8},"vision_config":{}})", "cfg.json"); },
-               {"not divisible"});
+  expect_error(
+      [] {
+        moe::ClipConfig::from_json(R"({"text_config":{"hidden_size":30,"num_attention_heads":8},"vision_config":{}})",
+                                   "cfg.json");
+      },
+      {"not divisible"});
 }
 
 TEST(ClipConfig, RefusesSizesBeyondTheBounds) {
   auto config = [](const std::string& root, const std::string& text, const std::string& vision) {
-    return moe::ClipConfig::from_json(R"({"model_type":"clip")" + root + R"(,"text_config":{)" + text +
-                                          R"(},"vision_config":{)" + vision + "}}",
-                                      "cfg.json");
+    return moe::ClipConfig::from_json(
+        R"({"model_type":"clip")" + root + R"(,"text_config":{)" + text + R"(},"vision_config":{)" + vision + "}}",
+        "cfg.json");
   };
   // 100000 / 1 once overflowed int in num_positions() (and so named a wrong shape).
   expect_error([&] { config("", "", R"("image_size":100000,"patch_size":1)"); },
                {"cfg.json vision_config", "'image_size' is 100000", "1..4096"});
   expect_error([&] { config("", "", R"("patch_size":5000)"); }, {"vision_config", "'patch_size' is 5000", "1..4096"});
   expect_error([&] { config("", "", R"("num_channels":1000)"); }, {"vision_config", "'num_channels'", "1..64"});
-  expect_error([&] { config("", R"("hidden_size":131072)", ""); }, {"cfg.json text_config", "'hidden_size' is 131072", "1..65536"});
+  expect_error([&] { config("", R"("hidden_size":131072)", ""); },
+               {"cfg.json text_config", "'hidden_size' is 131072", "1..65536"});
   expect_error([&] { config("", "", R"("intermediate_size":4294967296)"); }, {"'intermediate_size' is 4294967296"});
   expect_error([&] { config("", R"("num_hidden_layers":100000)", ""); }, {"'num_hidden_layers'", "1..1024"});
   expect_error([&] { config("", R"("vocab_size":16777216)", ""); }, {"'vocab_size'", "1..1048576"});
-  expect_error([&] { config("", R"("max_position_embeddings":1000000)", ""); }, {"'max_position_embeddings'", "1..65536"});
+  expect_error([&] { config("", R"("max_position_embeddings":1000000)", ""); },
+               {"'max_position_embeddings'", "1..65536"});
   expect_error([&] { config(R"(,"projection_dim":0)", "", ""); }, {"cfg.json", "'projection_dim' is 0"});
   expect_error([&] { config("", R"("eos_token_id":4294967296)", ""); }, {"'eos_token_id' is 4294967296", "int range"});
   // The largest image is accepted, its position table counted in 64 bits.
@@ -176,7 +186,8 @@ TEST(ClipEndToEnd, RawImagesMatchTransformers) {
   for (const char* n : {"vision.rgb0", "vision.rgb1"}) {
     keep.push_back(io.get(n));
     const Tensor& t = keep.back();
-    views.push_back({t.data<uint8_t>(), static_cast<int>(t.dim(1)), static_cast<int>(t.dim(0)), static_cast<size_t>(t.dim(1) * 3)});
+    views.push_back(
+        {t.data<uint8_t>(), static_cast<int>(t.dim(1)), static_cast<int>(t.dim(0)), static_cast<size_t>(t.dim(1) * 3)});
   }
   auto r = tiny_bpe().encode_images(views);
   EXPECT_LT(max_rel_error(r.embeds, io.get("vision.image_embeds")), kTol);

@@ -12,8 +12,8 @@
 #include <thread>
 #include <vector>
 
-#include "compute_util.h"
-#include "device_buffer.h"
+#include "runtime/compute_util.h"
+#include "runtime/device_buffer.h"
 #include "moe/clip_model.h"
 #include "moe/compute.h"
 #include "moe/error.h"
@@ -31,17 +31,17 @@ using moe::MoeLayer;
 using moe::Tensor;
 using moe::kernels::WeightType;
 using moe::test::expect_error;
-using moe::test::real_ids;
 using moe::test::fixture_path;
 using moe::test::max_abs_error;
 using moe::test::max_rel_error;
+using moe::test::real_ids;
 
 namespace {
 
 // Tolerances (max |a - b| / max |ref|, test_util.h) of the engine with f16 / bf16 Linear weights
 // against the f32 references (transformers), on the tiny fixtures. f16 keeps 11 significant bits,
 // bf16 8: weights are off by up to 2^-12 and 2^-9 relative, and the errors add up over the layers.
-constexpr double kClipF32 = 1e-4;   // as test_clip
+constexpr double kClipF32 = 1e-4;  // as test_clip
 constexpr double kClipF16 = 5e-3;
 constexpr double kClipBF16 = 2e-2;  // the bound for embeddings
 constexpr double kMoeF16 = 2e-3;    // MoE block / adapter outputs
@@ -149,8 +149,7 @@ TEST(OpenBackend, RejectsUnknownDevices) {
     expect_error([d] { moe::open_backend(d); }, {"device '" + std::string(d) + "'", "expected cpu, cuda:N or auto"});
   std::string why;
   const int n = moe::kernels::cuda_device_count(&why);
-  if (n > 0)
-    expect_error([n] { moe::open_backend("cuda:" + std::to_string(n)); }, {"no such CUDA device"});
+  if (n > 0) expect_error([n] { moe::open_backend("cuda:" + std::to_string(n)); }, {"no such CUDA device"});
 }
 
 TEST(OpenBackend, AutoChecksTheDeviceCanRunThisBuild) {
@@ -264,8 +263,8 @@ class BrokenReleases final : public moe::kernels::Backend {
                       float* out_sorted) override {
     cpu_->grouped_swiglu(x_sorted, offsets, experts, d, inter, out_sorted);
   }
-  void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
-                     int64_t top_k, int64_t cols, float* y) override {
+  void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,
+                     int64_t cols, float* y) override {
     cpu_->moe_unpermute(out_sorted, slot_of, weights, rows, top_k, cols, y);
   }
   void inner_product_topk(const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,
@@ -332,12 +331,11 @@ TEST(CpuPrecision, ClipMatchesTransformers) {
     EXPECT_EQ(m.precision(), p.type);
     const auto t = m.encode_token_ids(ids);
     const auto v = m.encode_pixels(io.get("vision.pixel_values"));
-    const double errs[] = {max_rel_error(t.pooled, io.get("text.pooled")),
-                           max_rel_error(t.embeds, io.get("text.text_embeds")),
-                           max_rel_error(v.pooled, io.get("vision.pooled")),
-                           max_rel_error(v.embeds, io.get("vision.image_embeds"))};
-    std::printf("clip_tiny %s: text pooled %.3g embeds %.3g, vision pooled %.3g embeds %.3g\n", name.c_str(),
-                errs[0], errs[1], errs[2], errs[3]);
+    const double errs[] = {
+        max_rel_error(t.pooled, io.get("text.pooled")), max_rel_error(t.embeds, io.get("text.text_embeds")),
+        max_rel_error(v.pooled, io.get("vision.pooled")), max_rel_error(v.embeds, io.get("vision.image_embeds"))};
+    std::printf("clip_tiny %s: text pooled %.3g embeds %.3g, vision pooled %.3g embeds %.3g\n", name.c_str(), errs[0],
+                errs[1], errs[2], errs[3]);
     for (double e : errs) EXPECT_LT(e, p.clip) << name;
     EXPECT_GT(errs[1], 0.0) << name << ": the weights were not rounded";
   }

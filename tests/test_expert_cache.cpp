@@ -47,8 +47,7 @@ struct Rig {
   Rig(int experts, int64_t hidden, int64_t inter, WeightType type = WeightType::F32)
       : Rig(moe::kernels::make_cpu_backend({/*async_copies=*/true}), experts, hidden, inter, type) {}
   Rig(std::unique_ptr<moe::kernels::Backend> b, int experts, int64_t hidden, int64_t inter, WeightType type)
-      : backend(std::move(b)),
-        store(*backend, type, experts, hidden, inter, [hidden, inter](int e, ExpertMatrix w) {
+      : backend(std::move(b)), store(*backend, type, experts, hidden, inter, [hidden, inter](int e, ExpertMatrix w) {
           return w == ExpertMatrix::W2 ? pattern(e, w, hidden, inter) : pattern(e, w, inter, hidden);
         }) {}
 
@@ -200,9 +199,9 @@ TEST(ExpertCache, EqualRecencyEvictsTheLessFrequentlyUsedFirst) {
   rig.run_batch(cache, {0, 1, 2, 3});  // same recency for all; uses 3, 2, 1, 1
   rig.run_batch(cache, {4});           // 2 and 3 tie on uses: the lower id goes
   EXPECT_FALSE(cache.is_resident(2));
-  rig.run_batch(cache, {5});           // 3: least used among the oldest
+  rig.run_batch(cache, {5});  // 3: least used among the oldest
   EXPECT_FALSE(cache.is_resident(3));
-  rig.run_batch(cache, {6});           // oldest are 0 (3 uses) and 1 (2 uses): 1 goes
+  rig.run_batch(cache, {6});  // oldest are 0 (3 uses) and 1 (2 uses): 1 goes
   EXPECT_FALSE(cache.is_resident(1));
   EXPECT_TRUE(cache.is_resident(0));
   expect_counts(cache.stats(), 3, 7, 3);
@@ -293,9 +292,12 @@ TEST(ExpertCache, PinnedExpertsOfABatchInFlightAreNeverEvicted) {
   auto a = cache.prefetch({0, 1, 2});  // batch A routed, not yet run
   EXPECT_EQ(cache.pin_count(1), 1);
   // Batch B needs two new experts; one slot is free and A pins the rest: B fails, clearly.
-  expect_error([&] { cache.prefetch({3, 4}); },
-               {"needs 2 experts", "2 of them not resident", "only 1 slots are free or evictable",
-                "batches in flight: 1", "pinning 3 experts", "budget", "4 slots"});
+  expect_error(
+      [&] {
+        cache.prefetch({3, 4});
+      },
+      {"needs 2 experts", "2 of them not resident", "only 1 slots are free or evictable", "batches in flight: 1",
+       "pinning 3 experts", "budget", "4 slots"});
   CacheStats s = cache.stats();
   EXPECT_EQ(s.prefetch_failures, 1u);
   EXPECT_EQ(s.evictions, 0u);
@@ -430,8 +432,7 @@ TEST(ExpertCache, BudgetsTooSmallFailClearly) {
                {"budget " + std::to_string(o.budget_bytes) + " bytes", "holds no expert",
                 std::to_string(rig.store.max_expert_bytes()) + " bytes"});
   ExpertCache cache(*rig.backend, rig.store, rig.slots(2));
-  expect_error([&] { cache.prefetch({1, 2, 3}); },
-               {"one batch needs 3 distinct experts", "holds only 2", "budget"});
+  expect_error([&] { cache.prefetch({1, 2, 3}); }, {"one batch needs 3 distinct experts", "holds only 2", "budget"});
   EXPECT_EQ(cache.stats().prefetch_failures, 1u);
   expect_error([&] { cache.prefetch({8}); }, {"expert 8", "[0, 8)"});
 }

@@ -133,8 +133,8 @@ TEST(ExpertExecutor, EqualsAdapterApplyOnRandomRows) {
   const std::vector<ExpertDeviceStats> st = ex.stats();
   ASSERT_EQ(st.size(), 1u);
   EXPECT_EQ(st[0].experts, (std::vector<int>{0, 1, 2, 3, 4, 5}));
-  EXPECT_EQ(st[0].slots, 6);                // the default budget holds every expert
-  EXPECT_EQ(st[0].cache.misses, 6u);        // each copied once, then always a hit
+  EXPECT_EQ(st[0].slots, 6);          // the default budget holds every expert
+  EXPECT_EQ(st[0].cache.misses, 6u);  // each copied once, then always a hit
   EXPECT_EQ(st[0].cache.evictions, 0u);
   expect_consistent_and_idle(ex);
 }
@@ -364,8 +364,7 @@ TEST(ExpertExecutor, RebalanceReplicatesAHotExpertAtRunTime) {
   // Run with the new placement, this batch would look for expert 2 on a device it did not pin.
   EXPECT_TRUE(close(ex.run(x, r, before), want, 1e-5));
   EXPECT_TRUE(close(ex.run(x, r, ex.prefetch(r)), want, 1e-5));  // the new placement: 2 on both devices
-  for (const ExpertDeviceStats& s : ex.stats())
-    EXPECT_GE(s.cache.acquires, 1u) << s.device;
+  for (const ExpertDeviceStats& s : ex.stats()) EXPECT_GE(s.cache.acquires, 1u) << s.device;
   expect_consistent_and_idle(ex);
   expect_error([&] { ex.rebalance({1, 2}); }, {"2 expert loads", "6 experts"});
 }
@@ -448,12 +447,14 @@ TEST(ExpertExecutor, ErrorsNameTheCause) {
   tiny_budget.budget_bytes = {slot_bytes(c) - 1};
   expect_error([&] { ExpertExecutor(tiny().layer(), cpu_devices(1), tiny_budget); },
                {"cpu", "holds no expert", std::to_string(slot_bytes(c)) + " bytes"});
-  expect_error([&] { ExpertExecutor(tiny().layer(), cpu_devices(2), budgets(c, {6})); }, {"1 cache budgets for 2 devices"});
+  expect_error([&] { ExpertExecutor(tiny().layer(), cpu_devices(2), budgets(c, {6})); },
+               {"1 cache budgets for 2 devices"});
   expect_error([&] { ExpertExecutor(tiny().layer(), "gpu"); }, {"device 'gpu'", "unknown device"});
   std::string why;
   if (moe::kernels::cuda_device_count(&why) == 0)
     for (const char* spec : {"cuda:0", "cuda:0,cuda:1", "all"})
-      expect_error([&] { ExpertExecutor(tiny().layer(), spec); }, {std::string("'") + spec + "'", "no usable CUDA device", why});
+      expect_error([&] { ExpertExecutor(tiny().layer(), spec); },
+                   {std::string("'") + spec + "'", "no usable CUDA device", why});
 
   ExpertExecutor ex(tiny().layer(), cpu_devices(1), budgets(c, {2}));
   ExpertExecutor other(tiny().layer(), "cpu");
@@ -511,7 +512,8 @@ TEST(ExpertExecutorOnCuda, EqualsAdapterApplyOnEveryDevice) {
       for (unsigned b = 0; b < 4; ++b) {
         const Tensor x = rows(33, 16, 100 + b);
         const Routing r = tiny().route(x);
-        EXPECT_TRUE(close(ex.run(x, r, ex.prefetch(r)), tiny().apply_experts(x, r), type == WeightType::F32 ? 1e-4 : 5e-3));
+        EXPECT_TRUE(
+            close(ex.run(x, r, ex.prefetch(r)), tiny().apply_experts(x, r), type == WeightType::F32 ? 1e-4 : 5e-3));
       }
       expect_consistent_and_idle(ex);
     }
@@ -553,8 +555,11 @@ TEST(ExpertExecutorOnCuda, TwoDevicesSplitBatchesByPeerCopies) {
   std::vector<std::unique_ptr<moe::kernels::Backend>> mixed;
   mixed.push_back(moe::kernels::make_cuda_backend(0));
   mixed.push_back(async_cpu());
-  expect_error([&] { ExpertExecutor(tiny().layer(), std::move(mixed), budgets(c, {4, 2})); },
-               {"cuda:0 and cpu cannot exchange rows"});
+  expect_error(
+      [&] {
+        ExpertExecutor(tiny().layer(), std::move(mixed), budgets(c, {4, 2}));
+      },
+      {"cuda:0 and cpu cannot exchange rows"});
 }
 
 TEST(ExpertExecutorOnCuda, HalfBudgetWithPrefetchAhead) {

@@ -99,7 +99,8 @@ TEST(InProcessTransport, ExchangesCountsAndRows) {
       for (int i = 0; i < r + p; ++i)
         for (int c = 0; c < cols; ++c) send.push_back(static_cast<float>(1000 * r + 100 * p + 10 * i + c));
     }
-    std::vector<float> recv(static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0}) * cols));
+    std::vector<float> recv(
+        static_cast<size_t>(std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0}) * cols));
     t.all_to_all(send.data(), send_counts, recv.data(), recv_counts, cols);
     size_t k = 0;
     for (int p = 0; p < world; ++p)
@@ -140,11 +141,17 @@ TEST(InProcessTransport, ARankThatNeverComesTimesOutAndFailsTheGroup) {
   wait.timeout = std::chrono::milliseconds(100);
   auto transports = moe::make_in_process_transports(2, wait);
   // Rank 1 hangs before the collective: rank 0 gives up after the timeout and aborts the group.
-  expect_error([&] { transports[0]->exchange_counts({1, 2}); },
-               {"in-process transport (rank 0): barrier: not complete after 100 ms"});
+  expect_error(
+      [&] {
+        transports[0]->exchange_counts({1, 2});
+      },
+      {"in-process transport (rank 0): barrier: not complete after 100 ms"});
   // When rank 1 comes, it learns why instead of waiting for rank 0.
-  expect_error([&] { transports[1]->exchange_counts({3, 4}); },
-               {"the group failed", "rank 0", "not complete after 100 ms"});
+  expect_error(
+      [&] {
+        transports[1]->exchange_counts({3, 4});
+      },
+      {"the group failed", "rank 0", "not complete after 100 ms"});
 }
 
 TEST(ExpertParallelMoe, MatchesRunExpertsOnTwoToFourRanks) {
@@ -165,8 +172,8 @@ TEST(ExpertParallelMoe, RanksWithoutExpertsAndTopKOfAll) {
   // 3 experts on 4 ranks: rank 3 owns none; top_k = 3 sends every row to every owner.
   const MoeLayer layer = moe::test::random_moe_layer(3, 16, 24, 3, 8);
   check_expert_parallel(layer, ExpertParallelMoe::block_owners(3, 4), {4, 9, 1, 6}, 9);
-  const MoeLayer mixtral = MoeLayer::load_hf_layer(moe::test::fixture_path("mixtral_tiny"),
-                                                   "model.layers.1.block_sparse_moe.");
+  const MoeLayer mixtral =
+      MoeLayer::load_hf_layer(moe::test::fixture_path("mixtral_tiny"), "model.layers.1.block_sparse_moe.");
   check_expert_parallel(mixtral, ExpertParallelMoe::block_owners(6, 2), {17, 11}, 10);
 }
 
@@ -223,9 +230,16 @@ TEST(ExpertParallelMoe, RejectsBadOwners) {
   const MoeLayer layer = moe::test::random_moe_layer(4, 8, 8, 2, 1);
   auto transports = moe::make_in_process_transports(2);
   auto backend = moe::kernels::make_cpu_backend();
-  expect_error([&] { ExpertParallelMoe(*transports[0], *backend, layer.config(), {0, 1, 2, 0}); },
-               {"expert 2 owned by rank 2", "[0, 2)"});
-  expect_error([&] { ExpertParallelMoe(*transports[0], *backend, layer.config(), {0, 1}); }, {"2 owners for 4 experts"});
+  expect_error(
+      [&] {
+        ExpertParallelMoe(*transports[0], *backend, layer.config(), {0, 1, 2, 0});
+      },
+      {"expert 2 owned by rank 2", "[0, 2)"});
+  expect_error(
+      [&] {
+        ExpertParallelMoe(*transports[0], *backend, layer.config(), {0, 1});
+      },
+      {"2 owners for 4 experts"});
 }
 
 TEST(NcclTransport, SingleRankRoundTripOnTheGpu) {

@@ -10,9 +10,9 @@
 using moe::DeviceKind;
 using moe::DeviceMemory;
 using moe::ExpertPlacement;
+using moe::parse_device_list;
 using moe::Placement;
 using moe::PlacementOptions;
-using moe::parse_device_list;
 using moe::plan_expert_placement;
 using moe::test::expect_error;
 
@@ -61,11 +61,16 @@ TEST(ExpertPlacement, HeadroomDecidesWhatFits) {
   o.headroom = 0.1;  // 10 GiB free -> 9 GiB usable
   const ExpertPlacement p = plan_expert_placement({{0, 10 * GiB}}, std::vector<size_t>(9, GiB), {}, o);
   EXPECT_EQ(count_on(p, 0), 9u);
-  expect_error([&] { plan_expert_placement({{0, 10 * GiB}}, std::vector<size_t>(10, GiB), {}, o); },
-               {"10 experts need 10737418240 bytes", "offer 9663676416 bytes", "10% headroom", "device 0"});
+  expect_error(
+      [&] {
+        plan_expert_placement({{0, 10 * GiB}}, std::vector<size_t>(10, GiB), {}, o);
+      },
+      {"10 experts need 10737418240 bytes", "offer 9663676416 bytes", "10% headroom", "device 0"});
   // Enough in total but not in one piece: 6 + 6 GiB for three 4-GiB experts.
   expect_error(
-      [&] { plan_expert_placement({{0, 6 * GiB}, {1, 6 * GiB}}, std::vector<size_t>(3, 4 * GiB), {}, no_headroom()); },
+      [&] {
+        plan_expert_placement({{0, 6 * GiB}, {1, 6 * GiB}}, std::vector<size_t>(3, 4 * GiB), {}, no_headroom());
+      },
       {"expert", "fits on no device", "left: device 0 2.00 GiB; device 1 2.00 GiB"});
 }
 
@@ -86,15 +91,15 @@ TEST(ExpertPlacement, ReplicatesHotExpertsWhileMemoryAllows) {
   EXPECT_EQ(p.choose_replica(2, 17), p.devices_of(2)[0]);
 
   // Memory for only one extra copy: the hottest expert gets it.
-  const ExpertPlacement tight = plan_expert_placement({{0, 3 * GiB}, {1, 3 * GiB}}, std::vector<size_t>(5, GiB),
-                                                      {90, 80, 1, 1, 1}, o);
+  const ExpertPlacement tight =
+      plan_expert_placement({{0, 3 * GiB}, {1, 3 * GiB}}, std::vector<size_t>(5, GiB), {90, 80, 1, 1, 1}, o);
   EXPECT_EQ(tight.devices_of(0).size(), 2u);
   EXPECT_EQ(tight.devices_of(1).size(), 1u);
   for (const auto& d : tight.devices()) EXPECT_LE(d.used, d.capacity);
 
   // Unknown (all zero) load: nothing is hot.
-  const ExpertPlacement cold = plan_expert_placement({{0, 8 * GiB}, {1, 8 * GiB}}, std::vector<size_t>(4, GiB),
-                                                     std::vector<int64_t>(4, 0), o);
+  const ExpertPlacement cold =
+      plan_expert_placement({{0, 8 * GiB}, {1, 8 * GiB}}, std::vector<size_t>(4, GiB), std::vector<int64_t>(4, 0), o);
   for (int e = 0; e < 4; ++e) EXPECT_EQ(cold.devices_of(e).size(), 1u);
 }
 
@@ -108,14 +113,23 @@ TEST(ExpertPlacement, GivenPrimariesStayAndOnlyReplicasFollowTheLoad) {
   EXPECT_EQ(p.devices_of(3), (std::vector<int>{0, 1}));  // the hot one gains a replica
   for (int e = 0; e < 3; ++e) EXPECT_EQ(p.devices_of(e).size(), 1u) << e;
   o.primary = {0, 0, 0};
-  expect_error([&] { plan_expert_placement({{0, 4 * GiB}}, std::vector<size_t>(4, GiB), {}, o); },
-               {"3 primaries for 4 experts"});
+  expect_error(
+      [&] {
+        plan_expert_placement({{0, 4 * GiB}}, std::vector<size_t>(4, GiB), {}, o);
+      },
+      {"3 primaries for 4 experts"});
   o.primary = {0, 5};
-  expect_error([&] { plan_expert_placement({{0, 4 * GiB}}, std::vector<size_t>(2, GiB), {}, o); },
-               {"primary of expert 1 is device 5", "not listed"});
+  expect_error(
+      [&] {
+        plan_expert_placement({{0, 4 * GiB}}, std::vector<size_t>(2, GiB), {}, o);
+      },
+      {"primary of expert 1 is device 5", "not listed"});
   o.primary = {0, 0, 0};
-  expect_error([&] { plan_expert_placement({{0, 2 * GiB}, {1, 2 * GiB}}, std::vector<size_t>(3, GiB), {}, o); },
-               {"primaries given for device 0 exceed"});
+  expect_error(
+      [&] {
+        plan_expert_placement({{0, 2 * GiB}, {1, 2 * GiB}}, std::vector<size_t>(3, GiB), {}, o);
+      },
+      {"primaries given for device 0 exceed"});
 }
 
 TEST(ExpertPlacement, RejectsBadInput) {
@@ -131,7 +145,8 @@ TEST(DeviceList, ParsesTheUserFacingForms) {
   EXPECT_EQ(parse_device_list("cpu", 0), (std::vector<Placement>{{DeviceKind::Host, 0}}));
   EXPECT_EQ(parse_device_list("cuda:0", 1), (std::vector<Placement>{{DeviceKind::Cuda, 0}}));
   EXPECT_EQ(parse_device_list("cuda", 2), (std::vector<Placement>{{DeviceKind::Cuda, 0}}));
-  EXPECT_EQ(parse_device_list("cuda:0,cuda:1", 2), (std::vector<Placement>{{DeviceKind::Cuda, 0}, {DeviceKind::Cuda, 1}}));
+  EXPECT_EQ(parse_device_list("cuda:0,cuda:1", 2),
+            (std::vector<Placement>{{DeviceKind::Cuda, 0}, {DeviceKind::Cuda, 1}}));
   EXPECT_EQ(parse_device_list(" cuda:2 , cuda:0 ", 3),
             (std::vector<Placement>{{DeviceKind::Cuda, 2}, {DeviceKind::Cuda, 0}}));
   EXPECT_EQ(parse_device_list("all", 3),
@@ -145,7 +160,8 @@ TEST(DeviceList, ErrorsNameTheEntryAndTheReason) {
   expect_error([] { parse_device_list("cuda:0,cuda:x", 2); }, {"unknown device 'cuda:x'"});
   expect_error([] { parse_device_list("cuda:-1", 2); }, {"unknown device 'cuda:-1'"});
   expect_error([] { parse_device_list("cuda:0,cuda:0", 2); }, {"cuda:0 is listed twice"});
-  expect_error([] { parse_device_list("cuda:2", 2); }, {"cuda:2 is out of range", "2 CUDA devices available (cuda:0..cuda:1)"});
+  expect_error([] { parse_device_list("cuda:2", 2); },
+               {"cuda:2 is out of range", "2 CUDA devices available (cuda:0..cuda:1)"});
   expect_error([] { parse_device_list("cuda:0", 0); }, {"out of range", "no CUDA device available"});
   expect_error([] { parse_device_list("all", 0); }, {"'all'", "no CUDA device available"});
   expect_error([] { parse_device_list("", 1); }, {"empty"});

@@ -86,7 +86,7 @@ const Models kClipAndAdapter{"clip", "00000000000c11b0", "adapter", "00000000000
 GstBuffer* tensor_buffer(const std::vector<float>& vectors, int first, const gstmoe::BatchRecords& records) {
   const size_t bytes = records.rows.size() * kWidth * sizeof(float);
   GstBuffer* buf = bytes ? gst_buffer_new_memdup(vectors.data() + static_cast<size_t>(first) * kWidth, bytes)
-                        : gst_buffer_new();  // only failed requests
+                         : gst_buffer_new();  // only failed requests
   gst_buffer_add_moe_batch_meta(buf, records);
   return buf;
 }
@@ -101,7 +101,8 @@ class Json {
     gst_buffer_unmap(buf, &map);
     GError* err = nullptr;
     EXPECT_TRUE(json_parser_load_from_data(parser_, text_.c_str(), static_cast<gssize>(text_.size()), &err))
-        << (err ? err->message : "") << "\n" << text_;
+        << (err ? err->message : "") << "\n"
+        << text_;
     g_clear_error(&err);
     JsonNode* root = json_parser_get_root(parser_);
     EXPECT_TRUE(root && JSON_NODE_HOLDS_OBJECT(root)) << text_;
@@ -124,8 +125,7 @@ class Json {
   static std::string str(JsonObject* o, const char* key) {
     JsonNode* n = member(o, key);
     EXPECT_TRUE(n && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == G_TYPE_STRING) << key;
-    return n && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == G_TYPE_STRING ? json_node_get_string(n)
-                                                                                           : "";
+    return n && JSON_NODE_HOLDS_VALUE(n) && json_node_get_value_type(n) == G_TYPE_STRING ? json_node_get_string(n) : "";
   }
   static bool is_null(JsonObject* o, const char* key) {
     JsonNode* n = member(o, key);
@@ -763,8 +763,8 @@ TEST_F(AnnQueryProvenanceTest, MatchingModelsAreSearched) {
   const std::string path = dir_.file("catalog.faiss");
   gst_buffer_unref(build_index(path, "flat", kClipAndAdapter));
   // Names only label the models: renamed directories with the same weights match.
-  const Answers a = search(path, {"clip-copy", kClipAndAdapter.encoder_fingerprint, "adapter-v1",
-                                  kClipAndAdapter.adapter_fingerprint});
+  const Answers a = search(
+      path, {"clip-copy", kClipAndAdapter.encoder_fingerprint, "adapter-v1", kClipAndAdapter.adapter_fingerprint});
   EXPECT_EQ(a.results, all_ids_);
   ASSERT_EQ(a.errors.size(), 1u);
   EXPECT_EQ(a.errors.begin()->first, "upstream-failure");

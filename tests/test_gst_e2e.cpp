@@ -52,7 +52,8 @@ const Catalog& catalog() {
     cat.dir = tmp;
     g_free(tmp);
     const char* colours[] = {"red", "green", "blue", "yellow", "cyan", "magenta"};
-    const guint8 rgb[][3] = {{220, 30, 30}, {30, 200, 40}, {30, 40, 220}, {230, 220, 30}, {30, 210, 210}, {210, 30, 200}};
+    const guint8 rgb[][3] = {{220, 30, 30},  {30, 200, 40},  {30, 40, 220},
+                             {230, 220, 30}, {30, 210, 210}, {210, 30, 200}};
     std::ofstream jsonl(cat.dir + "/catalog.jsonl");
     for (int i = 0; i < kItems; ++i) {
       const int w = 40 + 7 * i, h = 30 + 5 * (i % 4);
@@ -94,7 +95,8 @@ int run(const std::vector<std::string>& argv, const std::vector<std::string>& ex
   gchar* err = nullptr;
   gint status = -1;
   GError* error = nullptr;
-  const gboolean ok = g_spawn_sync(nullptr, args.data(), env, G_SPAWN_DEFAULT, nullptr, nullptr, &out, &err, &status, &error);
+  const gboolean ok =
+      g_spawn_sync(nullptr, args.data(), env, G_SPAWN_DEFAULT, nullptr, nullptr, &out, &err, &status, &error);
   g_strfreev(env);
   if (!ok) {
     *output = error->message;
@@ -223,8 +225,13 @@ struct Doc {
         JSON_NODE_HOLDS_OBJECT(json_parser_get_root(parser)))
       obj = json_node_get_object(json_parser_get_root(parser));
   }
-  Doc(Doc&& o) noexcept : parser(o.parser), obj(o.obj) { o.parser = nullptr; o.obj = nullptr; }
-  ~Doc() { if (parser) g_object_unref(parser); }
+  Doc(Doc&& o) noexcept : parser(o.parser), obj(o.obj) {
+    o.parser = nullptr;
+    o.obj = nullptr;
+  }
+  ~Doc() {
+    if (parser) g_object_unref(parser);
+  }
   std::string str(const char* key) const {
     JsonNode* n = obj ? json_object_get_member(obj, key) : nullptr;
     return n && JSON_NODE_HOLDS_VALUE(n) ? json_node_get_string(n) : "";
@@ -262,8 +269,10 @@ class Client {
       if (!sub_.recv(msg, zmq::recv_flags::none)) continue;
       Doc d(msg.to_string());
       if (!d.obj) continue;
-      if (d.is_null("id")) --anonymous;
-      else ids.erase(d.str("id"));
+      if (d.is_null("id"))
+        --anonymous;
+      else
+        ids.erase(d.str("id"));
       docs.push_back(std::move(d));
     }
     return docs;
@@ -293,7 +302,8 @@ class Client {
 
 // Runs the text queries through `appsrc ! moe-encode ! MIDDLE ! ann-query index=INDEX ! appsink`
 // (MIDDLE may be empty) and returns every document; request ids are the buffer offsets 0, 1, ...
-std::vector<Doc> query_through(const std::string& middle, const std::string& index, const std::vector<std::string>& texts) {
+std::vector<Doc> query_through(const std::string& middle, const std::string& index,
+                               const std::vector<std::string>& texts) {
   const std::string desc = "appsrc name=src caps=text/x-raw,format=utf8 format=bytes ! moe-encode model=\"" + kModel +
                            "\" max-batch=8 ! " + (middle.empty() ? "" : middle + " ! ") + "ann-query index=\"" + index +
                            "\" k=3 ! appsink name=sink sync=false";
@@ -409,11 +419,10 @@ TEST_F(E2E, InterruptedBuildKeepsTheOldIndex) {
 
 TEST_F(E2E, ServingPipelineAnswersEveryRequestOnce) {
   const std::string req = endpoint(1), res = endpoint(2);
-  const std::string desc = "zmq-query endpoint=" + req + " image-root=\"" + catalog().dir +
-                           "\" ! queue ! moe-encode model=\"" + kModel +
-                           "\" max-batch=4 max-latency=2000000 ! moe-route model=\"" + kAdapter +
-                           "\" ! moe-expert model=\"" + kAdapter + "\" ! ann-query index=\"" + catalog().index +
-                           "\" k=5 ! zmq-publish endpoint=" + res;
+  const std::string desc =
+      "zmq-query endpoint=" + req + " image-root=\"" + catalog().dir + "\" ! queue ! moe-encode model=\"" + kModel +
+      "\" max-batch=4 max-latency=2000000 ! moe-route model=\"" + kAdapter + "\" ! moe-expert model=\"" + kAdapter +
+      "\" ! ann-query index=\"" + catalog().index + "\" k=5 ! zmq-publish endpoint=" + res;
   GError* err = nullptr;
   GstElement* pipeline = gst_parse_launch(desc.c_str(), &err);
   ASSERT_NE(pipeline, nullptr) << (err ? err->message : "");
@@ -538,10 +547,10 @@ TEST_F(E2E, EmbeddingApplicationPrintsResults) {
 // that is not UTF-8.
 TEST_F(E2E, PythonApplicationPrintsResultsAndErrors) {
   std::string out;
-  const int rc = run({"/usr/bin/python3", kSource + "/examples/embed_pipeline.py", "--model", kModel, "--adapter",
-                      kAdapter, "--index", catalog().index, "--k", "3", "plain red square", "striped blue square",
-                      "bad \xff text"},
-                     {}, &out);
+  const int rc =
+      run({"/usr/bin/python3", kSource + "/examples/embed_pipeline.py", "--model", kModel, "--adapter", kAdapter,
+           "--index", catalog().index, "--k", "3", "plain red square", "striped blue square", "bad \xff text"},
+          {}, &out);
   ASSERT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("0: 'plain red square'\n  1. "), std::string::npos) << out;
   EXPECT_NE(out.find("1: 'striped blue square'\n  1. "), std::string::npos) << out;

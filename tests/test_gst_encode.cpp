@@ -35,8 +35,8 @@ using moe::test::make_png;
 using moe::test::TempDir;
 
 const std::string kModelDir = std::string(MOE_SOURCE_DIR) + "/tests/fixtures/clip_tiny_bpe";
-constexpr int kWidth = 16;                                // clip_tiny_bpe's projection_dim
-constexpr guint64 kHour = 3600 * GST_SECOND;              // a max-latency far longer than any wait in a test
+constexpr int kWidth = 16;                    // clip_tiny_bpe's projection_dim
+constexpr guint64 kHour = 3600 * GST_SECOND;  // a max-latency far longer than any wait in a test
 constexpr double kTolerance = 1e-6;
 
 // GST_PLUGIN_PATH_1_0 as this process was started with (SetUp removes it).
@@ -207,7 +207,8 @@ std::vector<uint8_t> pattern_rgb(int w, int h, int seed) {
   for (int y = 0; y < h; ++y)
     for (int x = 0; x < w; ++x)
       for (int c = 0; c < 3; ++c)
-        px[(static_cast<size_t>(y) * w + x) * 3 + c] = static_cast<uint8_t>(x * (7 + seed) + y * (13 - c) + c * 50 + seed * 30);
+        px[(static_cast<size_t>(y) * w + x) * 3 + c] =
+            static_cast<uint8_t>(x * (7 + seed) + y * (13 - c) + c * 50 + seed * 30);
   return px;
 }
 
@@ -551,27 +552,27 @@ TEST(MoeEncode, I420FramesMatchGstVideoConverter) {
         for (int x = 0; x < GST_VIDEO_FRAME_COMP_WIDTH(&frame, p); ++x)
           plane[y * stride + x] =
               static_cast<uint8_t>(p == 0 ? 16 + (x * 5 + y * 3) % 220 : 128 + (x - y) * (p == 1 ? 3 : -2));
-  }
-  // The RGB the element should see: the same frame through GstVideoConverter.
-  std::vector<uint8_t> rgb(rgb_info.size);
-  GstBuffer* rgb_buf = gst_buffer_new_wrapped_full(static_cast<GstMemoryFlags>(0), rgb.data(), rgb.size(), 0, rgb.size(),
-                                                   nullptr, nullptr);
-  GstVideoFrame rgb_frame;
-  ASSERT_TRUE(gst_video_frame_map(&rgb_frame, &rgb_info, rgb_buf, GST_MAP_WRITE));
-  GstVideoConverter* conv = gst_video_converter_new(&info, &rgb_info, nullptr);
-  gst_video_converter_frame(conv, &frame, &rgb_frame);
-  gst_video_converter_free(conv);
-  gst_video_frame_unmap(&rgb_frame);
-  gst_buffer_unref(rgb_buf);
-  gst_video_frame_unmap(&frame);
+    }
+    // The RGB the element should see: the same frame through GstVideoConverter.
+    std::vector<uint8_t> rgb(rgb_info.size);
+    GstBuffer* rgb_buf = gst_buffer_new_wrapped_full(static_cast<GstMemoryFlags>(0), rgb.data(), rgb.size(), 0,
+                                                     rgb.size(), nullptr, nullptr);
+    GstVideoFrame rgb_frame;
+    ASSERT_TRUE(gst_video_frame_map(&rgb_frame, &rgb_info, rgb_buf, GST_MAP_WRITE));
+    GstVideoConverter* conv = gst_video_converter_new(&info, &rgb_info, nullptr);
+    gst_video_converter_frame(conv, &frame, &rgb_frame);
+    gst_video_converter_free(conv);
+    gst_video_frame_unmap(&rgb_frame);
+    gst_buffer_unref(rgb_buf);
+    gst_video_frame_unmap(&frame);
 
-  ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
-  Output out;
-  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
-  ASSERT_EQ(out.rows(), 1u);
-  const moe::Tensor want = model()->encode_images({view_of(rgb, w, h_px)}).embeds;
-  EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
-  gst_harness_teardown(h);
+    ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
+    Output out;
+    ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &out));
+    ASSERT_EQ(out.rows(), 1u);
+    const moe::Tensor want = model()->encode_images({view_of(rgb, w, h_px)}).embeds;
+    EXPECT_LE(max_abs_diff(out.row(0), want, 0), kTolerance);
+    gst_harness_teardown(h);
   }
 }
 
@@ -689,8 +690,7 @@ TEST(MoeEncode, BufferWithoutCapsErrorNamesTheCapsFilter) {
 // failure is posted at once rather than kept for a chain call that never comes.
 TEST(MoeEncode, WorkerPushFailureIsReportedWithoutAnotherBuffer) {
   GstElement* pipeline = gst_parse_launch(
-      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode name=enc model=" + kModelDir)
-          .c_str(),
+      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode name=enc model=" + kModelDir).c_str(),
       nullptr);  // moe-encode's src pad stays unlinked
   ASSERT_NE(pipeline, nullptr);
   GstElement* in = gst_bin_get_by_name(GST_BIN(pipeline), "in");
@@ -713,11 +713,11 @@ TEST(MoeEncode, WorkerPushFailureIsReportedWithoutAnotherBuffer) {
 }
 
 TEST(MoeEncode, NullPlayingNullCyclesWork) {
-  GstElement* pipeline = gst_parse_launch(
-      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode model=" + kModelDir +
-       " max-latency=3600000000000 ! appsink name=out sync=false")
-          .c_str(),
-      nullptr);
+  GstElement* pipeline =
+      gst_parse_launch(("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode model=" + kModelDir +
+                        " max-latency=3600000000000 ! appsink name=out sync=false")
+                           .c_str(),
+                       nullptr);
   ASSERT_NE(pipeline, nullptr);
   GstElement* in = gst_bin_get_by_name(GST_BIN(pipeline), "in");
   GstElement* out = gst_bin_get_by_name(GST_BIN(pipeline), "out");
@@ -927,7 +927,8 @@ TEST(MoeEncode, UnusableDeviceIsAnErrorNamingDeviceAndReason) {
     EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_SETTINGS)) << message;
     g_error_free(err);
   }
-  GError* err = failed_state_change("moe-encode", {{"model", kModelDir}, {"device", "tpu:0"}, {"precision", "fp16"}}, GST_STATE_READY);
+  GError* err = failed_state_change("moe-encode", {{"model", kModelDir}, {"device", "tpu:0"}, {"precision", "fp16"}},
+                                    GST_STATE_READY);
   ASSERT_NE(err, nullptr);
   const std::string message = err->message;
   EXPECT_NE(message.find("tpu:0"), std::string::npos) << message;
@@ -958,11 +959,13 @@ struct CatalogFixture {
   }
   // a (explicit id), b (default id), a missing file, c (absolute path, default id).
   void write_catalog() {
-    dir.write("catalog.jsonl", "{\"path\": \"a.png\", \"caption\": \"a red square\", \"id\": \"A\"}\n"
-                               "{\"path\": \"b.png\", \"caption\": \"blue\"}\n"
-                               "\n"
-                               "{\"path\": \"missing.png\", \"caption\": \"gone\", \"id\": \"M\"}\n"
-                               "{\"path\": \"" + dir.file("c.png") + "\", \"caption\": \"green\"}\n");
+    dir.write("catalog.jsonl",
+              "{\"path\": \"a.png\", \"caption\": \"a red square\", \"id\": \"A\"}\n"
+              "{\"path\": \"b.png\", \"caption\": \"blue\"}\n"
+              "\n"
+              "{\"path\": \"missing.png\", \"caption\": \"gone\", \"id\": \"M\"}\n"
+              "{\"path\": \"" +
+                  dir.file("c.png") + "\", \"caption\": \"green\"}\n");
   }
 };
 
@@ -987,7 +990,12 @@ TEST(MoeCatalogSrc, CatalogItemsThenEos) {
   fx.write_catalog();
   GstHarness* h = catalog_harness(fx.dir.path());  // the folder: its catalog.jsonl is used
 
-  struct Want { const char* id; const char* file; const char* caption; bool ok; };
+  struct Want {
+    const char* id;
+    const char* file;
+    const char* caption;
+    bool ok;
+  };
   const Want want[] = {{"A", "a.png", "a red square", true},
                        {"b", "b.png", "blue", true},
                        {"M", "missing.png", "gone", false},
@@ -1090,8 +1098,8 @@ TEST(MoeCatalogSrc, MissingLocationIsAnErrorNamingThePath) {
 TEST(MoeCatalogSrc, ChainedIntoEncodeGivesRowsAndFailures) {
   CatalogFixture fx;
   fx.write_catalog();
-  GstHarness* h = gst_harness_new_parse(("moe-catalog-src location=" + fx.dir.path() + " ! moe-encode model=" +
-                                         kModelDir + " max-batch=8 max-latency=3600000000000")
+  GstHarness* h = gst_harness_new_parse(("moe-catalog-src location=" + fx.dir.path() +
+                                         " ! moe-encode model=" + kModelDir + " max-batch=8 max-latency=3600000000000")
                                             .c_str());
   ASSERT_NE(h, nullptr);
   gst_harness_play(h);

@@ -32,7 +32,7 @@
 
 namespace {
 
-constexpr int kWidth = 16;       // adapter_tiny: hidden 16, 6 experts, top-2
+constexpr int kWidth = 16;  // adapter_tiny: hidden 16, 6 experts, top-2
 constexpr int kExperts = 6;
 constexpr int kTopK = 2;
 
@@ -213,14 +213,14 @@ ExecutorStats read_executor_stats(Harness& h) {
     EXPECT_TRUE(gst_structure_get_int(d, "slots", &c.slots));
     EXPECT_TRUE(gst_structure_get_double(d, "exposed-wait-ms", &c.exposed_wait_ms));
     for (auto field : std::vector<std::pair<const char*, guint64*>>{{"budget-bytes", &c.budget_bytes},
-                                                                     {"hits", &c.hits},
-                                                                     {"misses", &c.misses},
-                                                                     {"bytes-copied", &c.bytes_copied},
-                                                                     {"evictions", &c.evictions},
-                                                                     {"copies-hidden", &c.copies_hidden},
-                                                                     {"copies-exposed", &c.copies_exposed},
-                                                                     {"resident", &c.resident},
-                                                                     {"pinned", &c.pinned}})
+                                                                    {"hits", &c.hits},
+                                                                    {"misses", &c.misses},
+                                                                    {"bytes-copied", &c.bytes_copied},
+                                                                    {"evictions", &c.evictions},
+                                                                    {"copies-hidden", &c.copies_hidden},
+                                                                    {"copies-exposed", &c.copies_exposed},
+                                                                    {"resident", &c.resident},
+                                                                    {"pinned", &c.pinned}})
       EXPECT_TRUE(gst_structure_get_uint64(d, field.first, field.second)) << field.first;
     out.devices.push_back(c);
   }
@@ -246,8 +246,9 @@ struct Pipeline {
   GstElement* sink = nullptr;
   GstBus* bus = nullptr;
   Pipeline(const std::string& middle, int width) {
-    const std::string launch = "appsrc name=src format=time caps=\"application/x-moe-tensor,dtype=(string)f32,width=(int)" +
-                               std::to_string(width) + "\" ! " + middle + " ! appsink name=sink sync=false";
+    const std::string launch =
+        "appsrc name=src format=time caps=\"application/x-moe-tensor,dtype=(string)f32,width=(int)" +
+        std::to_string(width) + "\" ! " + middle + " ! appsink name=sink sync=false";
     GError* err = nullptr;
     pipeline = gst_parse_launch(launch.c_str(), &err);
     EXPECT_EQ(err, nullptr) << (err ? err->message : "");
@@ -322,9 +323,9 @@ class TempAdapter {
     file += header;
     file.append(reinterpret_cast<const char*>(data.data()), data.size() * sizeof(float));
     dir_.write("adapter.safetensors", file);
-    dir_.write("adapter_config.json", "{\"format\":\"gst-moe-adapter\",\"version\":1,\"hidden_size\":16,\"num_experts\":" +
-                                     std::to_string(num_experts) +
-                                     ",\"top_k\":2,\"intermediate_size\":24,\"routing\":\"mixtral\"}");
+    dir_.write("adapter_config.json",
+               "{\"format\":\"gst-moe-adapter\",\"version\":1,\"hidden_size\":16,\"num_experts\":" +
+                   std::to_string(num_experts) + ",\"top_k\":2,\"intermediate_size\":24,\"routing\":\"mixtral\"}");
   }
   const std::string& dir() const { return dir_.path(); }
 
@@ -552,19 +553,19 @@ TEST_F(RouteExpertTest, PropertiesHaveTheirDefaults) {
   gint precision = -1;
   gdouble budget = 0;
   guint interval = 0;
-  g_object_get(e, "device", &device, "precision", &precision, "cache-budget", &budget, "rebalance-interval",
-               &interval, nullptr);
+  g_object_get(e, "device", &device, "precision", &precision, "cache-budget", &budget, "rebalance-interval", &interval,
+               nullptr);
   EXPECT_STREQ(device, "cpu");
   EXPECT_EQ(precision, GST_MOE_PRECISION_FP32);
   EXPECT_DOUBLE_EQ(budget, 0.85);
   EXPECT_EQ(interval, 256u);
   g_free(device);
-  GParamSpecDouble* spec =
-      G_PARAM_SPEC_DOUBLE(g_object_class_find_property(G_OBJECT_GET_CLASS(e), "cache-budget"));
+  GParamSpecDouble* spec = G_PARAM_SPEC_DOUBLE(g_object_class_find_property(G_OBJECT_GET_CLASS(e), "cache-budget"));
   EXPECT_DOUBLE_EQ(spec->minimum, 0.05);
   EXPECT_DOUBLE_EQ(spec->maximum, 1.0);
   GEnumClass* precisions = G_ENUM_CLASS(g_type_class_ref(GST_TYPE_MOE_PRECISION));
-  for (const char* nick : {"fp32", "fp16", "bf16"}) EXPECT_NE(g_enum_get_value_by_nick(precisions, nick), nullptr) << nick;
+  for (const char* nick : {"fp32", "fp16", "bf16"})
+    EXPECT_NE(g_enum_get_value_by_nick(precisions, nick), nullptr) << nick;
   g_type_class_unref(precisions);
   gst_object_unref(e);
 }
@@ -783,26 +784,26 @@ TEST_F(RouteExpertTest, DifferentAdaptersMustMatch) {
 }
 
 TEST_F(RouteExpertTest, StateCyclesReleaseTheAdapter) {
- for (const char* extra : {"", "precision=fp16"}) {
-  SCOPED_TRACE(extra);
-  const double tol = *extra ? 5e-3 : 1e-6;
-  Pipeline p(route_line() + " ! " + expert_line(adapter_dir(), extra), kWidth);
-  for (unsigned cycle = 0; cycle < 3; ++cycle) {
-    ASSERT_NE(gst_element_set_state(p.pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE) << "cycle " << cycle;
-    const std::vector<float> rows = random_rows(2, 40 + cycle);
-    const gstmoe::BatchRecords records = records_for(2);
-    ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(p.src), tensor_buffer(rows, &records)), GST_FLOW_OK);
-    GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(p.sink), 10 * GST_SECOND);
-    ASSERT_NE(sample, nullptr) << "cycle " << cycle << ": " << pop_error(p.bus);
-    expect_close(buffer_floats(gst_sample_get_buffer(sample)), engine().apply(as_tensor(rows)).embeddings, tol);
-    gst_sample_unref(sample);
+  for (const char* extra : {"", "precision=fp16"}) {
+    SCOPED_TRACE(extra);
+    const double tol = *extra ? 5e-3 : 1e-6;
+    Pipeline p(route_line() + " ! " + expert_line(adapter_dir(), extra), kWidth);
+    for (unsigned cycle = 0; cycle < 3; ++cycle) {
+      ASSERT_NE(gst_element_set_state(p.pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE) << "cycle " << cycle;
+      const std::vector<float> rows = random_rows(2, 40 + cycle);
+      const gstmoe::BatchRecords records = records_for(2);
+      ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(p.src), tensor_buffer(rows, &records)), GST_FLOW_OK);
+      GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(p.sink), 10 * GST_SECOND);
+      ASSERT_NE(sample, nullptr) << "cycle " << cycle << ": " << pop_error(p.bus);
+      expect_close(buffer_floats(gst_sample_get_buffer(sample)), engine().apply(as_tensor(rows)).embeddings, tol);
+      gst_sample_unref(sample);
 
-    // The elements hold the cached adapter while running and let go of it in NULL.
-    std::weak_ptr<const moe::MoeAdapter> cached = moe::shared_moe_adapter(adapter_dir());
-    ASSERT_EQ(gst_element_set_state(p.pipeline, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
-    EXPECT_TRUE(cached.expired()) << "cycle " << cycle;
+      // The elements hold the cached adapter while running and let go of it in NULL.
+      std::weak_ptr<const moe::MoeAdapter> cached = moe::shared_moe_adapter(adapter_dir());
+      ASSERT_EQ(gst_element_set_state(p.pipeline, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
+      EXPECT_TRUE(cached.expired()) << "cycle " << cycle;
+    }
   }
- }
 }
 
 }  // namespace

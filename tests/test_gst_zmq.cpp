@@ -270,7 +270,7 @@ TEST_F(ZmqTest, PublishDefaults) {
   EXPECT_STREQ(topic, "");
   EXPECT_TRUE(bind);
   EXPECT_EQ(hwm, 1000);
-  EXPECT_FALSE(sync);  // a result stream never waits on the clock
+  EXPECT_FALSE(sync);             // a result stream never waits on the clock
   EXPECT_EQ(curve_key, nullptr);  // plain ZeroMQ unless the operator sets up CURVE
   EXPECT_EQ(curve_allowed, nullptr);
   EXPECT_EQ(stat(e, "sent"), 0u);
@@ -525,8 +525,9 @@ class StartFailure : public ZmqTest, public ::testing::WithParamInterface<StartC
  protected:
   // Starts the element on `endpoint`, after `configure`; returns the error message posted ("" if it
   // started).
-  std::string start_error(const std::string& endpoint, gboolean bind = TRUE,
-                          const std::function<void(GstElement*)>& configure = [](GstElement*) {}) {
+  std::string start_error(
+      const std::string& endpoint, gboolean bind = TRUE,
+      const std::function<void(GstElement*)>& configure = [](GstElement*) {}) {
     GstElement* e = gst_element_factory_make(GetParam().element, nullptr);
     g_object_set(e, "endpoint", endpoint.c_str(), "bind", bind, nullptr);
     configure(e);
@@ -637,9 +638,8 @@ TEST_P(StartFailure, CurveSettingsAreCheckedAtStart) {
               "line 2 is not a Z85 CURVE public key (40 characters of the Z85 alphabet, then nothing or a # comment)")},
   };
   for (const auto& [secret_key_file, allowed_keys, expected] : cases) {
-    const std::string error = start_error(ipc("curve.ipc"), TRUE, [&](GstElement* e) {
-      set_curve(e, secret_key_file, allowed_keys);
-    });
+    const std::string error =
+        start_error(ipc("curve.ipc"), TRUE, [&](GstElement* e) { set_curve(e, secret_key_file, allowed_keys); });
     EXPECT_EQ(error, expected);
     for (const std::string& key : {server.secret_key, server.public_key, client.secret_key, client.public_key})
       EXPECT_EQ(error.find(key.substr(2)), std::string::npos) << "a key in: " << error;
@@ -650,8 +650,8 @@ TEST_P(StartFailure, CurveSettingsAreCheckedAtStart) {
   zmq::socket_t holder(ctx_, zmq::socket_type::pull);
   holder.set(zmq::sockopt::linger, 0);
   holder.bind("tcp://127.0.0.1:*");
-  const std::string error = start_error(holder.get(zmq::sockopt::last_endpoint), TRUE,
-                                        [&](GstElement* e) { set_curve(e, secret, allowed); });
+  const std::string error =
+      start_error(holder.get(zmq::sockopt::last_endpoint), TRUE, [&](GstElement* e) { set_curve(e, secret, allowed); });
   EXPECT_NE(error.find(zmq_strerror(EADDRINUSE)), std::string::npos) << error;
 }
 
@@ -821,7 +821,8 @@ TEST_F(ZmqTest, QueryPullTurnsEachMessageIntoOneRequestBuffer) {
       {{R"({"id":"none"})"}, {"none", Modality::Text, "", "", 0, "it has none"}},
       {{R"({"id":"both","text":"x","image":"/p.png"})"}, {"both", Modality::Text, "", "", 0, "it has text and image"}},
       {{R"({"id":"missing","image":)" + json_str(missing) + "}"},
-       {"missing", Modality::Image, "", missing, 0, "image '" + missing + "' cannot be read: No such file or directory"}},
+       {"missing", Modality::Image, "", missing, 0,
+        "image '" + missing + "' cannot be read: No such file or directory"}},
       {{R"({"id":"dir","image":)" + json_str(dir_) + "}"}, {"dir", Modality::Image, "", dir_, 0, "not a regular file"}},
       {{R"({"id":"web","image":"http://example.com/a.png"})"},
        {"web", Modality::Image, "", "http://example.com/a.png", 0, "neither a local path nor a file:// uri"}},
@@ -832,8 +833,10 @@ TEST_F(ZmqTest, QueryPullTurnsEachMessageIntoOneRequestBuffer) {
       {{R"({"id":"b64len","image_base64":"abcde"})"}, {"b64len", Modality::Image, "", "", 0, "multiple of 4"}},
       {{R"({"id":"b64big","image_base64":")" + big_b64_s + "\"}"},
        {"b64big", Modality::Image, "", "", 0, "decodes to 2000 bytes, more than max-image-bytes (1000)"}},
-      {{R"({"id":"k0","text":"x","k":0})"}, {"k0", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024 (got 0)"}},
-      {{R"({"id":"kstr","text":"x","k":"5"})"}, {"kstr", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024"}},
+      {{R"({"id":"k0","text":"x","k":0})"},
+       {"k0", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024 (got 0)"}},
+      {{R"({"id":"kstr","text":"x","k":"5"})"},
+       {"kstr", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024"}},
       {{R"({"id":"empty","text":""})"}, {"empty", Modality::Text, "", "", 0, "text is empty"}},
       {{R"({"id":"f1","text":"x"})", "second frame"}, {"", Modality::Text, "", "", 0, "request has 2 frames"}},
       {{R"({"id":"last","text":"still served after all that"})"},
@@ -973,7 +976,7 @@ TEST_F(ZmqTest, QueryImageRootConfinesImagePaths) {
   write_file("root/a.png", "image a");
   write_file("root/sub/b.png", "image b");
   const std::string secret = write_file("secret.png", "secret");
-  const std::string nope = path("nope.png");  // outside the root and missing
+  const std::string nope = path("nope.png");                      // outside the root and missing
   ASSERT_EQ(symlink("sub/b.png", (root + "/inner").c_str()), 0);  // stays inside
   ASSERT_EQ(symlink(secret.c_str(), (root + "/escape").c_str()), 0);
   ASSERT_EQ(symlink(dir_.c_str(), (root + "/escape-dir").c_str()), 0);
@@ -1233,7 +1236,8 @@ std::string binary_key(const std::string& z85) {
 // Key files as zmq.auth writes them, or as people write them by hand.
 TEST_F(ZmqTest, CurveKeyFilesInTheFormatsZmqAuthWrites) {
   // As python3 -c 'import zmq.auth; zmq.auth.create_certificates(DIR, NAME)' (pyzmq 24) wrote them.
-  const std::string server_secret = write_file("server.key_secret", R"zcert(#   ****  Generated on 2026-12-01 14:38:15.700422 by pyzmq  ****
+  const std::string server_secret =
+      write_file("server.key_secret", R"zcert(#   ****  Generated on 2026-12-01 14:38:15.700422 by pyzmq  ****
 #   ZeroMQ CURVE **Secret** Certificate
 #   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.
 

@@ -108,9 +108,9 @@ TEST(ResizeBicubic, IdentityReturnsSameBytes) {
 TEST(ResizeBicubic, UpscaleMatchesPillow) {
   // Pillow 9.4: Image.fromarray(a).resize((4, 4), Image.BICUBIC)
   const std::vector<uint8_t> a = {0, 10, 200, 255, 20, 100, 255, 30, 0, 0, 40, 50};
-  const std::vector<uint8_t> want = {0,   7,  227, 40,  10, 194, 215, 16, 128, 255, 19, 94,  53,  13, 166, 84,
-                                     16,  144, 171, 22, 104, 202, 25, 83, 202, 25,  43, 171, 28,  45, 84,  34,
-                                     57,  53,  37,  62, 255, 31,  0,  215, 34, 0,   40, 40,  33,  0,  43,  51};
+  const std::vector<uint8_t> want = {0,  7,   227, 40, 10,  194, 215, 16,  128, 255, 19, 94,  53, 13, 166, 84,
+                                     16, 144, 171, 22, 104, 202, 25,  83,  202, 25,  43, 171, 28, 45, 84,  34,
+                                     57, 53,  37,  62, 255, 31,  0,   215, 34,  0,   40, 40,  33, 0,  43,  51};
   EXPECT_EQ(moe::resize_bicubic_rgb8(view_of(a, 2, 2), 4, 4), want);
 
   // A constant image stays constant.
@@ -217,8 +217,8 @@ TEST(ClipImagePreprocess, ResizingOnlyTheCropEqualsResizingWholeThenCropping) {
     const std::vector<float> want = resize_whole_then_crop(image, cfg);
     std::vector<float> got(want.size(), -1.0f);
     moe::preprocess_clip_image(image, cfg, got.data());
-    ASSERT_EQ(got, want) << w << "x" << h << " shortest_edge " << cfg.shortest_edge << " crop " << cfg.crop_width
-                         << "x" << cfg.crop_height << " do_resize " << cfg.do_resize << " do_center_crop "
+    ASSERT_EQ(got, want) << w << "x" << h << " shortest_edge " << cfg.shortest_edge << " crop " << cfg.crop_width << "x"
+                         << cfg.crop_height << " do_resize " << cfg.do_resize << " do_center_crop "
                          << cfg.do_center_crop << " resize " << cfg.resize_width << "x" << cfg.resize_height;
     ++compared;
   }
@@ -317,9 +317,9 @@ TEST(ImagePreprocessConfig, RejectsUnsupportedValues) {
   dir.write(R"({"crop_size": -3})");
   expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "crop_size"});
   // Absurd sizes, in each form the file may give them: 2^20 on a square image asked for 4.4 TB.
-  for (const char* json :
-       {R"({"size": {"shortest_edge": 1048576}})", R"({"size": 1048576})", R"({"size": {"height": 224, "width": 4097}})",
-        R"({"crop_size": 100000})", R"({"crop_size": {"height": 100000, "width": 224}})"}) {
+  for (const char* json : {R"({"size": {"shortest_edge": 1048576}})", R"({"size": 1048576})",
+                           R"({"size": {"height": 224, "width": 4097}})", R"({"crop_size": 100000})",
+                           R"({"crop_size": {"height": 100000, "width": 224}})"}) {
     dir.write(json);
     expect_error([&] { moe::ImagePreprocessConfig::from_directory(dir.path()); }, {dir.file(), "1..4096"});
   }
@@ -358,18 +358,18 @@ std::vector<uint8_t> gray_jpeg_file(int w, int h) {
   segment(0xDB, quant);
   segment(0xC0, {8, static_cast<uint8_t>(h >> 8), static_cast<uint8_t>(h), static_cast<uint8_t>(w >> 8),
                  static_cast<uint8_t>(w), 1, 1, 0x11, 0});  // 8-bit, one component, quant table 0
-  for (uint8_t table : {0x00, 0x10}) {  // DC table 0, AC table 0
+  for (uint8_t table : {0x00, 0x10}) {                      // DC table 0, AC table 0
     std::vector<uint8_t> huffman(17, 0);
     huffman[0] = table;
-    huffman[1] = 1;            // one code of length 1 ("0")
-    huffman.push_back(0x00);   // for DC category 0 (difference 0) / AC end-of-block
+    huffman[1] = 1;           // one code of length 1 ("0")
+    huffman.push_back(0x00);  // for DC category 0 (difference 0) / AC end-of-block
     segment(0xC4, huffman);
   }
   segment(0xDA, {1, 1, 0x00, 0, 63, 0});  // start of scan: component 1, tables 0/0
   const size_t bits = static_cast<size_t>(w / 8) * static_cast<size_t>(h / 8) * 2;  // "0" "0" per block
   jpeg.insert(jpeg.end(), bits / 8, 0x00);
   if (bits % 8 != 0) jpeg.push_back(static_cast<uint8_t>(0xFF >> (bits % 8)));  // padded with 1 bits
-  jpeg.insert(jpeg.end(), {0xFF, 0xD9});  // end of image
+  jpeg.insert(jpeg.end(), {0xFF, 0xD9});                                        // end of image
   return jpeg;
 }
 
@@ -426,7 +426,8 @@ TEST(DecodeImage, RefusesHugeCanvasBeforeDecoding) {
   // row of data: refused from the header (the loaders' size-prepared signal), as nothing else
   // could be decoded from so little data.
   for (const int side : {20000, 100000}) {
-    const std::vector<uint8_t> png = png_file(side, side, 3, std::vector<uint8_t>(1 + static_cast<size_t>(side) * 3, 0));
+    const std::vector<uint8_t> png =
+        png_file(side, side, 3, std::vector<uint8_t>(1 + static_cast<size_t>(side) * 3, 0));
     expect_error([&] { moe::decode_image(png.data(), png.size(), "bomb.png"); },
                  {"bomb.png", std::to_string(side) + "x" + std::to_string(side), "limit"});
   }
@@ -443,7 +444,8 @@ TEST(DecodeImage, RefusesHugeCanvasBeforeDecoding) {
 TEST(DecodeImage, RefusesPngWithoutIend) {
   const std::vector<uint8_t> png = make_png(pattern(6, 5, 3), 6, 5, 3);
   // Every row is there, the IEND chunk (the last 12 bytes) is not.
-  expect_error([&] { moe::decode_image(png.data(), png.size() - 12, "noend.png"); }, {"noend.png", "truncated", "IEND"});
+  expect_error([&] { moe::decode_image(png.data(), png.size() - 12, "noend.png"); },
+               {"noend.png", "truncated", "IEND"});
   expect_error([&] { moe::decode_image(png.data(), png.size() - 1, "cut.png"); }, {"cut.png", "IEND"});
   // Bytes after IEND are ignored, as PIL ignores them.
   std::vector<uint8_t> trailing = png;
@@ -460,7 +462,9 @@ TEST(DecodeImage, RefusesGifFramesThatShowNothing) {
                {"empty-frame.gif", "GIF frame 1 (0x2 at 0,512) shows nothing of the 2x2 canvas"});
   g_free(gif);
   // The same frame behind bytes that are no block: the loader skips them, and so does the check.
-  gif = g_base64_decode("R0lGODlhAgACAIEAAP8AAAABAGAgAAEAMP8AAAD/////IfkEAAAAAAAsAAAAAgAAAgAAAgADCAJbAAAAO5Y5kQAAADBJREFUeANENQUAOw==", &size);
+  gif = g_base64_decode(
+      "R0lGODlhAgACAIEAAP8AAAABAGAgAAEAMP8AAAD/////IfkEAAAAAAAsAAAAAgAAAgAAAgADCAJbAAAAO5Y5kQAAADBJREFUeANENQUAOw==",
+      &size);
   expect_error([&] { moe::decode_image(gif, size, "skipped.gif"); }, {"skipped.gif", "GIF frame 1 (0x2 at 0,512)"});
   g_free(gif);
   // A frame beyond the canvas with disposal "restore to previous" (found by fuzz_image_decode).

@@ -88,7 +88,8 @@ TEST(MoeAdapter, FingerprintIsTheWeightsFingerprint) {
 
 TEST(MoeLayer, GroupedEqualsReferenceOnManyRows) {
   for (const char* dir : {"mixtral_tiny", "qwen2_moe_tiny"}) {
-    const std::string prefix = std::string(dir) == "mixtral_tiny" ? "model.layers.1.block_sparse_moe." : "model.layers.1.mlp.";
+    const std::string prefix =
+        std::string(dir) == "mixtral_tiny" ? "model.layers.1.block_sparse_moe." : "model.layers.1.mlp.";
     MoeLayer layer = MoeLayer::load_hf_layer(fixture_path(dir), prefix);
     for (int64_t rows : {0, 1, 7, 513}) {
       const Tensor x = random_rows(rows, 16, static_cast<unsigned>(rows) + 7);
@@ -123,13 +124,17 @@ TEST(MoeLayer, RejectsBadInputs) {
                {"routing for 2 rows"});
   expect_error([] { MoeLayer::load_hf_layer(fixture_path("mixtral_tiny"), "model.layers.7.block_sparse_moe."); },
                {"model.layers.7.block_sparse_moe.gate.weight"});
-  expect_error([] { MoeLayer::load_hf_layer(fixture_path("clip_tiny"), ""); }, {"config.json", "model_type", "not a supported MoE"});
+  expect_error([] { MoeLayer::load_hf_layer(fixture_path("clip_tiny"), ""); },
+               {"config.json", "model_type", "not a supported MoE"});
   moe::MoeConfig bad = moe::MoeConfig::from_hf_config(fixture_path("mixtral_tiny/config.json"));
   bad.top_k = 7;
   expect_error([&] { bad.validate(); }, {"top_k 7"});
   bad = moe::MoeConfig::from_hf_config(fixture_path("mixtral_tiny/config.json"));
   bad.num_experts = 5;
-  expect_error([&] { MoeLayer::load(bad, moe::Checkpoint::open(fixture_path("mixtral_tiny")), "model.layers.1.block_sparse_moe."); },
-               {"gate.weight", "has shape [6,16]", "expected [5,16]"});
+  expect_error(
+      [&] {
+        MoeLayer::load(bad, moe::Checkpoint::open(fixture_path("mixtral_tiny")), "model.layers.1.block_sparse_moe.");
+      },
+      {"gate.weight", "has shape [6,16]", "expected [5,16]"});
   expect_error([] { moe::MoeAdapter::load(fixture_path("mixtral_tiny")); }, {"adapter_config.json", "cannot open"});
 }

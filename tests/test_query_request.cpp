@@ -79,13 +79,16 @@ bool runs_within(rlim_t stack_bytes, rlim_t memory_bytes, Fn&& fn) {
     pthread_t thread;
     static Fn* body;
     body = &fn;
-    if (pthread_create(&thread, &attr, [](void*) -> void* {
-          try {
-            (*body)();
-          } catch (...) {
-          }
-          return nullptr;
-        }, nullptr) != 0)
+    if (pthread_create(
+            &thread, &attr,
+            [](void*) -> void* {
+              try {
+                (*body)();
+              } catch (...) {
+              }
+              return nullptr;
+            },
+            nullptr) != 0)
       _exit(2);
     pthread_join(thread, nullptr);
     _exit(0);
@@ -100,8 +103,9 @@ bool runs_within(rlim_t stack_bytes, rlim_t memory_bytes, Fn&& fn) {
 TEST(JsonBounds, MeasuresDepthOutsideStringsOnly) {
   const moe::JsonBounds bounds{1000, 3};
   EXPECT_EQ(moe::json_bounds_violation(R"({"a":[{"b":1}]})", bounds), "");
-  EXPECT_NE(moe::json_bounds_violation(R"({"a":[{"b":[1]}]})", bounds).find("nested more than 3 levels deep (at byte 11)"),
-            std::string::npos);
+  EXPECT_NE(
+      moe::json_bounds_violation(R"({"a":[{"b":[1]}]})", bounds).find("nested more than 3 levels deep (at byte 11)"),
+      std::string::npos);
   // Brackets inside strings, escaped quotes included, do not count.
   EXPECT_EQ(moe::json_bounds_violation(R"({"a":"[[[[[\"[[[[","b":["]]]]"]})", bounds), "");
   // Closing brackets bring the depth back down.
@@ -178,8 +182,7 @@ TEST(QueryRequest, TextLongerThanTheLimitIsRefused) {
   moe::QueryLimits limits;
   limits.max_text_bytes = 10;
   EXPECT_EQ(parse(R"({"id":"a","text":"0123456789"})", limits).text, "0123456789");
-  expect_rejected(R"({"id":"a","text":"01234567890"})", "text is 11 bytes, more than max-text-bytes (10)", "a",
-                  limits);
+  expect_rejected(R"({"id":"a","text":"01234567890"})", "text is 11 bytes, more than max-text-bytes (10)", "a", limits);
   const QueryRejected big = rejection(R"({"id":"big","text":")" + std::string(10 << 20, 'a') + "\"}");
   EXPECT_NE(std::string(big.what()).find("text is 10485760 bytes, more than max-text-bytes (4096)"), std::string::npos);
   // The refused request's record, which the error document echoes, does not keep the text.
@@ -224,8 +227,8 @@ TEST(QueryRequest, MalformedMessagesNameTheirCause) {
   expect_rejected("", "request is empty");
   expect_rejected("\xff\xfe{}", "not valid UTF-8 (byte offset 0)");
   expect_rejected("[1,2]", "not a JSON object");
-  expect_rejected(R"({"id":"x","text":"a","image":"b"})", "exactly one of text, image, image_base64; it has text and image",
-                  "x");
+  expect_rejected(R"({"id":"x","text":"a","image":"b"})",
+                  "exactly one of text, image, image_base64; it has text and image", "x");
   expect_rejected(R"({"id":"x"})", "it has none", "x");
   expect_rejected(R"({"id":"x","text":5})", "text must be a string (got an integer)", "x");
   expect_rejected(R"({"id":"x","image_base64":"a$=="})", "unexpected character '$' at offset 1", "x");
@@ -246,7 +249,8 @@ TEST(QueryRequest, ImageFilesAreReadOnlyInsideTheRoot) {
   free(real);
   const std::vector<uint8_t> bytes = moe::read_query_image_file("a.png", canonical, 100);
   EXPECT_EQ(std::string(bytes.begin(), bytes.end()), "png!");
-  expect_error([&] { moe::read_query_image_file("../secret.png", canonical, 100); }, {"'../secret.png' is outside image-root"});
+  expect_error([&] { moe::read_query_image_file("../secret.png", canonical, 100); },
+               {"'../secret.png' is outside image-root"});
   expect_error([&] { moe::read_query_image_file("../missing.png", canonical, 100); }, {"is outside image-root"});
   expect_error([&] { moe::read_query_image_file("missing.png", canonical, 100); }, {"'missing.png' cannot be read"});
   expect_error([&] { moe::read_query_image_file("a.png", canonical, 3); }, {"4 bytes, more than max-image-bytes (3)"});

@@ -40,9 +40,8 @@ std::string floats(std::initializer_list<float> v) {
 
 TEST(Safetensors, ParsesValidFile) {
   const std::string data = floats({1, 2, 3, 4}) + std::string("\x00\x3c\x00\x40", 4);  // f16 1.0, 2.0
-  const std::string hdr =
-      R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
-      R"("b":{"dtype":"F16","shape":[2],"data_offsets":[16,20]}})";
+  const std::string hdr = R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
+                          R"("b":{"dtype":"F16","shape":[2],"data_offsets":[16,20]}})";
   auto f = parse(make_file(hdr, data));
   EXPECT_EQ(f.names(), (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(f.metadata().at("format"), "pt");
@@ -91,10 +90,16 @@ TEST(Safetensors, RejectsOversizedHeader) {
 }
 
 TEST(Safetensors, RejectsOutOfRangeOffsets) {
-  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", floats({1, 2}))); },
-               {"'a'", "past the data section"});
-  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", floats({1, 2}))); },
-               {"'a'", "begin 8 > end 4"});
+  expect_error(
+      [] {
+        parse(make_file(R"({"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", floats({1, 2})));
+      },
+      {"'a'", "past the data section"});
+  expect_error(
+      [] {
+        parse(make_file(R"({"a":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})", floats({1, 2})));
+      },
+      {"'a'", "begin 8 > end 4"});
   expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[-4,0]}})", floats({1}))); },
                {"'a'", "non-negative"});
   expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0]}})", floats({1}))); },
@@ -116,8 +121,9 @@ TEST(Safetensors, RejectsOverlapHiddenByAnEmptyTensor) {
   // An empty tensor inside another one's bytes, as the reference implementation refuses too.
   expect_error(
       [] {
-        parse(make_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
-                        floats({1, 2})));
+        parse(make_file(
+            R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"e":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+            floats({1, 2})));
       },
       {"empty tensor 'e'", "byte 4", "inside tensor 'a'"});
   // Between tensors, before the first and after the last, an empty tensor is fine.
@@ -133,11 +139,19 @@ TEST(Safetensors, RejectsGapsInTheDataSection) {
   const std::string a = R"("a":{"dtype":"F32","shape":[1],"data_offsets":)";
   const std::string b = R"("b":{"dtype":"F32","shape":[1],"data_offsets":)";
   // Between two tensors, before the first, after the last.
-  expect_error([&] { parse(make_file("{" + a + "[0,4]}," + b + "[8,12]}}", floats({1, 2, 3}))); },
-               {"mem.safetensors", "bytes 4..8", "belong to no tensor", "before tensor 'b' (bytes 8..12)"});
+  expect_error(
+      [&] {
+        parse(make_file("{" + a + "[0,4]}," + b + "[8,12]}}", floats({1, 2, 3})));
+      },
+      {"mem.safetensors", "bytes 4..8", "belong to no tensor", "before tensor 'b' (bytes 8..12)"});
   expect_error([&] { parse(make_file("{" + a + "[4,8]}}", floats({1, 2}))); }, {"bytes 0..4", "before tensor 'a'"});
-  expect_error([&] { parse(make_file("{" + a + "[0,4]}}", floats({1, 2}))); }, {"bytes 4..8", "end of the data section"});
-  expect_error([] { parse(make_file(R"({"__metadata__":{"k":"v"}})", "xy")); }, {"bytes 0..2", "end of the data section"});
+  expect_error(
+      [&] {
+        parse(make_file("{" + a + "[0,4]}}", floats({1, 2})));
+      },
+      {"bytes 4..8", "end of the data section"});
+  expect_error([] { parse(make_file(R"({"__metadata__":{"k":"v"}})", "xy")); },
+               {"bytes 0..2", "end of the data section"});
   EXPECT_TRUE(parse(make_file(R"({"__metadata__":{"k":"v"}})", "")).names().empty());
 }
 
@@ -157,10 +171,12 @@ TEST(Safetensors, RejectsRepeatedKeys) {
 
 TEST(Safetensors, RejectsNulInStrings) {
   // JSON-GLib would cut the name at the NUL and load tensor 'a'.
-  expect_error([] { parse(make_file(R"({"a\u0000b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", floats({1}))); },
-               {"mem.safetensors", R"("a\u0000b")", "NUL"});
-  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32\u0000x","shape":[1],"data_offsets":[0,4]}})", floats({1}))); },
-               {R"("F32\u0000x")", "NUL"});
+  expect_error(
+      [] { parse(make_file(R"({"a\u0000b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", floats({1}))); },
+      {"mem.safetensors", R"("a\u0000b")", "NUL"});
+  expect_error(
+      [] { parse(make_file(R"({"a":{"dtype":"F32\u0000x","shape":[1],"data_offsets":[0,4]}})", floats({1}))); },
+      {R"("F32\u0000x")", "NUL"});
   // An escaped backslash followed by "u0000" is no NUL, and an escaped quote does not end the name.
   const auto f = parse(make_file(R"({"a\\u0000\"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})", floats({1})));
   EXPECT_EQ(f.names(), std::vector<std::string>{"a\\u0000\"b"});
@@ -174,8 +190,11 @@ TEST(Safetensors, RejectsUnknownDtype) {
 }
 
 TEST(Safetensors, RejectsShapeSizeMismatch) {
-  expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", floats({1, 2}))); },
-               {"'a'", "needs 12 bytes", "span 8"});
+  expect_error(
+      [] {
+        parse(make_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", floats({1, 2})));
+      },
+      {"'a'", "needs 12 bytes", "span 8"});
   expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,4]}})", floats({1}))); },
                {"'a'", "negative dimension"});
   expect_error([] { parse(make_file(R"({"a":{"dtype":"F32","shape":[1.5],"data_offsets":[0,4]}})", floats({1}))); },
@@ -197,9 +216,8 @@ TEST(Safetensors, RejectsMalformedHeader) {
 }
 
 TEST(Safetensors, FuzzedBytesNeverCrash) {
-  const std::string hdr =
-      R"({"__metadata__":{"f":"pt"},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
-      R"("b":{"dtype":"BF16","shape":[2],"data_offsets":[16,20]}})";
+  const std::string hdr = R"({"__metadata__":{"f":"pt"},"a":{"dtype":"F32","shape":[2,2],"data_offsets":[0,16]},)"
+                          R"("b":{"dtype":"BF16","shape":[2],"data_offsets":[16,20]}})";
   const std::string good = make_file(hdr, floats({1, 2, 3, 4}) + "abcd");
   std::mt19937 rng(1234);
   int accepted = 0, rejected = 0;
@@ -209,9 +227,15 @@ TEST(Safetensors, FuzzedBytesNeverCrash) {
     for (int e = 0; e < edits; ++e) {
       const size_t pos = rng() % m.size();
       switch (rng() % 3) {
-        case 0: m[pos] = static_cast<char>(rng() & 0xFF); break;
-        case 1: m.erase(pos, 1 + rng() % 3); break;
-        default: m.insert(pos, 1, "0123456789[]{},:\"-"[rng() % 18]); break;
+        case 0:
+          m[pos] = static_cast<char>(rng() & 0xFF);
+          break;
+        case 1:
+          m.erase(pos, 1 + rng() % 3);
+          break;
+        default:
+          m.insert(pos, 1, "0123456789[]{},:\"-"[rng() % 18]);
+          break;
       }
       if (m.empty()) m = "x";
     }
@@ -232,7 +256,8 @@ TEST(Safetensors, FuzzedBytesNeverCrash) {
 }
 
 TEST(Safetensors, OpenErrorsNameTheFile) {
-  expect_error([] { SafetensorsFile::open("/nonexistent/x.safetensors"); }, {"/nonexistent/x.safetensors", "cannot open"});
+  expect_error([] { SafetensorsFile::open("/nonexistent/x.safetensors"); },
+               {"/nonexistent/x.safetensors", "cannot open"});
   expect_error([] { SafetensorsFile::open(fixture_path("")); }, {"not a regular file"});
 }
 
@@ -245,8 +270,11 @@ TEST(Checkpoint, ReadsShardedHuggingFaceCheckpoint) {
   EXPECT_EQ(g.shape(), (moe::Shape{6, 16}));
   // Every listed tensor resolves in its shard.
   for (const auto& n : ck.names()) EXPECT_NO_THROW(ck.get(n)) << n;
-  expect_error([&] { ck.get_f32("model.layers.1.block_sparse_moe.gate.weight", {16, 6}); },
-               {"gate.weight", "has shape [6,16]", "expected [16,6]"});
+  expect_error(
+      [&] {
+        ck.get_f32("model.layers.1.block_sparse_moe.gate.weight", {16, 6});
+      },
+      {"gate.weight", "has shape [6,16]", "expected [16,6]"});
 }
 
 TEST(Checkpoint, ReportsMissingShardAndBadIndex) {
@@ -283,8 +311,9 @@ std::string big_tensor_file(size_t n, bool big_first, const std::string& metadat
   const std::string small_entry = R"("small":{"dtype":"F32","shape":[1],"data_offsets":[)";
   const std::string meta = metadata.empty() ? "" : R"("__metadata__":)" + metadata + ",";
   if (big_first)
-    return make_file("{" + meta + big_entry + "0," + nb + "]}," + small_entry + nb + "," + std::to_string(big.size() + 4) + "]}}",
-                     big + small);
+    return make_file(
+        "{" + meta + big_entry + "0," + nb + "]}," + small_entry + nb + "," + std::to_string(big.size() + 4) + "]}}",
+        big + small);
   return make_file("{" + meta + small_entry + "0,4]}," + big_entry + "4," + std::to_string(big.size() + 4) + "]}}",
                    small + big);
 }

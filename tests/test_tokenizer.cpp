@@ -12,7 +12,7 @@
 #include <thread>
 #include <vector>
 
-#include "json_util.h"
+#include "io/json_util.h"
 #include "moe/error.h"
 #include "moe/tokenizer.h"
 #include "moe_build_config.h"
@@ -83,8 +83,7 @@ TEST_F(ClipTokenizerTest, SpecialIdsAndVocabSize) {
 }
 
 TEST_F(ClipTokenizerTest, PhotoOfACat) {
-  EXPECT_EQ(tok_->encode("a photo of a cat"),
-            (std::vector<int32_t>{49406, 320, 1125, 539, 320, 2368, 49407}));
+  EXPECT_EQ(tok_->encode("a photo of a cat"), (std::vector<int32_t>{49406, 320, 1125, 539, 320, 2368, 49407}));
 }
 
 TEST_F(ClipTokenizerTest, MatchesHuggingFaceOnFixtureCases) {
@@ -107,8 +106,8 @@ TEST_F(ClipTokenizerTest, MatchesHuggingFaceOnFixtureCases) {
 
     std::vector<int32_t> got = tok_->encode(text, 77);
     EXPECT_EQ(got, want) << "case " << i << ": \"" << text << "\"\n  HF:   " << ids_to_string(want)
-                         << "\n  ours: " << ids_to_string(got)
-                         << "\n  normalized: \"" << moe::ClipTokenizer::normalize_text(text) << "\"";
+                         << "\n  ours: " << ids_to_string(got) << "\n  normalized: \""
+                         << moe::ClipTokenizer::normalize_text(text) << "\"";
     ++checked;
   }
   std::cout << "[ INFO     ] " << checked << " cases compared\n";
@@ -157,7 +156,8 @@ TEST_F(ClipTokenizerTest, BatchEqualsSingle) {
 
 TEST_F(ClipTokenizerTest, ConcurrentEncodeIsConsistent) {
   std::vector<std::string> texts;
-  for (int i = 0; i < 64; ++i) texts.push_back("photo number " + std::to_string(i) + " of a xylophone-" + std::to_string(i * 7919));
+  for (int i = 0; i < 64; ++i)
+    texts.push_back("photo number " + std::to_string(i) + " of a xylophone-" + std::to_string(i * 7919));
   std::vector<std::vector<int32_t>> expected;
   {
     // A fresh tokenizer so the threads race on an empty BPE cache.
@@ -179,20 +179,26 @@ TEST(FtfyFixText, CoveredFixes) {
   EXPECT_EQ(moe::ftfy_fix_text("x &amp;\n<p> &amp;"), "x &\n<p> &amp;");
   EXPECT_EQ(moe::ftfy_fix_text("&amp;lt;"), "<");  // fixed until nothing changes
   EXPECT_EQ(moe::ftfy_fix_text("&#59; &bogus; &#12ab;"), "&#59; &bogus; &#12ab;");
-  EXPECT_EQ(moe::ftfy_fix_text("\xEF\xAC\x81ne \xEF\xAC\x82ow"), "fine flow");  // ﬁ ﬂ
+  EXPECT_EQ(moe::ftfy_fix_text("\xEF\xAC\x81ne \xEF\xAC\x82ow"), "fine flow");                // ﬁ ﬂ
   EXPECT_EQ(moe::ftfy_fix_text("\xEF\xBC\xA1\xEF\xBC\xA2\xE3\x80\x80\xEF\xBD\x98"), "AB x");  // ＡＢ　ｘ
   EXPECT_EQ(moe::ftfy_fix_text("\xE2\x80\x9Chere\xE2\x80\x99s\xE2\x80\x9D"), "\"here's\"");
   EXPECT_EQ(moe::ftfy_fix_text("\x1b[31mred\x1b[0m"), "red");
-  EXPECT_EQ(moe::ftfy_fix_text("\xEF\xBB\xBF" "bom\x07"), "bom");
+  EXPECT_EQ(moe::ftfy_fix_text("\xEF\xBB\xBF"
+                               "bom\x07"),
+            "bom");
   EXPECT_EQ(moe::ftfy_fix_text("a\r\nb\rc\xE2\x80\xA8"), "a\nb\nc\n");
   EXPECT_EQ(moe::ftfy_fix_text("cafe\xCC\x81"), "caf\xC3\xA9");  // NFC
   EXPECT_EQ(moe::ftfy_fix_text("\xC2\x93q\xC2\x94"), "\"q\"");   // C1 controls read as cp1252
   // Mojibake (UTF-8 read as Latin-1/Windows-1252); expected values are ftfy 6.3.1's fix_text.
-  EXPECT_EQ(moe::ftfy_fix_text("caf\xC3\x83\xC2\xA9"), "caf\xC3\xA9");                      // cafÃ© -> café
+  EXPECT_EQ(moe::ftfy_fix_text("caf\xC3\x83\xC2\xA9"), "caf\xC3\xA9");                  // cafÃ© -> café
   EXPECT_EQ(moe::ftfy_fix_text("caf\xC3\x83\xC6\x92\xC3\x82\xC2\xA9"), "caf\xC3\xA9");  // twice
-  EXPECT_EQ(moe::ftfy_fix_text("voil\xC3\x83 le travail"), "voil\xC3\xA0 le travail");   // A0 lost as a space
-  EXPECT_EQ(moe::ftfy_fix_text("\xC3\x82\xC2\xA3" "5 \xC3\xA2\xE2\x80\x9A\xC2\xAC" "10"),
-            "\xC2\xA3" "5 \xE2\x82\xAC" "10");                                               // £5 €10
+  EXPECT_EQ(moe::ftfy_fix_text("voil\xC3\x83 le travail"), "voil\xC3\xA0 le travail");  // A0 lost as a space
+  EXPECT_EQ(moe::ftfy_fix_text("\xC3\x82\xC2\xA3"
+                               "5 \xC3\xA2\xE2\x80\x9A\xC2\xAC"
+                               "10"),
+            "\xC2\xA3"
+            "5 \xE2\x82\xAC"
+            "10");  // £5 €10
   EXPECT_EQ(moe::ftfy_fix_text("\xC3\x82me \xC3\x83gua na\xC3\xAFve"),
             "\xC3\x82me \xC3\x83gua na\xC3\xAFve");  // real Latin-1 letters stay
   // Bytes that happen to form UTF-8 but are not mojibake: CAFÉ’s, weiß…, 2×½ (ftfy leaves them too).
@@ -200,8 +206,10 @@ TEST(FtfyFixText, CoveredFixes) {
   EXPECT_EQ(moe::ftfy_fix_text("wei\xC3\x9F\xE2\x80\xA6"), "wei\xC3\x9F\xE2\x80\xA6");
   EXPECT_EQ(moe::ftfy_fix_text("2\xC3\x97\xC2\xBD cups"), "2\xC3\x97\xC2\xBD cups");
   // Mojibake of mojibake whose middle layer holds curly quotes: repaired before they are uncurled.
-  EXPECT_EQ(moe::ftfy_fix_text("\xC3\x83\xC2\xA2\xC3\xA2\xE2\x82\xAC\xC5\xA1\xC3\x82\xC2\xAC" "10"),
-            "\xE2\x82\xAC" "10");  // Ã¢â€šÂ¬10 -> €10
+  EXPECT_EQ(moe::ftfy_fix_text("\xC3\x83\xC2\xA2\xC3\xA2\xE2\x82\xAC\xC5\xA1\xC3\x82\xC2\xAC"
+                               "10"),
+            "\xE2\x82\xAC"
+            "10");  // Ã¢â€šÂ¬10 -> €10
 }
 
 TEST(ClipTokenizerNormalize, PythonLowerAndWhitespace) {
@@ -221,8 +229,8 @@ TEST(ClipTokenizerLoad, MissingFilesNameThePath) {
 TEST(ClipTokenizerLoad, MalformedFilesNameThePath) {
   TempDir dir;
   const std::string good_merges = dir.write("merges.txt", "#version: 0.2\na b\nab c</w>\n");
-  const std::string good_vocab =
-      dir.write("vocab.json", R"({"a": 0, "b": 1, "ab": 2, "c</w>": 3, "abc</w>": 4, "<|startoftext|>": 5, "<|endoftext|>": 6})");
+  const std::string good_vocab = dir.write(
+      "vocab.json", R"({"a": 0, "b": 1, "ab": 2, "c</w>": 3, "abc</w>": 4, "<|startoftext|>": 5, "<|endoftext|>": 6})");
   moe::ClipTokenizer tiny = moe::ClipTokenizer::from_files(good_vocab, good_merges);
   EXPECT_EQ(tiny.encode("abc"), (std::vector<int32_t>{5, 4, 6}));
   EXPECT_EQ(tiny.encode("zz"), (std::vector<int32_t>{5, 6, 6, 6}));  // unknown -> <|endoftext|>

@@ -71,7 +71,8 @@ void expect_error(Fn&& fn, std::initializer_list<std::string> fragments) {
     ADD_FAILURE() << "expected moe::Error";
   } catch (const moe::Error& e) {
     const std::string msg = e.what();
-    for (const std::string& f : fragments) EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
+    for (const std::string& f : fragments)
+      EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
   }
 }
 
@@ -167,7 +168,8 @@ inline std::vector<uint8_t> png_file(int w, int h, int channels, const std::vect
     const bool last = at + n == rows.size();
     z.insert(z.end(), {static_cast<uint8_t>(last), static_cast<uint8_t>(n), static_cast<uint8_t>(n >> 8),
                        static_cast<uint8_t>(~n), static_cast<uint8_t>(~n >> 8)});
-    z.insert(z.end(), rows.begin() + static_cast<std::ptrdiff_t>(at), rows.begin() + static_cast<std::ptrdiff_t>(at + n));
+    z.insert(z.end(), rows.begin() + static_cast<std::ptrdiff_t>(at),
+             rows.begin() + static_cast<std::ptrdiff_t>(at + n));
     at += n;
     if (last) break;
   }

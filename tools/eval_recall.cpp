@@ -87,12 +87,18 @@ int main(int argc, char** argv) {
     }
     if (i + 1 >= argc) fail(a + " needs a value");
     const std::string v = argv[++i];
-    if (a == "--model") model = v;
-    else if (a == "--adapter") adapter = v;
-    else if (a == "--catalog") catalog = v;
-    else if (a == "--queries") queries_path = v;
-    else if (a == "--index") index = v;
-    else fail("unknown option " + a);
+    if (a == "--model")
+      model = v;
+    else if (a == "--adapter")
+      adapter = v;
+    else if (a == "--catalog")
+      catalog = v;
+    else if (a == "--queries")
+      queries_path = v;
+    else if (a == "--index")
+      index = v;
+    else
+      fail("unknown option " + a);
   }
   if (model.empty() || catalog.empty() || queries_path.empty())
     fail("usage: moe-eval-recall --model DIR [--adapter DIR] --catalog DIR --queries FILE [--index FILE] [--json]");
@@ -118,8 +124,8 @@ int main(int argc, char** argv) {
 
   const std::string adapter_stages =
       adapter.empty() ? "" : " ! moe-route model=" + quote(adapter) + " ! moe-expert model=" + quote(adapter);
-  run_to_eos("moe-catalog-src location=" + quote(catalog) + " ! moe-encode model=" + quote(model) +
-             " max-batch=32" + adapter_stages + " ! ann-query mode=build index=" + quote(index) + " ! fakesink");
+  run_to_eos("moe-catalog-src location=" + quote(catalog) + " ! moe-encode model=" + quote(model) + " max-batch=32" +
+             adapter_stages + " ! ann-query mode=build index=" + quote(index) + " ! fakesink");
 
   // Item table: row i of the index is catalog item ids[i] (line 1 is the header).
   std::vector<std::string> item_ids;
@@ -130,11 +136,12 @@ int main(int argc, char** argv) {
   const int k = static_cast<int>(std::min<size_t>(item_ids.size(), 1024));  // the full ranking
 
   GError* err = nullptr;
-  GstElement* p = gst_parse_launch(("appsrc name=src format=time caps=\"text/x-raw,format=(string)utf8\" ! moe-encode model=" +
-                                    quote(model) + " max-batch=32" + adapter_stages + " ! ann-query index=" + quote(index) +
-                                    " k=" + std::to_string(k) + " ! appsink name=sink sync=false")
-                                       .c_str(),
-                                   &err);
+  GstElement* p = gst_parse_launch(
+      ("appsrc name=src format=time caps=\"text/x-raw,format=(string)utf8\" ! moe-encode model=" + quote(model) +
+       " max-batch=32" + adapter_stages + " ! ann-query index=" + quote(index) + " k=" + std::to_string(k) +
+       " ! appsink name=sink sync=false")
+          .c_str(),
+      &err);
   if (!p) fail(std::string("pipeline: ") + (err ? err->message : "?"));
   GstElement* src = gst_bin_get_by_name(GST_BIN(p), "src");
   GstElement* sink = gst_bin_get_by_name(GST_BIN(p), "sink");

@@ -16,6 +16,8 @@ packages=(
   # fuzzing (tools/run-fuzz.sh): clang 14 with its sanitizer and libFuzzer runtimes (the clang
   # package gives the clang/clang++ names; FuzzedDataProvider.h comes with libclang-common-14-dev)
   clang clang-14 libclang-rt-14-dev
+  # the format check (tools/check-format.sh)
+  clang-format-14
   # the AddressSanitizer + UndefinedBehaviorSanitizer build (gcc's runtimes)
   libasan8 libubsan1
 )

@@ -100,7 +100,7 @@ if [ "${MOE_SKIP_SANITIZERS:-0}" != 1 ]; then
       --wrapper "env LD_PRELOAD=$libasan:$libstdcxx"; then
     status=1
   fi
-  junits+=("$asan_dir/meson-logs/testlog.junit.xml")
+  junits+=("$asan_dir/meson-logs/testlog-env.junit.xml")  # named after the wrapper
   unset ASAN_OPTIONS UBSAN_OPTIONS LSAN_OPTIONS
   echo "run-tests: the sanitizer build and tests took $((SECONDS - section_start)) s"
 fi

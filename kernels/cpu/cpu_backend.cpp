@@ -181,8 +181,9 @@ class CpuBackend final : public Backend {
     int64_t row = 0;
     for (int64_t len : seq_lens) {
       const float* q = qkv + row * 3 * width;
-      if (len > 0) cpu::attention(q, q + width, q + 2 * width, 3 * width, out + row * width, len, heads, head_dim,
-                                  causal, scratch.data());
+      if (len > 0)
+        cpu::attention(q, q + width, q + 2 * width, 3 * width, out + row * width, len, heads, head_dim, causal,
+                       scratch.data());
       row += len;
     }
   }
@@ -206,8 +207,7 @@ class CpuBackend final : public Backend {
     return offsets;
   }
   void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
-                      const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter,
-                      float* out_sorted) override {
+                      const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted) override {
     checks::grouped_swiglu(name(), offsets, experts, d, inter);
     if (d == 0) return;
     if (inter == 0) {  // w2 · (empty) = 0
@@ -216,8 +216,8 @@ class CpuBackend final : public Backend {
     }
     cpu::grouped_swiglu(x_sorted, offsets, experts, d, inter, out_sorted);
   }
-  void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
-                     int64_t top_k, int64_t cols, float* y) override {
+  void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,
+                     int64_t cols, float* y) override {
     checks::moe_unpermute(name(), rows, top_k, cols);
     cpu::moe_unpermute(out_sorted, slot_of, weights, rows, top_k, cols, y);
   }

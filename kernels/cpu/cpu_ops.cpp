@@ -13,17 +13,15 @@
 
 namespace moe::kernels::cpu {
 
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   if (m == 0 || n == 0) return;
   cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans,
               static_cast<blasint>(m), static_cast<blasint>(n), static_cast<blasint>(k), alpha, a,
-              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
-              static_cast<blasint>(ldc));
+              static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c, static_cast<blasint>(ldc));
 }
 
-void linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
-            int64_t k) {
+void linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
   if (m == 0) return;
   float beta = 0.0f;
   if (bias) {
@@ -33,8 +31,8 @@ void linear(const float* x, const float* w, const float* bias, float* y, int64_t
   gemm(false, true, m, n, k, 1.0f, x, k, w, k, beta, y, n);
 }
 
-void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows,
-                int64_t cols, float eps) {
+void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
+                float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * cols;
     float* yr = y + r * cols;
@@ -94,8 +92,8 @@ void add_inplace(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
-void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t seq,
-               int64_t heads, int64_t head_dim, bool causal, float* scratch) {
+void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t seq, int64_t heads,
+               int64_t head_dim, bool causal, float* scratch) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   const int64_t width = heads * head_dim;
   for (int64_t h = 0; h < heads; ++h) {
@@ -112,8 +110,8 @@ void attention(const float* q, const float* k, const float* v, int64_t ld, float
   }
 }
 
-void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k,
-                  bool renormalize, int32_t* ids, float* weights) {
+void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize, int32_t* ids,
+                  float* weights) {
   std::vector<float> probs(static_cast<size_t>(experts));
   std::vector<int32_t> order(static_cast<size_t>(experts));
   for (int64_t r = 0; r < rows; ++r) {
@@ -122,9 +120,8 @@ void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t to
     if (*std::max_element(probs.begin(), probs.end()) == -INFINITY) std::fill(probs.begin(), probs.end(), 0.0f);
     softmax_rows(probs.data(), 1, experts);
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(), [&](int32_t a, int32_t b) {
-      return probs[a] != probs[b] ? probs[a] > probs[b] : a < b;
-    });
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [&](int32_t a, int32_t b) { return probs[a] != probs[b] ? probs[a] > probs[b] : a < b; });
     float sum = 0.0f;
     for (int64_t j = 0; j < top_k; ++j) sum += probs[order[j]];
     for (int64_t j = 0; j < top_k; ++j) {
@@ -242,8 +239,8 @@ void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
   }
 }
 
-void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
-                   int64_t top_k, int64_t cols, float* y) {
+void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,
+                   int64_t cols, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
     float* yr = y + r * cols;
     std::fill(yr, yr + cols, 0.0f);

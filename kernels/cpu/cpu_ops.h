@@ -13,16 +13,14 @@
 namespace moe::kernels::cpu {
 
 // y[m,n] = x[m,k] · w[n,k]^T (+ bias[n] when bias != nullptr). OpenBLAS sgemm.
-void linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
-            int64_t k);
+void linear(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n, int64_t k);
 
 // General row-major sgemm: C = alpha · op(A) · op(B) + beta · C.
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-          int64_t lda, const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc);
 
 // y = (x - mean) / sqrt(var + eps) * gamma + beta per row (population variance, as PyTorch).
-void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows,
-                int64_t cols, float eps);
+void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols, float eps);
 
 // In place: exact GELU 0.5·x·(1 + erf(x/√2)) (PyTorch's default "gelu").
 void gelu(float* x, int64_t n);
@@ -45,15 +43,15 @@ void add_inplace(float* y, const float* x, int64_t n);
 // q, k, v: [seq, heads·head_dim] with row stride `ld` (so one packed qkv buffer can be used);
 // out: [seq, heads·head_dim] contiguous. scale = head_dim^-0.5. With `causal`, position i
 // attends to positions ≤ i only. `scratch` holds at least seq·seq floats.
-void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t seq,
-               int64_t heads, int64_t head_dim, bool causal, float* scratch);
+void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t seq, int64_t heads,
+               int64_t head_dim, bool causal, float* scratch);
 
 // Router: softmax over all `experts` logits of each row in fp32, then the `top_k` largest
 // (descending; ties to the lower index). With `renormalize` the chosen weights are divided by
 // their sum (Mixtral); without, they stay softmax probabilities (Qwen2-MoE default). A row whose
 // logits are all -inf is routed as if they were equal (Backend::topk_softmax).
-void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k,
-                  bool renormalize, int32_t* ids, float* weights);
+void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize, int32_t* ids,
+                  float* weights);
 
 // ---- weights in f32 / f16 / bf16 -----------------------------------------------------------
 
@@ -82,8 +80,8 @@ void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
                     const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted);
 
 // y[row] = Σ_j weights[row·top_k + j] · out_sorted[slot_of[row·top_k + j]], summed in j order.
-void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
-                   int64_t top_k, int64_t cols, float* y);
+void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,
+                   int64_t cols, float* y);
 
 // ---- search --------------------------------------------------------------------------------
 

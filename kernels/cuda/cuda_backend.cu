@@ -24,16 +24,26 @@ void fail(const Ctx& ctx, const char* op, const std::string& why) { throw Error(
 
 const char* cublas_status_name(cublasStatus_t status) {
   switch (status) {
-    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
-    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
-    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
-    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
-    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
-    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
-    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
-    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
-    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
-    case CUBLAS_STATUS_LICENSE_ERROR: return "CUBLAS_STATUS_LICENSE_ERROR";
+    case CUBLAS_STATUS_SUCCESS:
+      return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED:
+      return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED:
+      return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE:
+      return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH:
+      return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR:
+      return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED:
+      return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR:
+      return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+      return "CUBLAS_STATUS_NOT_SUPPORTED";
+    case CUBLAS_STATUS_LICENSE_ERROR:
+      return "CUBLAS_STATUS_LICENSE_ERROR";
   }
   return "unknown cuBLAS status";
 }
@@ -247,7 +257,8 @@ class CudaBackend final : public Backend {
     auto result = std::make_shared<CudaEvent>(this, ctx_.device, event);  // owns the event from here
     // One thread at a time between the copy and its record, so the event marks exactly this copy.
     std::lock_guard<std::mutex> lock(copy_mu_);
-    if (bytes) check(ctx_, op, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, copy_stream_), "cudaMemcpyAsync");
+    if (bytes)
+      check(ctx_, op, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, copy_stream_), "cudaMemcpyAsync");
     check(ctx_, op, cudaEventRecord(event, copy_stream_), "cudaEventRecord");
     return result;
   }
@@ -323,14 +334,13 @@ class CudaBackend final : public Backend {
     return cuda::moe_permute(ctx_, ids, rows, top_k, experts, x, cols, x_sorted, slot_of);
   }
   void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
-                      const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter,
-                      float* out_sorted) override {
+                      const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted) override {
     checks::grouped_swiglu(ctx_.name, offsets, experts, d, inter);
     on_device("grouped_swiglu");
     cuda::grouped_swiglu(ctx_, x_sorted, offsets, experts, d, inter, out_sorted);
   }
-  void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
-                     int64_t top_k, int64_t cols, float* y) override {
+  void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,
+                     int64_t cols, float* y) override {
     checks::moe_unpermute(ctx_.name, rows, top_k, cols);
     on_device("moe_unpermute");
     cuda::moe_unpermute(ctx_, out_sorted, slot_of, weights, rows, top_k, cols, y);
@@ -345,9 +355,12 @@ class CudaBackend final : public Backend {
  protected:
   std::string why_unsupported(const OpDesc& op) const override {
     switch (op.op) {
-      case Op::Attention: return cuda::attention_limit(op.sizes[3]);
-      case Op::TopkSoftmax: return cuda::topk_softmax_limit(op.sizes[1]);
-      case Op::InnerProductTopk: return cuda::inner_product_topk_limit(op.sizes[3]);
+      case Op::Attention:
+        return cuda::attention_limit(op.sizes[3]);
+      case Op::TopkSoftmax:
+        return cuda::topk_softmax_limit(op.sizes[1]);
+      case Op::InnerProductTopk:
+        return cuda::inner_product_topk_limit(op.sizes[3]);
       case Op::Linear:
       case Op::LayerNorm:
       case Op::Gelu:
@@ -357,7 +370,8 @@ class CudaBackend final : public Backend {
       case Op::L2NormalizeRows:
       case Op::MoePermute:
       case Op::GroupedSwiglu:
-      case Op::MoeUnpermute: return {};
+      case Op::MoeUnpermute:
+        return {};
     }
     return {};
   }
@@ -449,8 +463,8 @@ bool cuda_device_usable(int device, std::string* why) {
   cudaDeviceProp prop{};
   if (const cudaError_t err = cudaGetDeviceProperties(&prop, device); err != cudaSuccess)
     return no("cudaGetDeviceProperties: " + cuda_error(err));
-  const std::string what = std::string(prop.name) + ", compute capability " + std::to_string(prop.major) + "." +
-                           std::to_string(prop.minor);
+  const std::string what =
+      std::string(prop.name) + ", compute capability " + std::to_string(prop.major) + "." + std::to_string(prop.minor);
   const ScopedDevice on(device);
   if (on.result() != cudaSuccess) return no(what + ": cudaSetDevice: " + cuda_error(on.result()));
   // Creates the device's context and looks up this build's code for its compute capability (one

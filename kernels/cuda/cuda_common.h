@@ -16,7 +16,7 @@
 namespace moe::kernels::cuda {
 
 struct Ctx {
-  std::string name;             // "cuda:N"
+  std::string name;  // "cuda:N"
   int device = 0;
   cudaStream_t stream = nullptr;  // the compute stream: every operation runs here, in order
   cublasHandle_t blas = nullptr;  // bound to `stream`
@@ -121,8 +121,7 @@ struct GemmProblem {
 };
 // All `problems` share the weight type `type`. dev_ptrs: device memory for 3 · problems.size()
 // pointers (filled here, on the stream).
-void grouped_gemm(Ctx& ctx, const char* op, WeightType type, const std::vector<GemmProblem>& problems,
-                  void** dev_ptrs);
+void grouped_gemm(Ctx& ctx, const char* op, WeightType type, const std::vector<GemmProblem>& problems, void** dev_ptrs);
 
 // cuda_moe.cu
 void topk_softmax(Ctx& ctx, const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize,
@@ -135,8 +134,8 @@ void moe_unpermute(Ctx& ctx, const float* out_sorted, const int32_t* slot_of, co
                    int64_t top_k, int64_t cols, float* y);
 
 // cuda_search.cu
-void inner_product_topk(Ctx& ctx, const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d,
-                        int64_t k, int64_t* ids, float* scores);
+void inner_product_topk(Ctx& ctx, const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,
+                        int64_t* ids, float* scores);
 constexpr int64_t kMaxSearchK = 1024;
 
 }  // namespace moe::kernels::cuda

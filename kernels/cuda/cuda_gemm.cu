@@ -18,9 +18,12 @@ namespace {
 
 cudaDataType_t data_type(WeightType type) {
   switch (type) {
-    case WeightType::F32: return CUDA_R_32F;
-    case WeightType::F16: return CUDA_R_16F;
-    case WeightType::BF16: return CUDA_R_16BF;
+    case WeightType::F32:
+      return CUDA_R_32F;
+    case WeightType::F16:
+      return CUDA_R_16F;
+    case WeightType::BF16:
+      return CUDA_R_16BF;
   }
   return CUDA_R_32F;
 }
@@ -33,12 +36,12 @@ void check_int(const Ctx& ctx, const char* op, int64_t v, const char* what) {
 void gemm_one(Ctx& ctx, const char* op, WeightType type, const GemmProblem& p) {
   const float alpha = 1.0f, beta = 0.0f;
   const cudaDataType_t t = data_type(type);
-  check(ctx, op,
-        cublasGemmEx(ctx.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(p.cols), static_cast<int>(p.rows),
-                     static_cast<int>(p.inner), &alpha, p.a, t, static_cast<int>(p.lda), p.b, t,
-                     static_cast<int>(p.ldb), &beta, p.c, CUDA_R_32F, static_cast<int>(p.ldc), CUBLAS_COMPUTE_32F,
-                     CUBLAS_GEMM_DEFAULT),
-        "cublasGemmEx");
+  check(
+      ctx, op,
+      cublasGemmEx(ctx.blas, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(p.cols), static_cast<int>(p.rows),
+                   static_cast<int>(p.inner), &alpha, p.a, t, static_cast<int>(p.lda), p.b, t, static_cast<int>(p.ldb),
+                   &beta, p.c, CUDA_R_32F, static_cast<int>(p.ldc), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+      "cublasGemmEx");
 }
 
 }  // namespace
@@ -46,7 +49,8 @@ void gemm_one(Ctx& ctx, const char* op, WeightType type, const GemmProblem& p) {
 void linear(Ctx& ctx, const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
   if (m == 0 || n == 0) return;
   float* unscale = nullptr;  // f16 weights: per row, what the GEMM's output is scaled back by
-  for (auto [v, what] : {std::pair<int64_t, const char*>{m, "m"}, {n, "n"}, {k, "k"}}) check_int(ctx, "linear", v, what);
+  for (auto [v, what] : {std::pair<int64_t, const char*>{m, "m"}, {n, "n"}, {k, "k"}})
+    check_int(ctx, "linear", v, what);
   if (k == 0) {
     check(ctx, "linear", cudaMemsetAsync(y, 0, static_cast<size_t>(m * n) * sizeof(float), ctx.stream),
           "cudaMemsetAsync");
@@ -115,10 +119,10 @@ void grouped_gemm(Ctx& ctx, const char* op, WeightType type, const std::vector<G
     }
     upload(ctx, op, dev_ptrs, ptrs.data(), ptrs.size() * sizeof(void*));
     const cudaDataType_t t = data_type(type);
-    const cublasStatus_t status = cublasGemmGroupedBatchedEx(
-        ctx.blas, ta.data(), tb.data(), m.data(), n.data(), k.data(), alpha.data(), dev_ptrs, t, lda.data(),
-        dev_ptrs + g, t, ldb.data(), beta.data(), dev_ptrs + 2 * g, CUDA_R_32F,
-        ldc.data(), static_cast<int>(g), group_size.data(), CUBLAS_COMPUTE_32F);
+    const cublasStatus_t status =
+        cublasGemmGroupedBatchedEx(ctx.blas, ta.data(), tb.data(), m.data(), n.data(), k.data(), alpha.data(), dev_ptrs,
+                                   t, lda.data(), dev_ptrs + g, t, ldb.data(), beta.data(), dev_ptrs + 2 * g,
+                                   CUDA_R_32F, ldc.data(), static_cast<int>(g), group_size.data(), CUBLAS_COMPUTE_32F);
     // The type table of cublasGemmGroupedBatchedEx may not list f16/bf16 inputs with f32
     // output; then (once per backend) fall back to one cublasGemmEx per problem.
     if (half && ctx.grouped_half_f32_out == -1 &&

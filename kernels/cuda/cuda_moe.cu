@@ -84,8 +84,7 @@ __global__ void topk_softmax_kernel(const float* logits, int64_t rows, int exper
 }
 
 // counts[e] += 1 per slot of e; *first_bad = the lowest slot index with an invalid id.
-__global__ void count_experts_kernel(const int32_t* ids, int64_t slots, int experts, int* counts,
-                                     unsigned* first_bad) {
+__global__ void count_experts_kernel(const int32_t* ids, int64_t slots, int experts, int* counts, unsigned* first_bad) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < slots; i += int64_t{gridDim.x} * blockDim.x) {
     const int32_t e = ids[i];
     if (e < 0 || e >= experts)
@@ -195,7 +194,7 @@ std::vector<int64_t> moe_permute(Ctx& ctx, const int32_t* ids, int64_t rows, int
   check(ctx, op, cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned), ctx.stream), "cudaMemsetAsync");
   if (slots > 0) {
     count_experts_kernel<<<grid_for(slots, 256), 256, 0, ctx.stream>>>(ids, slots, static_cast<int>(experts), counts,
-                                                                        first_bad);
+                                                                       first_bad);
     check_launch(ctx, op, "count_experts_kernel");
   }
   offsets_kernel<<<1, 1024, 0, ctx.stream>>>(counts, static_cast<int>(experts), offsets);
@@ -207,7 +206,7 @@ std::vector<int64_t> moe_permute(Ctx& ctx, const int32_t* ids, int64_t rows, int
   // ids are known to be valid; gathering reads source_row of every slot, so it waits.
   if (slots > 0) {
     rank_slots_kernel<<<static_cast<unsigned>(experts), 256, 0, ctx.stream>>>(ids, slots, static_cast<int>(top_k),
-                                                                             offsets, slot_of, source_row);
+                                                                              offsets, slot_of, source_row);
     check_launch(ctx, op, "rank_slots_kernel");
   }
   std::vector<int> host(static_cast<size_t>(experts) + 2);
@@ -218,8 +217,9 @@ std::vector<int64_t> moe_permute(Ctx& ctx, const int32_t* ids, int64_t rows, int
   if (bad != UINT_MAX) {
     int32_t id = 0;
     check(ctx, op, cudaMemcpy(&id, ids + bad, sizeof id, cudaMemcpyDeviceToHost), "cudaMemcpy(invalid id)");
-    fail(ctx, op, "expert id " + std::to_string(id) + " at row " + std::to_string(bad / top_k) + " is outside [0, " +
-                      std::to_string(experts) + ")");
+    fail(ctx, op,
+         "expert id " + std::to_string(id) + " at row " + std::to_string(bad / top_k) + " is outside [0, " +
+             std::to_string(experts) + ")");
   }
   const int64_t sorted = host[static_cast<size_t>(experts)];
   if (sorted > 0 && cols > 0) {
@@ -296,8 +296,10 @@ void grouped_swiglu(Ctx& ctx, const float* x_sorted, const std::vector<int64_t>&
     for (size_t e : active) {
       const int64_t o = offsets[e], n = offsets[e + 1] - o;
       const void* b = rows_of(t, x_in, x_half, o, d);
-      if (experts[e].w1.type == t) problems.push_back({experts[e].w1.data, b, gate + o * inter, n, inter, d, d, d, inter});
-      if (experts[e].w3.type == t) problems.push_back({experts[e].w3.data, b, up + o * inter, n, inter, d, d, d, inter});
+      if (experts[e].w1.type == t)
+        problems.push_back({experts[e].w1.data, b, gate + o * inter, n, inter, d, d, d, inter});
+      if (experts[e].w3.type == t)
+        problems.push_back({experts[e].w3.data, b, up + o * inter, n, inter, d, d, d, inter});
     }
     grouped_gemm(ctx, op, t, problems, ptrs);
   }
@@ -310,8 +312,8 @@ void grouped_swiglu(Ctx& ctx, const float* x_sorted, const std::vector<int64_t>&
     for (size_t e : active) {
       const int64_t o = offsets[e], n = offsets[e + 1] - o;
       if (experts[e].w2.type == t)
-        problems.push_back({experts[e].w2.data, rows_of(t, gate, h_half, o, inter), out_sorted + o * d, n, d, inter,
-                            inter, inter, d});
+        problems.push_back(
+            {experts[e].w2.data, rows_of(t, gate, h_half, o, inter), out_sorted + o * d, n, d, inter, inter, inter, d});
     }
     grouped_gemm(ctx, op, t, problems, ptrs);
   }
@@ -324,7 +326,7 @@ void moe_unpermute(Ctx& ctx, const float* out_sorted, const int32_t* slot_of, co
   if (rows == 0 || cols == 0) return;
   if (rows > INT32_MAX) fail(ctx, "moe_unpermute", "more than 2^31 rows");
   unpermute_kernel<<<static_cast<unsigned>(rows), 128, 0, ctx.stream>>>(out_sorted, slot_of, weights,
-                                                                         static_cast<int>(top_k), cols, y);
+                                                                        static_cast<int>(top_k), cols, y);
   check_launch(ctx, "moe_unpermute", "unpermute_kernel");
 }
 

@@ -150,16 +150,15 @@ std::string inner_product_topk_limit(int64_t k) {
   return "k = " + std::to_string(k) + " is larger than the CUDA kernel's " + std::to_string(kMaxSearchK);
 }
 
-void inner_product_topk(Ctx& ctx, const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d,
-                        int64_t k, int64_t* ids, float* scores) {
+void inner_product_topk(Ctx& ctx, const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,
+                        int64_t* ids, float* scores) {
   const char* op = "inner_product_topk";
   if (const std::string why = inner_product_topk_limit(k); !why.empty()) fail(ctx, op, why);
   if (nq == 0 || k == 0) return;
   if (d > INT32_MAX) fail(ctx, op, "d beyond cuBLAS's int range");
   const int64_t base_tile = std::min(nb, kBaseTile);
   const int64_t query_tile = std::min(nq, kQueryTile);
-  float* tile = reinterpret_cast<float*>(
-      scratch(ctx, static_cast<size_t>(base_tile * query_tile) * sizeof(float), op));
+  float* tile = reinterpret_cast<float*>(scratch(ctx, static_cast<size_t>(base_tile * query_tile) * sizeof(float), op));
   const float alpha = 1.0f, beta = 0.0f;
   for (int64_t q0 = 0; q0 < nq; q0 += query_tile) {
     const int64_t nqt = std::min(query_tile, nq - q0);

@@ -25,8 +25,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   try {
     const moe::ClipTokenizer tok = moe::ClipTokenizer::from_files(vocab.path(), merges.path());
     MOE_FUZZ_CHECK(tok.vocab_size() >= 2);
-    for (const char* text : {"a photo of a cat", "<|startoftext|>Hello, World!<|endoftext|> 123",
-                             "l\xC3\xA4nger w\xC3\xB6rter", ""}) {
+    for (const char* text :
+         {"a photo of a cat", "<|startoftext|>Hello, World!<|endoftext|> 123", "l\xC3\xA4nger w\xC3\xB6rter", ""}) {
       const std::vector<int32_t> ids = tok.encode(text, 16);
       MOE_FUZZ_CHECK(ids.size() >= 2 && ids.size() <= 16);
       MOE_FUZZ_CHECK(ids.front() == tok.bos_id() && ids.back() == tok.eos_id());

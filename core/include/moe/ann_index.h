@@ -47,8 +47,8 @@ const char* ann_index_type_name(AnnIndexType type);
 
 struct AnnBuildOptions {
   AnnIndexType type = AnnIndexType::Flat;
-  int hnsw_m = 32;            // HNSW: links per node (memory and recall grow with it)
-  int ef_construction = 80;   // HNSW: candidate list size while building (build time vs quality)
+  int hnsw_m = 32;           // HNSW: links per node (memory and recall grow with it)
+  int ef_construction = 80;  // HNSW: candidate list size while building (build time vs quality)
 };
 
 // What an index row stands for; returned with search hits.
@@ -103,16 +103,11 @@ class AnnIndex {
   // load() rejects a pair whose counts disagree). Throws moe::Error naming the file.
   void save(const std::string& path) const;
 
-  // The best min(k, size()) hits for each of the n queries (row-major n x dim), best first; one
-  // batched FAISS call (a flat index searched with fewer queries than FAISS's BLAS threshold,
-  // 20, goes through the engine's exact CPU search instead: same hits, several times faster
-  // there because FAISS then scans the index once per query). k must be >= 1. ef_search is HNSW's candidate list size (recall vs
-  // speed; ignored by flat indexes). Safe to call from several threads at once. FAISS 1.7.3
-  // accepts faiss::SearchParametersHNSW but its HNSW search ignores the efSearch in it (results
-  // follow hnsw.efSearch only; tests/test_ann_index.cpp checks), so the ef is set on the index: HNSW searches of one index take a mutex around setting
-  // it and searching (flat searches run concurrently). FAISS parallelises each batch over
-  // OpenMP threads (OMP_NUM_THREADS caps them), so batching loses little to the lock. FAISS
-  // also bumps its global diagnostic counter faiss::hnsw_stats unsynchronised; nothing reads it.
+  // The best min(k, size()) hits for each of the n queries (row-major n x dim), best first (an
+  // HNSW search may find fewer). k must be >= 1. ef_search is HNSW's candidate list size (recall
+  // vs speed; ignored by flat indexes). Safe to call from several threads at once; HNSW searches
+  // of one index are serialised, flat ones run concurrently. FAISS parallelises each batch over
+  // its OpenMP threads. Throws moe::Error naming the cause.
   std::vector<std::vector<AnnHit>> search(const float* queries, int64_t n, int k, int ef_search = 64) const;
 
   // Where search() runs: "cpu" (the default: FAISS), "cuda:N", or "auto" (cuda:0 when a usable

@@ -38,7 +38,7 @@
 namespace moe {
 
 struct BatchLimits {
-  size_t max_batch = 8;                          // most requests in a batch, >= 1
+  size_t max_batch = 8;                              // most requests in a batch, >= 1
   std::chrono::nanoseconds max_latency{10'000'000};  // the declared queueing wait (rule 4)
 };
 

@@ -22,9 +22,9 @@ namespace moe {
 // whatever id and caption it had; a valid one has `path` absolute and `error` empty.
 struct CatalogEntry {
   std::string id;
-  std::string path;     // absolute
+  std::string path;  // absolute
   std::string caption;
-  std::string error;    // set for a malformed catalog line
+  std::string error;  // set for a malformed catalog line
 };
 
 // Parses one catalog.jsonl line: "path" (a non-empty string, relative to `folder` unless

@@ -68,19 +68,19 @@ struct CacheStats {
   uint64_t admission_waits = 0;    // prefetch() calls that had to wait for leases to be dropped
   uint64_t acquires = 0;           // BatchLease::acquire() calls that returned weights
   // Hidden vs exposed copies, decided at the first acquire() of each copy:
-  uint64_t copies_hidden = 0;      // the copy had completed: its whole transfer overlapped other work
-  uint64_t copies_exposed = 0;     // the copy was still running: the compute queue had to wait
+  uint64_t copies_hidden = 0;   // the copy had completed: its whole transfer overlapped other work
+  uint64_t copies_exposed = 0;  // the copy was still running: the compute queue had to wait
   // Host time acquire() spent in Backend::wait_event on copies still running (every acquire,
   // not only the first). On the CPU backend this is the full stall; on CUDA wait_event does not
   // block the host (the compute stream waits), so it is ~0 and the stall is not measured: that
   // needs per-copy timing, which Backend does not offer (docs/expert-cache.md).
   uint64_t exposed_wait_ns = 0;
   // Gauges:
-  uint64_t copies_in_flight = 0;   // slots whose latest copy is still running (polled by stats())
-  uint64_t resident = 0;           // experts holding a slot (loaded or loading)
-  uint64_t pinned = 0;             // experts pinned by at least one lease
-  uint64_t batches_in_flight = 0;  // live, unreleased leases
-  uint64_t prefetches_waiting = 0; // prefetch() calls waiting for room right now
+  uint64_t copies_in_flight = 0;    // slots whose latest copy is still running (polled by stats())
+  uint64_t resident = 0;            // experts holding a slot (loaded or loading)
+  uint64_t pinned = 0;              // experts pinned by at least one lease
+  uint64_t batches_in_flight = 0;   // live, unreleased leases
+  uint64_t prefetches_waiting = 0;  // prefetch() calls waiting for room right now
 };
 
 class ExpertCache;

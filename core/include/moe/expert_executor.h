@@ -82,11 +82,11 @@ struct ExpertExecutorOptions {
 
 // One device's share: what it serves and its cache's counters.
 struct ExpertDeviceStats {
-  std::string device;           // "cuda:0", "cpu", ...
-  std::vector<int> experts;     // experts placed on the device (global ids, ascending)
-  size_t budget_bytes = 0;      // its cache budget
-  int slots = 0;                // experts its cache holds at once
-  size_t slot_bytes = 0;        // one expert in the executor's precision
+  std::string device;        // "cuda:0", "cpu", ...
+  std::vector<int> experts;  // experts placed on the device (global ids, ascending)
+  size_t budget_bytes = 0;   // its cache budget
+  int slots = 0;             // experts its cache holds at once
+  size_t slot_bytes = 0;     // one expert in the executor's precision
   CacheStats cache;
 };
 

@@ -44,8 +44,8 @@ class ExpertPlacement {
  public:
   struct Device {
     int index = 0;
-    size_t capacity = 0;    // bytes usable after headroom
-    size_t used = 0;        // bytes of the experts placed here
+    size_t capacity = 0;       // bytes usable after headroom
+    size_t used = 0;           // bytes of the experts placed here
     std::vector<int> experts;  // ascending
   };
 

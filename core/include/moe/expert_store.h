@@ -76,7 +76,7 @@ class HostExpertStore {
   int num_experts_ = 0;
   int64_t hidden_ = 0, intermediate_ = 0;
   size_t offsets_[3] = {0, 0, 0};
-  size_t blob_bytes_ = 0;  // one expert, padded to kMatrixAlignment
+  size_t blob_bytes_ = 0;          // one expert, padded to kMatrixAlignment
   unsigned char* data_ = nullptr;  // num_experts_ blobs back to back
 };
 

@@ -126,10 +126,10 @@ class ExpertParallelMoe {
   kernels::Backend& backend_;
   MoeConfig config_;
   std::vector<int> owner_;
-  std::vector<int32_t> local_;         // owned experts
-  std::vector<int32_t> key_of_;        // expert -> position in (owner, expert) order
-  std::vector<int64_t> first_key_;     // rank -> its first key (world_size + 1 entries)
-  int max_local_ = 0;                  // most experts any rank owns
+  std::vector<int32_t> local_;      // owned experts
+  std::vector<int32_t> key_of_;     // expert -> position in (owner, expert) order
+  std::vector<int64_t> first_key_;  // rank -> its first key (world_size + 1 entries)
+  int max_local_ = 0;               // most experts any rank owns
 };
 
 }  // namespace moe

@@ -16,8 +16,8 @@
 namespace moe {
 
 struct JsonBounds {
-  size_t max_bytes;   // the whole text
-  int max_depth;      // arrays and objects open at once; 1 for {"a": 1}
+  size_t max_bytes;  // the whole text
+  int max_depth;     // arrays and objects open at once; 1 for {"a": 1}
   // Values (scalars, arrays, objects) the text may hold, counted as the commas and opening
   // brackets outside strings, plus one: each value costs the parser about 100 bytes, so a
   // megabyte of "[0,0,0,..." would otherwise cost a hundred.

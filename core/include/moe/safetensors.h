@@ -35,8 +35,7 @@ class SafetensorsFile {
   static SafetensorsFile open(const std::string& path);
   // Parses an in-memory image. `owner` keeps `data` alive; `name` is used in error messages.
   // This is the fuzzing entry point: it must reject, never crash on, any byte string.
-  static SafetensorsFile parse(const uint8_t* data, size_t size, std::shared_ptr<const void> owner,
-                               std::string name);
+  static SafetensorsFile parse(const uint8_t* data, size_t size, std::shared_ptr<const void> owner, std::string name);
 
   const std::string& path() const { return path_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }

@@ -43,12 +43,28 @@ struct Placement {
   std::string to_string() const;
 };
 
-template <typename T> struct DTypeOf;
-template <> struct DTypeOf<float> { static constexpr DType value = DType::F32; };
-template <> struct DTypeOf<int64_t> { static constexpr DType value = DType::I64; };
-template <> struct DTypeOf<int32_t> { static constexpr DType value = DType::I32; };
-template <> struct DTypeOf<int8_t> { static constexpr DType value = DType::I8; };
-template <> struct DTypeOf<uint8_t> { static constexpr DType value = DType::U8; };
+template <typename T>
+struct DTypeOf;
+template <>
+struct DTypeOf<float> {
+  static constexpr DType value = DType::F32;
+};
+template <>
+struct DTypeOf<int64_t> {
+  static constexpr DType value = DType::I64;
+};
+template <>
+struct DTypeOf<int32_t> {
+  static constexpr DType value = DType::I32;
+};
+template <>
+struct DTypeOf<int8_t> {
+  static constexpr DType value = DType::I8;
+};
+template <>
+struct DTypeOf<uint8_t> {
+  static constexpr DType value = DType::U8;
+};
 
 class Tensor {
  public:
@@ -58,8 +74,7 @@ class Tensor {
   static Tensor zeros(DType dtype, Shape shape);
   // A view over memory kept alive by `owner`. The caller guarantees `data` holds
   // dtype_storage_bytes(dtype, numel(shape)) bytes in `placement`'s memory.
-  static Tensor view(DType dtype, Shape shape, void* data, std::shared_ptr<const void> owner,
-                     Placement placement = {});
+  static Tensor view(DType dtype, Shape shape, void* data, std::shared_ptr<const void> owner, Placement placement = {});
   // Copies host data into a new host tensor.
   template <typename T>
   static Tensor from_vector(const std::vector<T>& values, Shape shape) {
@@ -83,8 +98,13 @@ class Tensor {
   void* raw_data() { return data_; }
   const void* raw_data() const { return data_; }
   // Typed access; throws if T does not match the dtype or the tensor is not on the host.
-  template <typename T> T* data() { check_access(DTypeOf<T>::value); return static_cast<T*>(data_); }
-  template <typename T> const T* data() const {
+  template <typename T>
+  T* data() {
+    check_access(DTypeOf<T>::value);
+    return static_cast<T*>(data_);
+  }
+  template <typename T>
+  const T* data() const {
     check_access(DTypeOf<T>::value);
     return static_cast<const T*>(data_);
   }

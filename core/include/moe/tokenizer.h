@@ -25,8 +25,7 @@ class ClipTokenizer {
   // Reads vocab.json (token -> id) and merges.txt ("#version" line, then "a b" pairs, rank =
   // line order) from a Hugging Face CLIP model directory.
   static ClipTokenizer from_directory(const std::string& dir);
-  static ClipTokenizer from_files(const std::string& vocab_json_path,
-                                  const std::string& merges_txt_path);
+  static ClipTokenizer from_files(const std::string& vocab_json_path, const std::string& merges_txt_path);
 
   ClipTokenizer(ClipTokenizer&& other) noexcept;
   ClipTokenizer& operator=(ClipTokenizer&& other) noexcept;
@@ -36,8 +35,7 @@ class ClipTokenizer {
   // the text is not valid UTF-8 (the message gives the byte offset) or max_length < 2.
   // Thread-safe: may be called concurrently on one tokenizer.
   std::vector<int32_t> encode(std::string_view utf8_text, size_t max_length = 77) const;
-  std::vector<std::vector<int32_t>> encode_batch(const std::vector<std::string>& texts,
-                                                 size_t max_length = 77) const;
+  std::vector<std::vector<int32_t>> encode_batch(const std::vector<std::string>& texts, size_t max_length = 77) const;
 
   int32_t bos_id() const;  // id of "<|startoftext|>"
   int32_t eos_id() const;  // id of "<|endoftext|>" (also the unknown-token id, as in HF)

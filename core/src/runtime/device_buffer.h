@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "backend.h"
-#include "compute_util.h"
+#include "runtime/compute_util.h"
 
 namespace moe {
 
@@ -21,7 +21,10 @@ class DeviceBuffer {
   DeviceBuffer& operator=(DeviceBuffer&&) = delete;
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  template <typename T> T* as() { return static_cast<T*>(p_); }
+  template <typename T>
+  T* as() {
+    return static_cast<T*>(p_);
+  }
 
  private:
   kernels::Backend* b_;

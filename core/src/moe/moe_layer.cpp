@@ -5,8 +5,8 @@
 #include <cmath>
 #include <cstring>
 
-#include "compute_util.h"
-#include "json_util.h"
+#include "runtime/compute_util.h"
+#include "io/json_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -34,8 +34,7 @@ MoeConfig MoeConfig::from_adapter_config(const std::string& path) {
   json::Document doc = json::Document::from_file(path);
   JsonObject* o = doc.root_object();
   const std::string fmt = json::get_string_or(o, "format", "", path);
-  if (fmt != "gst-moe-adapter")
-    throw Error(path + ": 'format' is '" + fmt + "', expected 'gst-moe-adapter'");
+  if (fmt != "gst-moe-adapter") throw Error(path + ": 'format' is '" + fmt + "', expected 'gst-moe-adapter'");
   const int64_t version = json::get_int(o, "version", path);
   if (version != 1) throw Error(path + ": unsupported adapter version " + std::to_string(version));
   MoeConfig c;
@@ -45,12 +44,14 @@ MoeConfig MoeConfig::from_adapter_config(const std::string& path) {
   c.top_k = positive(o, "top_k", path);
   c.intermediate_size = positive(o, "intermediate_size", path);
   const std::string routing = json::get_string_or(o, "routing", "mixtral", path);
-  if (routing == "mixtral") c.routing = RoutingKind::Mixtral;
-  else if (routing == "qwen2_moe") c.routing = RoutingKind::Qwen2Moe;
-  else throw Error(path + ": unknown routing '" + routing + "' (expected mixtral or qwen2_moe)");
+  if (routing == "mixtral")
+    c.routing = RoutingKind::Mixtral;
+  else if (routing == "qwen2_moe")
+    c.routing = RoutingKind::Qwen2Moe;
+  else
+    throw Error(path + ": unknown routing '" + routing + "' (expected mixtral or qwen2_moe)");
   c.norm_topk_prob = json::get_bool_or(o, "norm_topk_prob", c.routing == RoutingKind::Mixtral, path);
-  c.shared_expert_intermediate_size =
-      static_cast<int>(json::get_int_or(o, "shared_expert_intermediate_size", 0, path));
+  c.shared_expert_intermediate_size = static_cast<int>(json::get_int_or(o, "shared_expert_intermediate_size", 0, path));
   c.validate();
   return c;
 }
@@ -87,10 +88,9 @@ void MoeConfig::validate() const {
   if (hidden_size <= 0 || num_experts <= 0 || intermediate_size <= 0)
     throw Error(w + ": hidden_size, num_experts and intermediate_size must be positive");
   if (top_k <= 0 || top_k > num_experts)
-    throw Error(w + ": top_k " + std::to_string(top_k) + " must be in [1, num_experts=" +
-                std::to_string(num_experts) + "]");
-  if (shared_expert_intermediate_size < 0)
-    throw Error(w + ": shared_expert_intermediate_size must not be negative");
+    throw Error(w + ": top_k " + std::to_string(top_k) + " must be in [1, num_experts=" + std::to_string(num_experts) +
+                "]");
+  if (shared_expert_intermediate_size < 0) throw Error(w + ": shared_expert_intermediate_size must not be negative");
   if (shared_expert_intermediate_size > 0 && routing != RoutingKind::Qwen2Moe)
     throw Error(w + ": a shared expert needs qwen2_moe routing");
 }
@@ -112,7 +112,7 @@ struct MoeLayer::Impl {
   // the shared-expert gate in f32, the experts in the layer's precision.
   Tensor dev_gate, dev_shared_gate;
   Expert dev_shared;
-  std::vector<Expert> dev_experts;        // keeps the memory behind expert_refs
+  std::vector<Expert> dev_experts;  // keeps the memory behind expert_refs
   std::vector<kernels::ExpertWeights> expert_refs;
 
   void upload() {
@@ -183,19 +183,22 @@ std::string MoeLayer::device() const { return impl_->be.backend->name(); }
 kernels::WeightType MoeLayer::precision() const { return impl_->be.precision; }
 
 const Tensor& MoeLayer::shared_expert_weight(ExpertMatrix which) const {
-  if (!impl_->has_shared) throw Error("shared_expert_weight: the MoE layer from '" + impl_->cfg.source +
-                                      "' has no shared expert");
+  if (!impl_->has_shared)
+    throw Error("shared_expert_weight: the MoE layer from '" + impl_->cfg.source + "' has no shared expert");
   switch (which) {
-    case ExpertMatrix::W1: return impl_->shared.w1;
-    case ExpertMatrix::W3: return impl_->shared.w3;
-    case ExpertMatrix::W2: return impl_->shared.w2;
+    case ExpertMatrix::W1:
+      return impl_->shared.w1;
+    case ExpertMatrix::W3:
+      return impl_->shared.w3;
+    case ExpertMatrix::W2:
+      return impl_->shared.w2;
   }
   throw Error("shared_expert_weight: unknown matrix");
 }
 
 const Tensor& MoeLayer::shared_expert_gate() const {
-  if (!impl_->has_shared) throw Error("shared_expert_gate: the MoE layer from '" + impl_->cfg.source +
-                                      "' has no shared expert");
+  if (!impl_->has_shared)
+    throw Error("shared_expert_gate: the MoE layer from '" + impl_->cfg.source + "' has no shared expert");
   return impl_->shared_gate;
 }
 
@@ -205,9 +208,12 @@ const Tensor& MoeLayer::expert_weight(int e, ExpertMatrix which) const {
                 std::to_string(impl_->cfg.num_experts) + ")");
   const Expert& ex = impl_->experts[static_cast<size_t>(e)];
   switch (which) {
-    case ExpertMatrix::W1: return ex.w1;
-    case ExpertMatrix::W3: return ex.w3;
-    case ExpertMatrix::W2: return ex.w2;
+    case ExpertMatrix::W1:
+      return ex.w1;
+    case ExpertMatrix::W3:
+      return ex.w3;
+    case ExpertMatrix::W2:
+      return ex.w2;
   }
   throw Error("expert_weight: unknown matrix " + std::to_string(static_cast<int>(which)));
 }
@@ -238,8 +244,8 @@ MoeLayer MoeLayer::load(const MoeConfig& config, const Checkpoint& ck, const std
     m.experts.push_back(std::move(ex));
   }
   if (ck.contains(prefix + "experts." + std::to_string(E) + "." + n1 + ".weight"))
-    throw Error(ck.path() + ": checkpoint has more experts under '" + prefix + "' than num_experts=" +
-                std::to_string(E));
+    throw Error(ck.path() + ": checkpoint has more experts under '" + prefix +
+                "' than num_experts=" + std::to_string(E));
   if (config.shared_expert_intermediate_size > 0) {
     const int64_t S = config.shared_expert_intermediate_size;
     m.has_shared = true;
@@ -266,14 +272,14 @@ void MoeLayer::check_input(const Tensor& x, const char* what) const {
 
 void MoeLayer::check_routing(const Tensor& x, const Routing& r) const {
   const MoeConfig& c = impl_->cfg;
-  if (r.rows != x.dim(0) || r.top_k <= 0 ||
-      r.expert_ids.size() != static_cast<size_t>(r.rows * r.top_k) || r.weights.size() != r.expert_ids.size())
-    throw Error("run_experts: routing for " + std::to_string(r.rows) + " rows x top_k " +
-                std::to_string(r.top_k) + " does not match input " + x.describe());
+  if (r.rows != x.dim(0) || r.top_k <= 0 || r.expert_ids.size() != static_cast<size_t>(r.rows * r.top_k) ||
+      r.weights.size() != r.expert_ids.size())
+    throw Error("run_experts: routing for " + std::to_string(r.rows) + " rows x top_k " + std::to_string(r.top_k) +
+                " does not match input " + x.describe());
   for (int32_t id : r.expert_ids)
     if (id < 0 || id >= c.num_experts)
-      throw Error("run_experts: expert id " + std::to_string(id) + " outside [0, " +
-                  std::to_string(c.num_experts) + ")");
+      throw Error("run_experts: expert id " + std::to_string(id) + " outside [0, " + std::to_string(c.num_experts) +
+                  ")");
 }
 
 Tensor MoeLayer::router_logits(const Tensor& x) const {
@@ -293,8 +299,8 @@ Routing MoeLayer::route(const Tensor& x) const { return route(x, impl_->cfg.top_
 Routing MoeLayer::route(const Tensor& x, int top_k) const {
   const Impl& m = *impl_;
   if (top_k < 1 || top_k > m.cfg.num_experts)
-    throw Error("route: top_k " + std::to_string(top_k) + " outside [1, num_experts=" +
-                std::to_string(m.cfg.num_experts) + "]");
+    throw Error("route: top_k " + std::to_string(top_k) +
+                " outside [1, num_experts=" + std::to_string(m.cfg.num_experts) + "]");
   check_input(x, "router");
   Routing r;
   r.rows = x.dim(0);

@@ -7,7 +7,7 @@
 #include <string>
 #include <thread>
 
-#include "device_buffer.h"
+#include "runtime/device_buffer.h"
 #include "moe/error.h"
 #include "moe_build_config.h"
 
@@ -30,8 +30,12 @@ namespace {
 // What N threads share: published buffers and an abortable barrier.
 struct InProcessGroup {
   InProcessGroup(int n, const CollectiveWait& wait)
-      : n(n), wait(wait), counts(static_cast<size_t>(n)), send(static_cast<size_t>(n)),
-        send_counts(static_cast<size_t>(n)), cols(static_cast<size_t>(n)) {}
+      : n(n),
+        wait(wait),
+        counts(static_cast<size_t>(n)),
+        send(static_cast<size_t>(n)),
+        send_counts(static_cast<size_t>(n)),
+        cols(static_cast<size_t>(n)) {}
 
   const int n;
   const CollectiveWait wait;
@@ -102,7 +106,8 @@ class InProcessTransport final : public ExpertTransport {
           throw Error("exchange_counts: rank " + std::to_string(p) + " sent " + std::to_string(c.size()) +
                       " counts, this rank expects " + std::to_string(n * per));
         std::copy(c.begin() + static_cast<std::ptrdiff_t>(rank_ * per),
-                  c.begin() + static_cast<std::ptrdiff_t>((rank_ + 1) * per), recv.begin() + static_cast<std::ptrdiff_t>(p * per));
+                  c.begin() + static_cast<std::ptrdiff_t>((rank_ + 1) * per),
+                  recv.begin() + static_cast<std::ptrdiff_t>(p * per));
       }
       g.barrier(rank_);  // every rank has read before anyone publishes again
       return recv;
@@ -160,8 +165,7 @@ class InProcessTransport final : public ExpertTransport {
 
 }  // namespace
 
-std::vector<std::unique_ptr<ExpertTransport>> make_in_process_transports(int world_size,
-                                                                         const CollectiveWait& wait) {
+std::vector<std::unique_ptr<ExpertTransport>> make_in_process_transports(int world_size, const CollectiveWait& wait) {
   if (world_size < 1) throw Error("in-process transport: world size " + std::to_string(world_size) + " < 1");
   auto group = std::make_shared<InProcessGroup>(world_size, wait);
   std::vector<std::unique_ptr<ExpertTransport>> out;
@@ -201,7 +205,8 @@ ExpertParallelMoe::ExpertParallelMoe(ExpertTransport& transport, kernels::Backen
   config_.validate();
   const int W = transport.world_size(), E = config_.num_experts;
   if (static_cast<int>(owner_.size()) != E)
-    throw Error("ExpertParallelMoe: " + std::to_string(owner_.size()) + " owners for " + std::to_string(E) + " experts");
+    throw Error("ExpertParallelMoe: " + std::to_string(owner_.size()) + " owners for " + std::to_string(E) +
+                " experts");
   std::vector<int> per_rank(static_cast<size_t>(W), 0);
   for (int e = 0; e < E; ++e) {
     const int o = owner_[static_cast<size_t>(e)];
@@ -213,10 +218,12 @@ ExpertParallelMoe::ExpertParallelMoe(ExpertTransport& transport, kernels::Backen
   }
   // Keys: experts in (owner, id) order, so grouping slots by key groups them by owning rank.
   first_key_.assign(static_cast<size_t>(W) + 1, 0);
-  for (int r = 0; r < W; ++r) first_key_[static_cast<size_t>(r) + 1] = first_key_[static_cast<size_t>(r)] + per_rank[static_cast<size_t>(r)];
+  for (int r = 0; r < W; ++r)
+    first_key_[static_cast<size_t>(r) + 1] = first_key_[static_cast<size_t>(r)] + per_rank[static_cast<size_t>(r)];
   std::vector<int64_t> next(first_key_.begin(), first_key_.end() - 1);
   key_of_.resize(static_cast<size_t>(E));
-  for (int e = 0; e < E; ++e) key_of_[static_cast<size_t>(e)] = static_cast<int32_t>(next[static_cast<size_t>(owner_[static_cast<size_t>(e)])]++);
+  for (int e = 0; e < E; ++e)
+    key_of_[static_cast<size_t>(e)] = static_cast<int32_t>(next[static_cast<size_t>(owner_[static_cast<size_t>(e)])]++);
   max_local_ = std::max(1, *std::max_element(per_rank.begin(), per_rank.end()));
 }
 
@@ -237,9 +244,9 @@ void ExpertParallelMoe::forward_impl(const float* x, const moe::Routing& routing
   const size_t ML = static_cast<size_t>(max_local_);
   if (N < 0 || K <= 0 || routing.expert_ids.size() != static_cast<size_t>(N * K) ||
       routing.weights.size() != routing.expert_ids.size())
-    throw Error("ExpertParallelMoe: routing for " + std::to_string(N) + " rows x top_k " + std::to_string(K) +
-                " has " + std::to_string(routing.expert_ids.size()) + " ids and " +
-                std::to_string(routing.weights.size()) + " weights");
+    throw Error("ExpertParallelMoe: routing for " + std::to_string(N) + " rows x top_k " + std::to_string(K) + " has " +
+                std::to_string(routing.expert_ids.size()) + " ids and " + std::to_string(routing.weights.size()) +
+                " weights");
   kernels::Backend& b = backend_;
   const int64_t S = N * K;  // this rank's (row, expert) slots
 
@@ -289,8 +296,9 @@ void ExpertParallelMoe::forward_impl(const float* x, const moe::Routing& routing
   DeviceBuffer d_local_slot(b, static_cast<size_t>(R) * sizeof(int32_t));
   DeviceBuffer d_local_out(b, static_cast<size_t>(R * D) * sizeof(float));
   if (R > 0) {
-    if (L == 0) throw Error("ExpertParallelMoe: rank " + std::to_string(transport_.rank()) +
-                            " owns no experts but was sent " + std::to_string(R) + " rows");
+    if (L == 0)
+      throw Error("ExpertParallelMoe: rank " + std::to_string(transport_.rank()) + " owns no experts but was sent " +
+                  std::to_string(R) + " rows");
     lid.reserve(static_cast<size_t>(R));
     for (int p = 0; p < W; ++p)
       for (size_t l = 0; l < ML; ++l) {
@@ -304,11 +312,12 @@ void ExpertParallelMoe::forward_impl(const float* x, const moe::Routing& routing
     ones.assign(static_cast<size_t>(R), 1.0f);
     b.copy_from_host(d_lid.as<int32_t>(), lid.data(), lid.size() * sizeof(int32_t));
     b.copy_from_host(d_ones.as<float>(), ones.data(), ones.size() * sizeof(float));
-    const std::vector<int64_t> loff =
-        b.moe_permute(d_lid.as<int32_t>(), R, 1, L, d_recv.as<float>(), D, d_local.as<float>(), d_local_slot.as<int32_t>());
+    const std::vector<int64_t> loff = b.moe_permute(d_lid.as<int32_t>(), R, 1, L, d_recv.as<float>(), D,
+                                                    d_local.as<float>(), d_local_slot.as<int32_t>());
     std::vector<kernels::ExpertWeights> ew(static_cast<size_t>(L));
     for (int l = 0; l < L; ++l)
-      if (loff[static_cast<size_t>(l) + 1] > loff[static_cast<size_t>(l)]) ew[static_cast<size_t>(l)] = weights(local_[static_cast<size_t>(l)]);
+      if (loff[static_cast<size_t>(l) + 1] > loff[static_cast<size_t>(l)])
+        ew[static_cast<size_t>(l)] = weights(local_[static_cast<size_t>(l)]);
     b.grouped_swiglu(d_local.as<float>(), loff, ew, D, I, d_local_out.as<float>());
     // Back into arrival order (weight 1 per row: an exact gather).
     b.moe_unpermute(d_local_out.as<float>(), d_local_slot.as<int32_t>(), d_ones.as<float>(), R, 1, D,

@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <utility>
 
-#include "json_util.h"
+#include "io/json_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -122,8 +122,8 @@ AnnItemTable parse_ann_item_table(std::string_view text, const std::string& item
       throw Error(what + ": count " + std::to_string(header_count) + " but the index '" + index_path + "' holds " +
                   std::to_string(count) + " vectors");
     if (header_dim != dim)
-      throw Error(what + ": dim " + std::to_string(header_dim) + " but the index '" + index_path +
-                  "' has dimension " + std::to_string(dim));
+      throw Error(what + ": dim " + std::to_string(header_dim) + " but the index '" + index_path + "' has dimension " +
+                  std::to_string(dim));
     if (header_type != ann_index_type_name(type))
       throw Error(what + ": index_type '" + header_type + "' but the index '" + index_path + "' is " +
                   ann_index_type_name(type));
@@ -147,8 +147,8 @@ AnnItemTable parse_ann_item_table(std::string_view text, const std::string& item
     json::Document doc(line, what);
     JsonObject* obj = doc.root_object();
     if (json::get_int(obj, "item", what) != i)
-      throw Error(what + ": item " + std::to_string(json::get_int(obj, "item", what)) + " where " +
-                  std::to_string(i) + " was expected (items must be in index order)");
+      throw Error(what + ": item " + std::to_string(json::get_int(obj, "item", what)) + " where " + std::to_string(i) +
+                  " was expected (items must be in index order)");
     out.items.push_back({json::get_string_or(obj, "id", "", what), json::get_string_or(obj, "uri", "", what),
                          json::get_string_or(obj, "caption", "", what)});
   }

@@ -46,8 +46,8 @@ std::string trim(const std::string& s) {
 
 const std::vector<int>& ExpertPlacement::devices_of(int expert) const {
   if (expert < 0 || expert >= num_experts())
-    throw Error("expert placement: expert " + std::to_string(expert) + " outside [0, " +
-                std::to_string(num_experts()) + ")");
+    throw Error("expert placement: expert " + std::to_string(expert) + " outside [0, " + std::to_string(num_experts()) +
+                ")");
   return holders_[static_cast<size_t>(expert)];
 }
 
@@ -101,9 +101,8 @@ ExpertPlacement plan_expert_placement(const std::vector<DeviceMemory>& devices, 
   const size_t need = std::accumulate(expert_bytes.begin(), expert_bytes.end(), size_t{0});
   if (need > capacity) {
     std::ostringstream s;
-    s << who << ": the " << E << " experts need " << bytes_str(need) << " but the " << devs.size()
-      << " devices offer " << bytes_str(capacity) << " after leaving " << options.headroom * 100.0
-      << "% headroom (";
+    s << who << ": the " << E << " experts need " << bytes_str(need) << " but the " << devs.size() << " devices offer "
+      << bytes_str(capacity) << " after leaving " << options.headroom * 100.0 << "% headroom (";
     for (size_t i = 0; i < devices.size(); ++i)
       s << (i ? ", " : "") << "device " << devices[i].index << ": " << gib(devices[i].free_bytes) << " free";
     s << "); add devices, lower the headroom or store the experts in a smaller precision";
@@ -159,7 +158,8 @@ ExpertPlacement plan_expert_placement(const std::vector<DeviceMemory>& devices, 
     const double mean = static_cast<double>(total) / E;
     std::vector<int> hot;
     for (int e : order)  // hottest first
-      if (load[static_cast<size_t>(e)] > 0 && static_cast<double>(load[static_cast<size_t>(e)]) >= options.hot_load_factor * mean)
+      if (load[static_cast<size_t>(e)] > 0 &&
+          static_cast<double>(load[static_cast<size_t>(e)]) >= options.hot_load_factor * mean)
         hot.push_back(e);
     for (int round = 1; round < options.max_replicas; ++round) {
       bool added = false;
@@ -179,10 +179,10 @@ ExpertPlacement plan_expert_placement(const std::vector<DeviceMemory>& devices, 
 
 std::vector<Placement> parse_device_list(const std::string& spec, int available_cuda) {
   const std::string s = trim(spec);
-  const std::string range = available_cuda > 0 ? std::to_string(available_cuda) + " CUDA device" +
-                                                     (available_cuda == 1 ? "" : "s") + " available (cuda:0..cuda:" +
-                                                     std::to_string(available_cuda - 1) + ")"
-                                               : "no CUDA device available";
+  const std::string range = available_cuda > 0
+                                ? std::to_string(available_cuda) + " CUDA device" + (available_cuda == 1 ? "" : "s") +
+                                      " available (cuda:0..cuda:" + std::to_string(available_cuda - 1) + ")"
+                                : "no CUDA device available";
   if (s.empty()) throw Error("device list is empty (expected cpu, cuda:N, cuda:N,cuda:M,..., all or auto)");
   if (s == "cpu" || (s == "auto" && available_cuda <= 0)) return {Placement{DeviceKind::Host, 0}};
   if (s == "auto") return parse_device_list("all", available_cuda);
@@ -213,7 +213,8 @@ std::vector<Placement> parse_device_list(const std::string& spec, int available_
     if (index >= available_cuda)
       throw Error("device list '" + spec + "': cuda:" + std::to_string(index) + " is out of range: " + range);
     for (const Placement& p : out)
-      if (p.index == index) throw Error("device list '" + spec + "': cuda:" + std::to_string(index) + " is listed twice");
+      if (p.index == index)
+        throw Error("device list '" + spec + "': cuda:" + std::to_string(index) + " is listed twice");
     out.push_back(Placement{DeviceKind::Cuda, index});
     if (comma == std::string::npos) break;
     begin = comma + 1;

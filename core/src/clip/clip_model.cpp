@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "compute_util.h"
+#include "runtime/compute_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -86,8 +86,10 @@ struct Encoder {
       b.add(x, h, T * H);
       b.layer_norm(x, f32_ptr(L.ln2_w), f32_ptr(L.ln2_b), h, T, H, eps);
       b.linear(h, weight_ref(L.fc1_w), f32_ptr(L.fc1_b), ff, T, I, H);
-      if (cfg.hidden_act == Activation::QuickGelu) b.quick_gelu(ff, T * I);
-      else b.gelu(ff, T * I);
+      if (cfg.hidden_act == Activation::QuickGelu)
+        b.quick_gelu(ff, T * I);
+      else
+        b.gelu(ff, T * I);
       b.linear(ff, weight_ref(L.fc2_w), f32_ptr(L.fc2_b), h, T, H, I);
       b.add(x, h, T * H);
     }
@@ -120,8 +122,8 @@ struct ClipModel::Impl {
     const ClipVisionConfig& v = cfg.vision;
     const int64_t P = cfg.projection_dim;
     token_embedding = ck.get_f32("text_model.embeddings.token_embedding.weight", {t.vocab_size, t.hidden_size});
-    text_position_embedding = ck.get_f32("text_model.embeddings.position_embedding.weight",
-                                         {t.max_position_embeddings, t.hidden_size});
+    text_position_embedding =
+        ck.get_f32("text_model.embeddings.position_embedding.weight", {t.max_position_embeddings, t.hidden_size});
     text_encoder.load(ck, "text_model.", t, be);
     final_ln_w = be.f32(ck.get_f32("text_model.final_layer_norm.weight", {t.hidden_size}));
     final_ln_b = be.f32(ck.get_f32("text_model.final_layer_norm.bias", {t.hidden_size}));
@@ -129,9 +131,9 @@ struct ClipModel::Impl {
 
     const int64_t H = v.hidden_size, pp = static_cast<int64_t>(v.num_channels) * v.patch_size * v.patch_size;
     const Tensor class_embedding = ck.get_f32("vision_model.embeddings.class_embedding", {H});
-    patch_weight = be.weight(ck.get_f32("vision_model.embeddings.patch_embedding.weight",
-                                        {H, v.num_channels, v.patch_size, v.patch_size})
-                                 .reshape({H, pp}));
+    patch_weight = be.weight(
+        ck.get_f32("vision_model.embeddings.patch_embedding.weight", {H, v.num_channels, v.patch_size, v.patch_size})
+            .reshape({H, pp}));
     const Tensor pos = ck.get_f32("vision_model.embeddings.position_embedding.weight", {v.num_positions(), H});
     // What every image's rows start from: the position embeddings, plus the class embedding on
     // the class token's row (the patch embeddings are added per image).
@@ -274,8 +276,8 @@ ClipEncodeResult ClipModel::encode_pixels(const Tensor& pixel_values) const {
                 std::to_string(v.num_channels) + "," + std::to_string(v.image_size) + "," +
                 std::to_string(v.image_size) + "]");
   const Tensor px = pixel_values.to_f32();
-  const int64_t B = px.dim(0), H = v.hidden_size, C = v.num_channels, S = v.image_size,
-                p = v.patch_size, g = v.grid(), np = g * g, seq = np + 1, pp = C * p * p;
+  const int64_t B = px.dim(0), H = v.hidden_size, C = v.num_channels, S = v.image_size, p = v.patch_size, g = v.grid(),
+                np = g * g, seq = np + 1, pp = C * p * p;
 
   if (B == 0) return {Tensor::zeros(DType::F32, {0, H}), Tensor::zeros(DType::F32, {0, m.cfg.projection_dim})};
 
@@ -319,7 +321,8 @@ ClipEncodeResult ClipModel::encode_images(const std::vector<ImageView>& images) 
   const int64_t per = static_cast<int64_t>(v.num_channels) * v.image_size * v.image_size;
   if (v.num_channels != 3)
     throw Error("encode_images: the model expects " + std::to_string(v.num_channels) + " channels, images are RGB");
-  Tensor px = Tensor::zeros(DType::F32, {static_cast<int64_t>(images.size()), v.num_channels, v.image_size, v.image_size});
+  Tensor px =
+      Tensor::zeros(DType::F32, {static_cast<int64_t>(images.size()), v.num_channels, v.image_size, v.image_size});
   const ImagePreprocessConfig& pre = impl_->preprocess;
   for (size_t i = 0; i < images.size(); ++i) {
     const auto [w, h] = preprocess_output_size(pre, images[i].width, images[i].height);

@@ -50,8 +50,7 @@ Resolved resolve(const std::string& requested) {
     // A device this build cannot run on (no code for its compute capability, no context) falls
     // back to the CPU like a missing driver, instead of failing at the first kernel.
     if (!kernels::cuda_device_usable(0, &why)) return {"cpu", -1, quoted + ": cuda:0: " + why, true};
-    return {"cuda:0", 0, quoted + ": " + std::to_string(n) + " CUDA device" + (n == 1 ? "" : "s") + " present",
-            true};
+    return {"cuda:0", 0, quoted + ": " + std::to_string(n) + " CUDA device" + (n == 1 ? "" : "s") + " present", true};
   }
   int index = -1;
   if (d == "cuda") {
@@ -68,8 +67,8 @@ Resolved resolve(const std::string& requested) {
   const std::string which = d == name ? quoted : quoted + " (" + name + ")";
   if (n == 0) throw Error(which + ": no usable CUDA device: " + no_cuda_reason(why));
   if (index >= n)
-    throw Error(which + ": no such CUDA device (" + std::to_string(n) + " present: cuda:0..cuda:" +
-                std::to_string(n - 1) + ")");
+    throw Error(which + ": no such CUDA device (" + std::to_string(n) +
+                " present: cuda:0..cuda:" + std::to_string(n - 1) + ")");
   if (!kernels::cuda_device_usable(index, &why)) throw Error(which + ": " + why);
   return {name, index, quoted + " requested", false};
 }

@@ -8,7 +8,7 @@
 #include <thread>
 #include <tuple>
 
-#include "compute_util.h"
+#include "runtime/compute_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -39,13 +39,13 @@ std::string id_list(const std::vector<int32_t>& ids) {
 // The state a cache and its leases share. All members below `mu` are guarded by it.
 struct BatchLease::Core {
   struct Entry {
-    int slot = -1;                        // -1: not resident
-    int pins = 0;                         // live leases that listed the expert
-    uint64_t last_use = 0;                // tick of the last admitted prefetch that listed it
-    uint64_t uses = 0;                    // admitted prefetches that listed it
-    std::shared_ptr<kernels::Event> copy; // the copy that filled the slot
-    bool copy_done = false;               // completion observed
-    bool acquired = false;                // the copy has had its first acquire
+    int slot = -1;                         // -1: not resident
+    int pins = 0;                          // live leases that listed the expert
+    uint64_t last_use = 0;                 // tick of the last admitted prefetch that listed it
+    uint64_t uses = 0;                     // admitted prefetches that listed it
+    std::shared_ptr<kernels::Event> copy;  // the copy that filled the slot
+    bool copy_done = false;                // completion observed
+    bool acquired = false;                 // the copy has had its first acquire
   };
 
   kernels::Backend& backend;
@@ -63,7 +63,7 @@ struct BatchLease::Core {
   // Per slot: the latest copy into it. The copy queue runs copies in order, so once it completed
   // every earlier copy into the slot did too (an evicted expert's copy may still be running).
   std::vector<std::shared_ptr<kernels::Event>> slot_copy;
-  std::vector<int> free_slots;   // LIFO
+  std::vector<int> free_slots;  // LIFO
   uint64_t tick = 0;
   CacheStats st;  // counters; gauges are filled in by stats()
   uint64_t batches_in_flight = 0;
@@ -96,7 +96,8 @@ struct BatchLease::Core {
         continue;
       }
       const int e = slot_owner[s];
-      if (e >= 0 && entries[static_cast<size_t>(e)].copy == slot_copy[s]) entries[static_cast<size_t>(e)].copy_done = true;
+      if (e >= 0 && entries[static_cast<size_t>(e)].copy == slot_copy[s])
+        entries[static_cast<size_t>(e)].copy_done = true;
       slot_copy[s].reset();
     }
     return running;
@@ -254,9 +255,9 @@ std::shared_ptr<BatchLease> ExpertCache::prefetch(const std::vector<int32_t>& ex
     uint64_t pinned = 0;
     for (const auto& en : c.entries)
       if (en.pins > 0) ++pinned;
-    throw Error("expert cache on " + c.backend.name() + ": a batch needs " + std::to_string(ids.size()) +
-                " experts, " + std::to_string(missing) + " of them not resident (" +
-                bytes_str(missing * c.slot_bytes) + "), but only " + std::to_string(available) +
+    throw Error("expert cache on " + c.backend.name() + ": a batch needs " + std::to_string(ids.size()) + " experts, " +
+                std::to_string(missing) + " of them not resident (" + bytes_str(missing * c.slot_bytes) +
+                "), but only " + std::to_string(available) +
                 " slots are free or evictable (batches in flight: " + std::to_string(c.batches_in_flight) +
                 ", pinning " + std::to_string(pinned) + " experts; " + c.describe_budget() + ")" +
                 (c.admission_wait.count() > 0

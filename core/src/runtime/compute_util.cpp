@@ -1,4 +1,4 @@
-#include "compute_util.h"
+#include "runtime/compute_util.h"
 
 #include <glib.h>
 
@@ -11,9 +11,12 @@ namespace moe::detail {
 
 DType dtype_of(kernels::WeightType type) {
   switch (type) {
-    case kernels::WeightType::F32: return DType::F32;
-    case kernels::WeightType::F16: return DType::F16;
-    case kernels::WeightType::BF16: return DType::BF16;
+    case kernels::WeightType::F32:
+      return DType::F32;
+    case kernels::WeightType::F16:
+      return DType::F16;
+    case kernels::WeightType::BF16:
+      return DType::BF16;
   }
   throw Error("unknown weight type " + std::to_string(static_cast<int>(type)));
 }
@@ -119,10 +122,17 @@ kernels::WeightRef weight_ref(const Tensor& t) {
   kernels::WeightRef w;
   w.data = t.raw_data();
   switch (t.dtype()) {
-    case DType::F32: w.type = kernels::WeightType::F32; break;
-    case DType::F16: w.type = kernels::WeightType::F16; break;
-    case DType::BF16: w.type = kernels::WeightType::BF16; break;
-    default: throw Error("weight_ref: " + t.describe() + " is not a float weight");
+    case DType::F32:
+      w.type = kernels::WeightType::F32;
+      break;
+    case DType::F16:
+      w.type = kernels::WeightType::F16;
+      break;
+    case DType::BF16:
+      w.type = kernels::WeightType::BF16;
+      break;
+    default:
+      throw Error("weight_ref: " + t.describe() + " is not a float weight");
   }
   return w;
 }

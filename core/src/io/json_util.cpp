@@ -1,4 +1,4 @@
-#include "json_util.h"
+#include "io/json_util.h"
 
 #include <cmath>
 #include <fstream>
@@ -46,8 +46,7 @@ Document::~Document() {
   if (parser_) g_object_unref(parser_);
 }
 
-Document::Document(Document&& other) noexcept
-    : parser_(other.parser_), what_(std::move(other.what_)) {
+Document::Document(Document&& other) noexcept : parser_(other.parser_), what_(std::move(other.what_)) {
   other.parser_ = nullptr;
 }
 
@@ -60,14 +59,12 @@ JsonObject* Document::root_object() const {
 }
 
 bool has_member(JsonObject* obj, const char* key) {
-  return json_object_has_member(obj, key) &&
-         !JSON_NODE_HOLDS_NULL(json_object_get_member(obj, key));
+  return json_object_has_member(obj, key) && !JSON_NODE_HOLDS_NULL(json_object_get_member(obj, key));
 }
 
 static JsonNode* value_node(JsonObject* obj, const char* key, const std::string& what) {
   JsonNode* node = json_object_get_member(obj, key);
-  if (!JSON_NODE_HOLDS_VALUE(node))
-    throw Error(what + ": field '" + key + "' is not a JSON scalar");
+  if (!JSON_NODE_HOLDS_VALUE(node)) throw Error(what + ": field '" + key + "' is not a JSON scalar");
   return node;
 }
 
@@ -99,21 +96,18 @@ double get_double_or(JsonObject* obj, const char* key, double fallback, const st
 bool get_bool_or(JsonObject* obj, const char* key, bool fallback, const std::string& what) {
   if (!has_member(obj, key)) return fallback;
   JsonNode* node = value_node(obj, key, what);
-  if (json_node_get_value_type(node) != G_TYPE_BOOLEAN)
-    throw Error(what + ": field '" + key + "' is not a boolean");
+  if (json_node_get_value_type(node) != G_TYPE_BOOLEAN) throw Error(what + ": field '" + key + "' is not a boolean");
   return json_node_get_boolean(node);
 }
 
 std::string get_string(JsonObject* obj, const char* key, const std::string& what) {
   if (!has_member(obj, key)) throw Error(what + ": missing field '" + key + "'");
   JsonNode* node = value_node(obj, key, what);
-  if (json_node_get_value_type(node) != G_TYPE_STRING)
-    throw Error(what + ": field '" + key + "' is not a string");
+  if (json_node_get_value_type(node) != G_TYPE_STRING) throw Error(what + ": field '" + key + "' is not a string");
   return json_node_get_string(node);
 }
 
-std::string get_string_or(JsonObject* obj, const char* key, const std::string& fallback,
-                          const std::string& what) {
+std::string get_string_or(JsonObject* obj, const char* key, const std::string& fallback, const std::string& what) {
   return has_member(obj, key) ? get_string(obj, key, what) : fallback;
 }
 
@@ -124,8 +118,7 @@ JsonObject* get_object_or_null(JsonObject* obj, const char* key, const std::stri
   return json_node_get_object(node);
 }
 
-std::vector<double> get_double_array_or(JsonObject* obj, const char* key,
-                                        const std::vector<double>& fallback,
+std::vector<double> get_double_array_or(JsonObject* obj, const char* key, const std::vector<double>& fallback,
                                         const std::string& what) {
   if (!has_member(obj, key)) return fallback;
   JsonNode* node = json_object_get_member(obj, key);
@@ -136,9 +129,12 @@ std::vector<double> get_double_array_or(JsonObject* obj, const char* key,
     JsonNode* el = json_array_get_element(arr, i);
     if (!JSON_NODE_HOLDS_VALUE(el)) throw Error(what + ": field '" + key + "' has a non-number");
     GType t = json_node_get_value_type(el);
-    if (t == G_TYPE_DOUBLE) out.push_back(json_node_get_double(el));
-    else if (t == G_TYPE_INT64) out.push_back(static_cast<double>(json_node_get_int(el)));
-    else throw Error(what + ": field '" + key + "' has a non-number");
+    if (t == G_TYPE_DOUBLE)
+      out.push_back(json_node_get_double(el));
+    else if (t == G_TYPE_INT64)
+      out.push_back(static_cast<double>(json_node_get_int(el)));
+    else
+      throw Error(what + ": field '" + key + "' has a non-number");
   }
   return out;
 }

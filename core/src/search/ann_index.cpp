@@ -19,9 +19,9 @@
 #include <utility>
 
 #include "backend.h"
-#include "compute_util.h"
+#include "runtime/compute_util.h"
 #include "cpu_ops.h"
-#include "device_buffer.h"
+#include "runtime/device_buffer.h"
 #include "moe/catalog.h"
 #include "moe/compute.h"
 #include "moe/error.h"
@@ -188,8 +188,8 @@ AnnIndex AnnIndex::create(int dim, const AnnBuildOptions& options) {
     hnsw->hnsw.efConstruction = options.ef_construction;
     return AnnIndex(std::move(hnsw), AnnIndexType::Hnsw, dim);
   } catch (const faiss::FaissException& e) {
-    throw Error("ANN index: cannot create a " + std::string(ann_index_type_name(options.type)) + " index of dimension " +
-                std::to_string(dim) + ": " + faiss_reason(e));
+    throw Error("ANN index: cannot create a " + std::string(ann_index_type_name(options.type)) +
+                " index of dimension " + std::to_string(dim) + ": " + faiss_reason(e));
   }
 }
 
@@ -255,7 +255,10 @@ std::vector<std::vector<AnnHit>> AnnIndex::search(const float* queries, int64_t 
       kernels::cpu::inner_product_topk(unit.data(), n, static_cast<const faiss::IndexFlat*>(index_.get())->get_xb(),
                                        size(), dim_, kk, labels.data(), scores.data());
     } else if (type_ == AnnIndexType::Hnsw) {
-      // FAISS 1.7.3 reads ef only from the index (see the header); HNSW returns at most ef hits.
+      // FAISS 1.7.3 accepts faiss::SearchParametersHNSW but its HNSW search ignores the efSearch
+      // in it (tests/test_ann_index.cpp checks), so ef is set on the index, under a mutex around
+      // setting and searching; batching loses little to the lock. HNSW returns at most ef hits.
+      // (FAISS also bumps faiss::hnsw_stats unsynchronised; nothing reads it.)
       auto* hnsw = static_cast<faiss::IndexHNSW*>(index_.get());
       std::lock_guard<std::mutex> lock(*search_mutex_);
       hnsw->hnsw.efSearch = static_cast<int>(std::max<int64_t>(ef_search, kk));

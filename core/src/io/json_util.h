@@ -43,12 +43,10 @@ int64_t get_int_or(JsonObject* obj, const char* key, int64_t fallback, const std
 double get_double_or(JsonObject* obj, const char* key, double fallback, const std::string& what);
 bool get_bool_or(JsonObject* obj, const char* key, bool fallback, const std::string& what);
 std::string get_string(JsonObject* obj, const char* key, const std::string& what);
-std::string get_string_or(JsonObject* obj, const char* key, const std::string& fallback,
-                          const std::string& what);
+std::string get_string_or(JsonObject* obj, const char* key, const std::string& fallback, const std::string& what);
 // Returns nullptr when the member is absent or null; throws when present but not an object.
 JsonObject* get_object_or_null(JsonObject* obj, const char* key, const std::string& what);
-std::vector<double> get_double_array_or(JsonObject* obj, const char* key,
-                                        const std::vector<double>& fallback,
+std::vector<double> get_double_array_or(JsonObject* obj, const char* key, const std::vector<double>& fallback,
                                         const std::string& what);
 
 }  // namespace moe::json

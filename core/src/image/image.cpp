@@ -8,7 +8,7 @@
 #include <cmath>
 #include <cstring>
 
-#include "json_util.h"
+#include "io/json_util.h"
 #include "moe/error.h"
 
 // The filter coefficients must round exactly as in Pillow (built without FMA contraction on
@@ -29,8 +29,8 @@ constexpr int kPrecisionBits = 32 - 8 - 2;
 void validate_image(const ImageView& image, const char* who) {
   if (image.data == nullptr) throw Error(std::string(who) + ": image data is null");
   if (image.width <= 0 || image.height <= 0)
-    throw Error(std::string(who) + ": image size " + std::to_string(image.width) + "x" +
-                std::to_string(image.height) + " is not positive");
+    throw Error(std::string(who) + ": image size " + std::to_string(image.width) + "x" + std::to_string(image.height) +
+                " is not positive");
   if (image.stride < static_cast<size_t>(image.width) * 3)
     throw Error(std::string(who) + ": row stride " + std::to_string(image.stride) +
                 " bytes is smaller than width * 3 = " + std::to_string(static_cast<size_t>(image.width) * 3));
@@ -127,7 +127,8 @@ std::vector<uint8_t> resize_rect(const ImageView& image, int out_width, int out_
   if (!need_h && !need_v) {
     for (int y = 0; y < rect.height; ++y)
       std::memcpy(&out[static_cast<size_t>(y) * out_row],
-                  image.data + static_cast<size_t>(rect.y + y) * image.stride + static_cast<size_t>(rect.x) * 3, out_row);
+                  image.data + static_cast<size_t>(rect.y + y) * image.stride + static_cast<size_t>(rect.x) * 3,
+                  out_row);
     return out;
   }
 
@@ -207,8 +208,8 @@ int checked_size(int64_t v, const char* field, const std::string& what) {
 std::vector<uint8_t> resize_bicubic_rgb8(const ImageView& image, int out_width, int out_height) {
   validate_image(image, "resize_bicubic_rgb8");
   if (out_width <= 0 || out_height <= 0)
-    throw Error("resize_bicubic_rgb8: output size " + std::to_string(out_width) + "x" +
-                std::to_string(out_height) + " is not positive");
+    throw Error("resize_bicubic_rgb8: output size " + std::to_string(out_width) + "x" + std::to_string(out_height) +
+                " is not positive");
   return resize_rect(image, out_width, out_height, PixelRect{0, 0, out_width, out_height});
 }
 
@@ -228,8 +229,9 @@ std::pair<int, int> resized_size(const ImagePreprocessConfig& cfg, int width, in
   const double new_long_f = static_cast<double>(static_cast<int64_t>(s) * long_side) / short_side;
   if (new_long_f > static_cast<double>(kMaxResizedSide))
     throw Error(what + ": a " + std::to_string(width) + "x" + std::to_string(height) + " image resized to " +
-                std::to_string(s) + " pixels on its short side would be " + std::to_string(static_cast<int64_t>(new_long_f)) +
-                " pixels long, beyond the limit of " + std::to_string(kMaxResizedSide));
+                std::to_string(s) + " pixels on its short side would be " +
+                std::to_string(static_cast<int64_t>(new_long_f)) + " pixels long, beyond the limit of " +
+                std::to_string(kMaxResizedSide));
   const int new_long = static_cast<int>(new_long_f);
   if (new_long <= 0)
     throw Error(what + ": a " + std::to_string(width) + "x" + std::to_string(height) +
@@ -267,8 +269,8 @@ void preprocess_clip_image(const ImageView& image, const ImagePreprocessConfig& 
   const int kept_x = std::max(left, 0), kept_y = std::max(top, 0);
   const PixelRect kept{kept_x, kept_y, std::min(left + ow, rw) - kept_x, std::min(top + oh, rh) - kept_y};
   std::vector<uint8_t> resized;
-  ImageView src{image.data + static_cast<size_t>(kept.y) * image.stride + static_cast<size_t>(kept.x) * 3,
-                kept.width, kept.height, image.stride};
+  ImageView src{image.data + static_cast<size_t>(kept.y) * image.stride + static_cast<size_t>(kept.x) * 3, kept.width,
+                kept.height, image.stride};
   if (rw != image.width || rh != image.height) {
     resized = resize_rect(image, rw, rh, kept);
     src = ImageView{resized.data(), kept.width, kept.height, static_cast<size_t>(kept.width) * 3};

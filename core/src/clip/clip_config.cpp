@@ -2,7 +2,7 @@
 
 #include <limits>
 
-#include "json_util.h"
+#include "io/json_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -13,9 +13,7 @@ Activation parse_activation(const std::string& name, const std::string& what) {
   throw Error(what + ": unsupported hidden_act '" + name + "' (supported: quick_gelu, gelu)");
 }
 
-const char* activation_name(Activation act) {
-  return act == Activation::QuickGelu ? "quick_gelu" : "gelu";
-}
+const char* activation_name(Activation act) { return act == Activation::QuickGelu ? "quick_gelu" : "gelu"; }
 
 namespace {
 
@@ -40,8 +38,8 @@ void read_encoder(JsonObject* obj, ClipEncoderConfig& cfg, const std::string& wh
   cfg.intermediate_size = bounded_int(obj, "intermediate_size", cfg.intermediate_size, kMaxClipWidth, what);
   cfg.num_hidden_layers = bounded_int(obj, "num_hidden_layers", cfg.num_hidden_layers, kMaxClipLayers, what);
   cfg.num_attention_heads = bounded_int(obj, "num_attention_heads", cfg.num_attention_heads, kMaxClipWidth, what);
-  cfg.hidden_act = parse_activation(
-      json::get_string_or(obj, "hidden_act", activation_name(cfg.hidden_act), what), what);
+  cfg.hidden_act =
+      parse_activation(json::get_string_or(obj, "hidden_act", activation_name(cfg.hidden_act), what), what);
   cfg.layer_norm_eps = static_cast<float>(json::get_double_or(obj, "layer_norm_eps", cfg.layer_norm_eps, what));
   if (cfg.hidden_size % cfg.num_attention_heads != 0)
     throw Error(what + ": hidden_size " + std::to_string(cfg.hidden_size) +
@@ -88,8 +86,8 @@ ClipConfig config_from_document(const json::Document& doc) {
   cfg.vision.patch_size = bounded_int(vision, "patch_size", cfg.vision.patch_size, kMaxClipImageSize, vw);
   cfg.vision.num_channels = bounded_int(vision, "num_channels", cfg.vision.num_channels, kMaxClipChannels, vw);
   if (cfg.vision.image_size % cfg.vision.patch_size != 0)
-    throw Error(vw + ": image_size " + std::to_string(cfg.vision.image_size) +
-                " is not a multiple of patch_size " + std::to_string(cfg.vision.patch_size));
+    throw Error(vw + ": image_size " + std::to_string(cfg.vision.image_size) + " is not a multiple of patch_size " +
+                std::to_string(cfg.vision.patch_size));
   return cfg;
 }
 

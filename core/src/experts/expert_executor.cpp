@@ -9,9 +9,9 @@
 #include <string>
 #include <utility>
 
-#include "compute_util.h"
+#include "runtime/compute_util.h"
 #include "cpu_ops.h"
-#include "device_buffer.h"
+#include "runtime/device_buffer.h"
 #include "moe/error.h"
 #include "moe/expert_store.h"
 #include "moe/model_cache.h"
@@ -40,7 +40,7 @@ struct ExpertExecutor::State {
   // Destroyed in reverse order: the caches (they wait for their copies), the store, the backends.
   std::vector<std::unique_ptr<kernels::Backend>> backends;
   std::unique_ptr<HostExpertStore> store;  // every routed expert, staged by backends[0]
-  std::vector<float> shared_gate;  // Qwen2-MoE: the shared expert's gate [hidden], f32 on the host
+  std::vector<float> shared_gate;          // Qwen2-MoE: the shared expert's gate [hidden], f32 on the host
   std::vector<Device> devices;
 
   mutable std::mutex placement_mu;  // guards placement and placement_changes
@@ -82,14 +82,13 @@ void check_routing(const State& st, const Routing& r) {
   const int E = st.config.num_experts;
   if (r.rows < 0 || r.top_k < 1 || r.top_k > E || r.expert_ids.size() != static_cast<size_t>(r.rows * r.top_k) ||
       r.weights.size() != r.expert_ids.size())
-    throw Error("expert executor: routing for " + std::to_string(r.rows) + " rows x top_k " +
-                std::to_string(r.top_k) + " has " + std::to_string(r.expert_ids.size()) + " ids and " +
-                std::to_string(r.weights.size()) + " weights (top_k must be 1.." + std::to_string(E) + ")");
+    throw Error("expert executor: routing for " + std::to_string(r.rows) + " rows x top_k " + std::to_string(r.top_k) +
+                " has " + std::to_string(r.expert_ids.size()) + " ids and " + std::to_string(r.weights.size()) +
+                " weights (top_k must be 1.." + std::to_string(E) + ")");
   for (size_t s = 0; s < r.expert_ids.size(); ++s)
     if (r.expert_ids[s] < 0 || r.expert_ids[s] >= E)
-      throw Error("expert executor: row " + std::to_string(s / static_cast<size_t>(r.top_k)) +
-                  " is routed to expert " + std::to_string(r.expert_ids[s]) + " outside [0, " + std::to_string(E) +
-                  ")");
+      throw Error("expert executor: row " + std::to_string(s / static_cast<size_t>(r.top_k)) + " is routed to expert " +
+                  std::to_string(r.expert_ids[s]) + " outside [0, " + std::to_string(E) + ")");
 }
 
 std::shared_ptr<void> prefetch_on(const std::shared_ptr<State>& st, const Routing& routing) {
@@ -108,7 +107,8 @@ std::shared_ptr<void> prefetch_on(const std::shared_ptr<State>& st, const Routin
   p->leases.resize(st->devices.size());
   for (size_t d = 0; d < st->devices.size(); ++d)
     if (!experts[d].empty())
-      p->leases[d] = st->devices[d].cache->prefetch(experts[d]);  // throws naming the device; earlier leases unpin with p
+      p->leases[d] =
+          st->devices[d].cache->prefetch(experts[d]);  // throws naming the device; earlier leases unpin with p
   return std::shared_ptr<void>(p.release(), PrefetchDeleter{});
 }
 
@@ -122,16 +122,16 @@ float* add_buffer(std::vector<DeviceBuffer>& into, kernels::Backend& b, size_t b
 // experts' outputs out (per input row), all in that device's memory.
 struct DeviceWork {
   size_t device = 0;
-  int64_t rows = 0;  // input rows on the device
-  int64_t k = 0;     // slots per input row: top_k when the device runs the whole batch, else 1
-  std::vector<int32_t> ids;     // expert per slot
-  std::vector<float> weights;   // routing weight per slot
+  int64_t rows = 0;              // input rows on the device
+  int64_t k = 0;                 // slots per input row: top_k when the device runs the whole batch, else 1
+  std::vector<int32_t> ids;      // expert per slot
+  std::vector<float> weights;    // routing weight per slot
   std::vector<int64_t> offsets;  // per expert, from moe_permute
-  const float* x = nullptr;     // input rows
-  float* y = nullptr;           // output rows
-  int32_t* ids_dev = nullptr;   // ids and weights on the device
+  const float* x = nullptr;      // input rows
+  float* y = nullptr;            // output rows
+  int32_t* ids_dev = nullptr;    // ids and weights on the device
   float* weights_dev = nullptr;
-  float* x_sorted = nullptr;    // rows grouped per expert
+  float* x_sorted = nullptr;  // rows grouped per expert
   int32_t* slot_of = nullptr;
   float* out_sorted = nullptr;  // their experts' outputs
   std::vector<DeviceBuffer> buf;
@@ -143,11 +143,11 @@ struct DeviceWork {
 // The buffers of one run(): declared before the work is queued and freed after every device has
 // finished, also when run() throws.
 struct Batch {
-  std::vector<DeviceBuffer> home;  // on the home device
-  std::vector<DeviceWork> work;    // per device with slots
-  std::vector<float> ones;         // per slot: unit weights for summing the weighted slots
-  std::vector<float> shared_scale;   // per row: the shared expert's gate, sigmoid(gate · x)
-  std::vector<int32_t> identity;     // per row: its own index
+  std::vector<DeviceBuffer> home;   // on the home device
+  std::vector<DeviceWork> work;     // per device with slots
+  std::vector<float> ones;          // per slot: unit weights for summing the weighted slots
+  std::vector<float> shared_scale;  // per row: the shared expert's gate, sigmoid(gate · x)
+  std::vector<int32_t> identity;    // per row: its own index
   float* alloc_home(kernels::Backend& b, size_t bytes) { return add_buffer(home, b, bytes); }
 };
 
@@ -182,8 +182,8 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   for (size_t d = 0; d < n; ++d) {
     if (!backends[d]) throw Error("expert executor: device " + std::to_string(d) + " has no backend");
     const std::string name = backends[d]->name();
-    const bool shared_name = std::count_if(backends.begin(), backends.end(),
-                                           [&](const auto& b) { return b && b->name() == name; }) > 1;
+    const bool shared_name =
+        std::count_if(backends.begin(), backends.end(), [&](const auto& b) { return b && b->name() == name; }) > 1;
     st->devices[d].name = shared_name ? name + "#" + std::to_string(d) : name;
     st->devices[d].backend = backends[d].get();
   }
@@ -234,8 +234,8 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   st->placement_memory.resize(n);
   for (size_t d = 0; d < n; ++d) {
     st->placement_memory[d].index = static_cast<int>(d);
-    const size_t share = oversubscribed ? (slots[d] * static_cast<size_t>(E) + total_slots - 1) / total_slots + 1
-                                        : slots[d];
+    const size_t share =
+        oversubscribed ? (slots[d] * static_cast<size_t>(E) + total_slots - 1) / total_slots + 1 : slots[d];
     st->placement_memory[d].free_bytes = share * slot;
   }
   st->placement = std::make_shared<const ExpertPlacement>(plan_expert_placement(
@@ -245,7 +245,8 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   for (int e = 0; e < E; ++e) po.primary.push_back(st->placement->devices_of(e)[0]);
 
   // One staging copy of the experts; a cache per device.
-  st->store = std::make_unique<HostExpertStore>(HostExpertStore::from_layer(*st->backends[0], layer, options.precision));
+  st->store =
+      std::make_unique<HostExpertStore>(HostExpertStore::from_layer(*st->backends[0], layer, options.precision));
   ExpertCacheOptions co;
   co.admission_wait = options.admission_wait;
   for (State::Device& dev : st->devices) {
@@ -377,8 +378,8 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       out_by_device = batch.alloc_home(hb, static_cast<size_t>(N * K * D) * fbytes);
       slot_of_device = reinterpret_cast<int32_t*>(batch.alloc_home(hb, device_of.size() * ibytes));
       hb.copy_from_host(device_ids, device_of.data(), device_of.size() * ibytes);
-      device_offsets = hb.moe_permute(device_ids, N, K, static_cast<int64_t>(slots.size()), x_home, D, x_by_device,
-                                      slot_of_device);
+      device_offsets =
+          hb.moe_permute(device_ids, N, K, static_cast<int64_t>(slots.size()), x_home, D, x_by_device, slot_of_device);
     }
     // 2. Each device with slots gets its rows and groups them per expert (moe_permute
     //    returns the offsets on the host, so it waits for that device's queue).
@@ -448,7 +449,8 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       hb.copy_from_host(unit, batch.ones.data(), batch.ones.size() * fbytes);
       hb.moe_unpermute(out_by_device, slot_of_device, unit, N, K, D, y_home);
     }
-    if (st.config.shared_expert_intermediate_size > 0 && N > 0) {  // Qwen2-MoE: + sigmoid(gate · x) · shared(x), on home
+    if (st.config.shared_expert_intermediate_size > 0 &&
+        N > 0) {  // Qwen2-MoE: + sigmoid(gate · x) · shared(x), on home
       const int64_t S = st.config.shared_expert_intermediate_size;
       batch.shared_scale.resize(static_cast<size_t>(N));
       kernels::cpu::linear(x.data<float>(), {st.shared_gate.data(), kernels::WeightType::F32}, nullptr,
@@ -492,9 +494,8 @@ bool ExpertExecutor::rebalance(const std::vector<int64_t>& expert_load) {
   if (expert_load.size() != static_cast<size_t>(st.config.num_experts))
     throw Error("expert executor: rebalance with " + std::to_string(expert_load.size()) + " expert loads for " +
                 std::to_string(st.config.num_experts) + " experts");
-  auto next = std::make_shared<const ExpertPlacement>(
-      plan_expert_placement(st.placement_memory, std::vector<size_t>(expert_load.size(), st.slot_bytes), expert_load,
-                            st.placement_options));
+  auto next = std::make_shared<const ExpertPlacement>(plan_expert_placement(
+      st.placement_memory, std::vector<size_t>(expert_load.size(), st.slot_bytes), expert_load, st.placement_options));
   std::lock_guard<std::mutex> lock(st.placement_mu);
   bool same = true;
   for (int e = 0; e < st.config.num_experts && same; ++e) same = next->devices_of(e) == st.placement->devices_of(e);

@@ -25,10 +25,14 @@ std::string quote(const std::string& s) { return "'" + s + "'"; }
 
 const char* json_type_name(JsonNode* node) {
   switch (JSON_NODE_TYPE(node)) {
-    case JSON_NODE_OBJECT: return "an object";
-    case JSON_NODE_ARRAY: return "an array";
-    case JSON_NODE_NULL: return "null";
-    case JSON_NODE_VALUE: break;
+    case JSON_NODE_OBJECT:
+      return "an object";
+    case JSON_NODE_ARRAY:
+      return "an array";
+    case JSON_NODE_NULL:
+      return "null";
+    case JSON_NODE_VALUE:
+      break;
   }
   const GType type = json_node_get_value_type(node);
   if (type == G_TYPE_STRING) return "a string";
@@ -151,8 +155,8 @@ class RequestParser {
     JsonNode* k = json_object_get_member(object_, "k");
     if (!k) return;
     const bool integer = JSON_NODE_HOLDS_VALUE(k) && json_node_get_value_type(k) == G_TYPE_INT64;
-    const std::string range = "k must be an integer from " + std::to_string(kMinQueryK) + " to " +
-                              std::to_string(kMaxQueryK);
+    const std::string range =
+        "k must be an integer from " + std::to_string(kMinQueryK) + " to " + std::to_string(kMaxQueryK);
     if (!integer) reject(range + " (got " + json_type_name(k) + ")");
     const gint64 value = json_node_get_int(k);
     if (value < kMinQueryK || value > kMaxQueryK) reject(range + " (got " + std::to_string(value) + ")");
@@ -206,7 +210,8 @@ bool is_within(const std::string& path, const std::string& root) {
 // The local path an "image" value names: a path, or a file:// uri.
 std::string image_path(const std::string& image) {
   if (image.find("://") == std::string::npos) return image;
-  if (image.rfind("file://", 0) != 0) throw Error("image " + quote(image) + " is neither a local path nor a file:// uri");
+  if (image.rfind("file://", 0) != 0)
+    throw Error("image " + quote(image) + " is neither a local path nor a file:// uri");
   GError* error = nullptr;
   gchar* path = g_filename_from_uri(image.c_str(), nullptr, &error);
   if (!path) {

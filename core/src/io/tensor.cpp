@@ -11,14 +11,22 @@ namespace moe {
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::F32: return "f32";
-    case DType::F16: return "f16";
-    case DType::BF16: return "bf16";
-    case DType::I64: return "i64";
-    case DType::I32: return "i32";
-    case DType::I8: return "i8";
-    case DType::U8: return "u8";
-    case DType::I4: return "i4";
+    case DType::F32:
+      return "f32";
+    case DType::F16:
+      return "f16";
+    case DType::BF16:
+      return "bf16";
+    case DType::I64:
+      return "i64";
+    case DType::I32:
+      return "i32";
+    case DType::I8:
+      return "i8";
+    case DType::U8:
+      return "u8";
+    case DType::I4:
+      return "i4";
   }
   return "?";
 }
@@ -26,11 +34,19 @@ const char* dtype_name(DType dtype) {
 size_t dtype_storage_bytes(DType dtype, int64_t numel) {
   const size_t n = static_cast<size_t>(numel);
   switch (dtype) {
-    case DType::F32: case DType::I32: return n * 4;
-    case DType::I64: return n * 8;
-    case DType::F16: case DType::BF16: return n * 2;
-    case DType::I8: case DType::U8: return n;
-    case DType::I4: return (n + 1) / 2;
+    case DType::F32:
+    case DType::I32:
+      return n * 4;
+    case DType::I64:
+      return n * 8;
+    case DType::F16:
+    case DType::BF16:
+      return n * 2;
+    case DType::I8:
+    case DType::U8:
+      return n;
+    case DType::I4:
+      return (n + 1) / 2;
   }
   return 0;
 }
@@ -49,9 +65,7 @@ std::string shape_to_string(const Shape& shape) {
   return ss.str();
 }
 
-std::string Placement::to_string() const {
-  return kind == DeviceKind::Host ? "host" : "cuda:" + std::to_string(index);
-}
+std::string Placement::to_string() const { return kind == DeviceKind::Host ? "host" : "cuda:" + std::to_string(index); }
 
 namespace {
 struct AlignedFree {
@@ -75,8 +89,7 @@ Tensor Tensor::zeros(DType dtype, Shape shape) {
   return t;
 }
 
-Tensor Tensor::view(DType dtype, Shape shape, void* data, std::shared_ptr<const void> owner,
-                    Placement placement) {
+Tensor Tensor::view(DType dtype, Shape shape, void* data, std::shared_ptr<const void> owner, Placement placement) {
   Tensor t;
   t.dtype_ = dtype;
   t.shape_ = std::move(shape);
@@ -89,26 +102,22 @@ Tensor Tensor::view(DType dtype, Shape shape, void* data, std::shared_ptr<const 
 int64_t Tensor::dim(int64_t i) const {
   const int64_t r = rank();
   if (i < 0) i += r;
-  if (i < 0 || i >= r)
-    throw Error("Tensor::dim: index out of range for " + describe());
+  if (i < 0 || i >= r) throw Error("Tensor::dim: index out of range for " + describe());
   return shape_[static_cast<size_t>(i)];
 }
 
 void Tensor::check_access(DType want) const {
-  if (want != dtype_)
-    throw Error(std::string("tensor access as ") + dtype_name(want) + " but tensor is " + describe());
+  if (want != dtype_) throw Error(std::string("tensor access as ") + dtype_name(want) + " but tensor is " + describe());
   if (!is_host()) throw Error("host access to device tensor " + describe());
 }
 
 void Tensor::check_numel(size_t n) const {
   if (static_cast<int64_t>(n) != numel())
-    throw Error("tensor of shape " + shape_to_string(shape_) + " cannot hold " +
-                std::to_string(n) + " values");
+    throw Error("tensor of shape " + shape_to_string(shape_) + " cannot hold " + std::to_string(n) + " values");
 }
 
 Tensor Tensor::reshape(Shape shape) const {
-  if (shape_numel(shape) != numel())
-    throw Error("cannot reshape " + describe() + " to " + shape_to_string(shape));
+  if (shape_numel(shape) != numel()) throw Error("cannot reshape " + describe() + " to " + shape_to_string(shape));
   Tensor t = *this;
   t.shape_ = std::move(shape);
   return t;
@@ -116,8 +125,8 @@ Tensor Tensor::reshape(Shape shape) const {
 
 Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
   if (rank() < 1 || begin < 0 || end < begin || end > shape_[0])
-    throw Error("slice_rows [" + std::to_string(begin) + "," + std::to_string(end) +
-                ") out of range for " + describe());
+    throw Error("slice_rows [" + std::to_string(begin) + "," + std::to_string(end) + ") out of range for " +
+                describe());
   if (dtype_ == DType::I4) throw Error("slice_rows of packed int4 tensor " + describe());
   Tensor t = *this;
   const int64_t row_elems = rank() > 1 ? shape_numel(Shape(shape_.begin() + 1, shape_.end())) : 1;
@@ -172,7 +181,8 @@ Tensor Tensor::to_f32() const {
       }
       break;
     }
-    case DType::F32: break;
+    case DType::F32:
+      break;
   }
   return out;
 }

@@ -37,7 +37,8 @@ void on_size_prepared(GdkPixbufLoader* loader, gint width, gint height, gpointer
 
 void on_area_updated(GdkPixbufLoader*, gint, gint y, gint, gint height, gpointer data) {
   auto* progress = static_cast<LoadProgress*>(data);
-  const int64_t end = std::min<int64_t>(static_cast<int64_t>(y) + height, static_cast<int64_t>(progress->rows_done.size()));
+  const int64_t end =
+      std::min<int64_t>(static_cast<int64_t>(y) + height, static_cast<int64_t>(progress->rows_done.size()));
   for (int64_t r = std::max(y, 0); r < end; ++r) progress->rows_done[static_cast<size_t>(r)] = true;
 }
 
@@ -46,8 +47,8 @@ void on_area_updated(GdkPixbufLoader*, gint, gint y, gint, gint height, gpointer
 bool png_has_iend(const uint8_t* data, size_t size) {
   constexpr size_t kSignature = 8, kChunkOverhead = 12;  // length, type, CRC
   for (size_t at = kSignature; at + kChunkOverhead <= size;) {
-    const uint32_t length = (uint32_t{data[at]} << 24) | (uint32_t{data[at + 1]} << 16) |
-                            (uint32_t{data[at + 2]} << 8) | data[at + 3];
+    const uint32_t length =
+        (uint32_t{data[at]} << 24) | (uint32_t{data[at + 1]} << 16) | (uint32_t{data[at + 2]} << 8) | data[at + 3];
     if (std::memcmp(data + at + 4, "IEND", 4) == 0) return true;
     if (length > size - at - kChunkOverhead) return false;
     at += kChunkOverhead + length;
@@ -177,7 +178,8 @@ RgbImage decode_image(const uint8_t* data, size_t size, const std::string& what)
   const std::string format_name = name != nullptr ? name : "";
   g_free(name);
   const std::string missing = truncation(format_name, data, size, progress);
-  if (!missing.empty()) fail("truncated " + format_name + " image data (" + missing + ": the file ends before the image does)");
+  if (!missing.empty())
+    fail("truncated " + format_name + " image data (" + missing + ": the file ends before the image does)");
   GdkPixbuf* pixbuf = gdk_pixbuf_loader_get_pixbuf(loader);
   if (pixbuf == nullptr) fail("corrupt or truncated image data (no image decoded)");
   const int channels = gdk_pixbuf_get_n_channels(pixbuf);

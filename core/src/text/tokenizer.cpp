@@ -16,7 +16,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "json_util.h"
+#include "io/json_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -83,6 +83,8 @@ std::string encode_utf8(const U32& s) {
 
 // Windows-1252 for 0x80..0x9F, with the five unassigned bytes kept as the C1 code point (this is
 // ftfy's "sloppy-windows-1252", and also what Python's html.unescape uses for &#128;..&#159;).
+// Tables keep their rows.
+// clang-format off
 constexpr char32_t kCp1252High[32] = {
     0x20AC, 0x0081, 0x201A, 0x0192, 0x201E, 0x2026, 0x2020, 0x2021,
     0x02C6, 0x2030, 0x0160, 0x2039, 0x0152, 0x008D, 0x017D, 0x008F,
@@ -151,6 +153,7 @@ constexpr NamedEntity kHtmlEntities[] = {
     {"lang", 0x27E8}, {"rang", 0x27E9},
     {"loz", 9674}, {"spades", 9824}, {"clubs", 9827}, {"hearts", 9829}, {"diams", 9830},
 };
+// clang-format on
 
 const std::unordered_map<std::string, char32_t>& html_entity_map() {
   static const std::unordered_map<std::string, char32_t> map = [] {
@@ -161,9 +164,7 @@ const std::unordered_map<std::string, char32_t>& html_entity_map() {
   return map;
 }
 
-bool is_ascii_alnum(char32_t c) {
-  return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z');
-}
+bool is_ascii_alnum(char32_t c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 bool is_ascii_alpha(char32_t c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 
 // Python's str.upper() for one character (ß is the only entity whose upper case is two).
@@ -210,12 +211,16 @@ bool decode_numeric_entity(const std::string& body, U32& out) {
   for (size_t i = start; i < body.size(); ++i) {
     char c = body[i];
     uint32_t d;
-    if (c >= '0' && c <= '9') d = static_cast<uint32_t>(c - '0');
-    else if (hex && c >= 'a' && c <= 'f') d = static_cast<uint32_t>(c - 'a' + 10);
-    else if (hex && c >= 'A' && c <= 'F') d = static_cast<uint32_t>(c - 'A' + 10);
+    if (c >= '0' && c <= '9')
+      d = static_cast<uint32_t>(c - '0');
+    else if (hex && c >= 'a' && c <= 'f')
+      d = static_cast<uint32_t>(c - 'a' + 10);
+    else if (hex && c >= 'A' && c <= 'F')
+      d = static_cast<uint32_t>(c - 'A' + 10);
     // html.unescape would decode only a prefix, leaving text with the ';' in it: ftfy then
     // keeps the original reference.
-    else return false;
+    else
+      return false;
     // Saturate: anything above U+10FFFF decodes to U+FFFD anyway.
     value = value > 0x110000 ? 0x110001 : value * (hex ? 16 : 10) + d;
   }
@@ -228,8 +233,8 @@ bool decode_numeric_entity(const std::string& body, U32& out) {
     out.push_back(kCp1252High[value - 0x80]);
   } else if ((value >= 0xD800 && value <= 0xDFFF) || value > 0x10FFFF) {
     out.push_back(0xFFFD);
-  } else if ((value >= 0x01 && value <= 0x08) || value == 0x0B || (value >= 0x0E && value <= 0x1F) ||
-             value == 0x7F || (value >= 0xFDD0 && value <= 0xFDEF) || (value & 0xFFFE) == 0xFFFE) {
+  } else if ((value >= 0x01 && value <= 0x08) || value == 0x0B || (value >= 0x0E && value <= 0x1F) || value == 0x7F ||
+             (value >= 0xFDD0 && value <= 0xFDEF) || (value & 0xFFFE) == 0xFFFE) {
     // HTML5 "invalid code points" decode to nothing.
   } else if (value == ';') {
     return false;  // ftfy keeps a reference whose decoding still contains ';'
@@ -263,8 +268,10 @@ U32 unescape_html(const U32& s) {
     for (size_t m = j; m < k; ++m) name.push_back(static_cast<char>(s[m]));
     U32 repl;
     bool ok = numeric ? decode_numeric_entity(name, repl) : decode_named_entity(name, repl);
-    if (ok) out += repl;
-    else out.append(s, i, k - i + 1);
+    if (ok)
+      out += repl;
+    else
+      out.append(s, i, k - i + 1);
     i = k;  // past the ';'
   }
   return out;
@@ -283,29 +290,74 @@ U32 fix_latin_ligatures(const U32& s) {
   out.reserve(s.size());
   for (char32_t c : s) {
     switch (c) {
-      case 0x0132: out += U"IJ"; break;
-      case 0x0133: out += U"ij"; break;
-      case 0x0149: out += U"\u02BCn"; break;
-      case 0x01F1: out += U"DZ"; break;
-      case 0x01F2: out += U"Dz"; break;
-      case 0x01F3: out += U"dz"; break;
-      case 0x01C4: out += U"D\u017D"; break;
-      case 0x01C5: out += U"D\u017E"; break;
-      case 0x01C6: out += U"d\u017E"; break;
-      case 0x01C7: out += U"LJ"; break;
-      case 0x01C8: out += U"Lj"; break;
-      case 0x01C9: out += U"lj"; break;
-      case 0x01CA: out += U"NJ"; break;
-      case 0x01CB: out += U"Nj"; break;
-      case 0x01CC: out += U"nj"; break;
-      case 0xFB00: out += U"ff"; break;
-      case 0xFB01: out += U"fi"; break;
-      case 0xFB02: out += U"fl"; break;
-      case 0xFB03: out += U"ffi"; break;
-      case 0xFB04: out += U"ffl"; break;
-      case 0xFB05: out += U"\u017Ft"; break;
-      case 0xFB06: out += U"st"; break;
-      default: out.push_back(c);
+      case 0x0132:
+        out += U"IJ";
+        break;
+      case 0x0133:
+        out += U"ij";
+        break;
+      case 0x0149:
+        out += U"\u02BCn";
+        break;
+      case 0x01F1:
+        out += U"DZ";
+        break;
+      case 0x01F2:
+        out += U"Dz";
+        break;
+      case 0x01F3:
+        out += U"dz";
+        break;
+      case 0x01C4:
+        out += U"D\u017D";
+        break;
+      case 0x01C5:
+        out += U"D\u017E";
+        break;
+      case 0x01C6:
+        out += U"d\u017E";
+        break;
+      case 0x01C7:
+        out += U"LJ";
+        break;
+      case 0x01C8:
+        out += U"Lj";
+        break;
+      case 0x01C9:
+        out += U"lj";
+        break;
+      case 0x01CA:
+        out += U"NJ";
+        break;
+      case 0x01CB:
+        out += U"Nj";
+        break;
+      case 0x01CC:
+        out += U"nj";
+        break;
+      case 0xFB00:
+        out += U"ff";
+        break;
+      case 0xFB01:
+        out += U"fi";
+        break;
+      case 0xFB02:
+        out += U"fl";
+        break;
+      case 0xFB03:
+        out += U"ffi";
+        break;
+      case 0xFB04:
+        out += U"ffl";
+        break;
+      case 0xFB05:
+        out += U"\u017Ft";
+        break;
+      case 0xFB06:
+        out += U"st";
+        break;
+      default:
+        out.push_back(c);
     }
   }
   return out;
@@ -351,8 +403,10 @@ U32 fix_character_width(const U32& s) {
 U32 uncurl_quotes(const U32& s) {
   U32 out(s);
   for (char32_t& c : out) {
-    if (c == 0x02BC || (c >= 0x2018 && c <= 0x201B)) c = '\'';
-    else if (c >= 0x201C && c <= 0x201F) c = '"';
+    if (c == 0x02BC || (c >= 0x2018 && c <= 0x201B))
+      c = '\'';
+    else if (c >= 0x201C && c <= 0x201F)
+      c = '"';
   }
   return out;
 }
@@ -397,8 +451,8 @@ U32 remove_terminal_escapes(const U32& s) {
 // Invisible controls ftfy drops: C0 except \t \n \f \r, DEL, deprecated Arabic format
 // controls, BOM / zero-width no-break space, interlinear annotation and U+FFFC.
 bool is_removed_control(char32_t c) {
-  return c <= 0x08 || c == 0x0B || (c >= 0x0E && c <= 0x1F) || c == 0x7F ||
-         (c >= 0x206A && c <= 0x206F) || c == 0xFEFF || (c >= 0xFFF9 && c <= 0xFFFC);
+  return c <= 0x08 || c == 0x0B || (c >= 0x0E && c <= 0x1F) || c == 0x7F || (c >= 0x206A && c <= 0x206F) ||
+         c == 0xFEFF || (c >= 0xFFF9 && c <= 0xFFFC);
 }
 
 U32 remove_control_chars(const U32& s) {
@@ -434,8 +488,8 @@ size_t altered_utf8_at(const std::string& s, size_t i) {
   if (b >= 0xE0 && b <= 0xE3 && is_cont_not_85_a0(at(1)) && at(2) == ' ') return 3;
   if (b == 0xF0) {
     const int spaces = (at(1) == ' ') + (at(2) == ' ') + (at(3) == ' ');
-    const bool rest = (at(1) == ' ' || is_cont(at(1))) && (at(2) == ' ' || is_cont(at(2))) &&
-                      (at(3) == ' ' || is_cont(at(3)));
+    const bool rest =
+        (at(1) == ' ' || is_cont(at(1))) && (at(2) == ' ' || is_cont(at(2))) && (at(3) == ' ' || is_cont(at(3)));
     if (spaces == 1 && rest) return 4;
   }
   return 0;
@@ -572,8 +626,7 @@ bool is_regex_space(char32_t c) {
   if ((c >= 0x09 && c <= 0x0D) || c == 0x20 || c == 0x85) return true;
   if (c < 0x80) return false;
   GUnicodeType t = g_unichar_type(c);
-  return t == G_UNICODE_SPACE_SEPARATOR || t == G_UNICODE_LINE_SEPARATOR ||
-         t == G_UNICODE_PARAGRAPH_SEPARATOR;
+  return t == G_UNICODE_SPACE_SEPARATOR || t == G_UNICODE_LINE_SEPARATOR || t == G_UNICODE_PARAGRAPH_SEPARATOR;
 }
 
 // Python's str.isspace() (used by str.strip()) also counts the information separators.
@@ -611,9 +664,23 @@ bool is_case_ignorable(char32_t c) {
       break;
   }
   switch (c) {
-    case 0x27: case 0x2E: case 0x3A: case 0xB7: case 0x387: case 0x55F: case 0x5F4:
-    case 0x2018: case 0x2019: case 0x2024: case 0x2027: case 0xFE13: case 0xFE52:
-    case 0xFE55: case 0xFF07: case 0xFF0E: case 0xFF1A:
+    case 0x27:
+    case 0x2E:
+    case 0x3A:
+    case 0xB7:
+    case 0x387:
+    case 0x55F:
+    case 0x5F4:
+    case 0x2018:
+    case 0x2019:
+    case 0x2024:
+    case 0x2027:
+    case 0xFE13:
+    case 0xFE52:
+    case 0xFE55:
+    case 0xFF07:
+    case 0xFF0E:
+    case 0xFF1A:
       return true;
     default:
       return false;
@@ -621,25 +688,20 @@ bool is_case_ignorable(char32_t c) {
 }
 
 // Roman numerals (Nl) and circled letters (So) have case mappings, but GLib only maps letters.
-bool is_other_uppercase_with_lower(char32_t c) {
-  return (c >= 0x2160 && c <= 0x216F) || (c >= 0x24B6 && c <= 0x24CF);
-}
-bool is_other_lowercase_with_upper(char32_t c) {
-  return (c >= 0x2170 && c <= 0x217F) || (c >= 0x24D0 && c <= 0x24E9);
-}
+bool is_other_uppercase_with_lower(char32_t c) { return (c >= 0x2160 && c <= 0x216F) || (c >= 0x24B6 && c <= 0x24CF); }
+bool is_other_lowercase_with_upper(char32_t c) { return (c >= 0x2170 && c <= 0x217F) || (c >= 0x24D0 && c <= 0x24E9); }
 
 // Unicode's Cased, approximated as "a cased letter, or has a case mapping" (covers Ⓐ, Ⅰ...).
 bool is_cased(char32_t c) {
   GUnicodeType t = g_unichar_type(c);
-  if (t == G_UNICODE_UPPERCASE_LETTER || t == G_UNICODE_LOWERCASE_LETTER ||
-      t == G_UNICODE_TITLECASE_LETTER)
+  if (t == G_UNICODE_UPPERCASE_LETTER || t == G_UNICODE_LOWERCASE_LETTER || t == G_UNICODE_TITLECASE_LETTER)
     return true;
   // Other_Lowercase / Other_Uppercase characters that are neither letters nor case-ignorable.
   if (c == 0xAA || c == 0xBA || (c >= 0x1F130 && c <= 0x1F149) || (c >= 0x1F150 && c <= 0x1F169) ||
       (c >= 0x1F170 && c <= 0x1F189))
     return true;
-  return is_other_uppercase_with_lower(c) || is_other_lowercase_with_upper(c) ||
-         g_unichar_tolower(c) != c || g_unichar_toupper(c) != c;
+  return is_other_uppercase_with_lower(c) || is_other_lowercase_with_upper(c) || g_unichar_tolower(c) != c ||
+         g_unichar_toupper(c) != c;
 }
 
 // CPython's Final_Sigma rule: Σ becomes ς after a cased letter (skipping case-ignorables) and
@@ -734,8 +796,8 @@ bool match_literal_ci(const U32& s, size_t i, std::string_view lit) {
 // CLIP's pattern, alternatives tried in order at each position:
 //   <\|startoftext\|>|<\|endoftext\|>|'s|'t|'re|'ve|'m|'ll|'d|[\p{L}]+|[\p{N}]|[^\s\p{L}\p{N}]+
 std::vector<U32> pre_tokenize(const U32& s) {
-  static constexpr std::string_view kLiterals[] = {"<|startoftext|>", "<|endoftext|>", "'s", "'t",
-                                                   "'re", "'ve", "'m", "'ll", "'d"};
+  static constexpr std::string_view kLiterals[] = {
+      "<|startoftext|>", "<|endoftext|>", "'s", "'t", "'re", "'ve", "'m", "'ll", "'d"};
   std::vector<U32> out;
   const size_t n = s.size();
   size_t i = 0;
@@ -946,8 +1008,7 @@ void load_merges(const std::string& path, std::unordered_map<std::string, int32_
     std::string_view line = text.substr(pos, end - pos);
     pos = end + 1;
     if (line_no == 0) {
-      if (line.substr(0, 8) != "#version")
-        throw Error(path + ": first line is not a '#version' header");
+      if (line.substr(0, 8) != "#version") throw Error(path + ": first line is not a '#version' header");
       ++line_no;
       continue;
     }
@@ -961,8 +1022,8 @@ void load_merges(const std::string& path, std::unordered_map<std::string, int32_
         strip_ascii_ws(b);
       }
       if (b.empty() || b.find_first_of(" \t") != std::string_view::npos)
-        throw Error(path + ": line " + std::to_string(line_no + 1) +
-                    ": expected two space-separated symbols, got '" + std::string(line) + "'");
+        throw Error(path + ": line " + std::to_string(line_no + 1) + ": expected two space-separated symbols, got '" +
+                    std::string(line) + "'");
       std::string key;
       key.append(a).push_back(' ');
       key.append(b);
@@ -976,8 +1037,7 @@ void load_merges(const std::string& path, std::unordered_map<std::string, int32_
 
 }  // namespace
 
-ClipTokenizer ClipTokenizer::from_files(const std::string& vocab_json_path,
-                                        const std::string& merges_txt_path) {
+ClipTokenizer ClipTokenizer::from_files(const std::string& vocab_json_path, const std::string& merges_txt_path) {
   auto impl = std::make_unique<Impl>();
   load_vocab(vocab_json_path, impl->vocab);
   load_merges(merges_txt_path, impl->bpe_ranks);
@@ -1054,7 +1114,7 @@ std::vector<int32_t> ClipTokenizer::encode(std::string_view utf8_text, size_t ma
 }
 
 std::vector<std::vector<int32_t>> ClipTokenizer::encode_batch(const std::vector<std::string>& texts,
-                                                               size_t max_length) const {
+                                                              size_t max_length) const {
   std::vector<std::vector<int32_t>> out;
   out.reserve(texts.size());
   for (const auto& t : texts) out.push_back(encode(t, max_length));

@@ -4,7 +4,7 @@
 #include <string>
 #include <utility>
 
-#include "compute_util.h"
+#include "runtime/compute_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -17,9 +17,12 @@ size_t round_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 const char* matrix_name(ExpertMatrix which) {
   switch (which) {
-    case ExpertMatrix::W1: return "w1";
-    case ExpertMatrix::W3: return "w3";
-    case ExpertMatrix::W2: return "w2";
+    case ExpertMatrix::W1:
+      return "w1";
+    case ExpertMatrix::W3:
+      return "w3";
+    case ExpertMatrix::W2:
+      return "w2";
   }
   return "?";
 }
@@ -27,7 +30,9 @@ const char* matrix_name(ExpertMatrix which) {
 // Writes `src` (host f32, `n` values) into `dst` in `type`.
 void convert_into(const float* src, int64_t n, WeightType type, unsigned char* dst) {
   switch (type) {
-    case WeightType::F32: std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float)); return;
+    case WeightType::F32:
+      std::memcpy(dst, src, static_cast<size_t>(n) * sizeof(float));
+      return;
     case WeightType::F16:
       for (int64_t i = 0; i < n; ++i) {
         const uint16_t h = float_to_half(src[i]);
@@ -51,8 +56,7 @@ HostExpertStore::HostExpertStore(kernels::Backend& backend, WeightType type, int
     : backend_(&backend), type_(type), num_experts_(num_experts), hidden_(hidden), intermediate_(intermediate) {
   if (num_experts <= 0 || hidden <= 0 || intermediate <= 0)
     throw Error("HostExpertStore: num_experts (" + std::to_string(num_experts) + "), hidden (" +
-                std::to_string(hidden) + ") and intermediate (" + std::to_string(intermediate) +
-                ") must be positive");
+                std::to_string(hidden) + ") and intermediate (" + std::to_string(intermediate) + ") must be positive");
   blob_bytes_ = blob_bytes(type, hidden, intermediate);
   const size_t stride = blob_bytes_ / 3;
   offsets_[0] = 0;

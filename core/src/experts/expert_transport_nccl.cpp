@@ -103,9 +103,9 @@ class NcclTransport final : public ExpertTransport {
         counts_capacity_ = need;
       }
       // The stream is idle (the previous collective was awaited): this copy does not block on it.
-      check_cuda(cudaMemcpyAsync(counts_, send_counts.data(), n * per * sizeof(int64_t), cudaMemcpyHostToDevice,
-                                 stream_),
-                 "cudaMemcpyAsync", rank_);
+      check_cuda(
+          cudaMemcpyAsync(counts_, send_counts.data(), n * per * sizeof(int64_t), cudaMemcpyHostToDevice, stream_),
+          "cudaMemcpyAsync", rank_);
       NcclGroup group(rank_);
       for (int p = 0; p < world_; ++p) {
         check_nccl(ncclSend(counts_ + p * per, per, ncclInt64, p, comm_, stream_), "ncclSend", rank_);
@@ -116,9 +116,9 @@ class NcclTransport final : public ExpertTransport {
     // After the wait, on the idle stream: the copy back cannot block on a collective that never
     // completes.
     or_abort([&] {
-      check_cuda(cudaMemcpyAsync(recv.data(), counts_ + n * per, n * per * sizeof(int64_t), cudaMemcpyDeviceToHost,
-                                 stream_),
-                 "cudaMemcpyAsync", rank_);
+      check_cuda(
+          cudaMemcpyAsync(recv.data(), counts_ + n * per, n * per * sizeof(int64_t), cudaMemcpyDeviceToHost, stream_),
+          "cudaMemcpyAsync", rank_);
       check_cuda(cudaStreamSynchronize(stream_), "cudaStreamSynchronize", rank_);
     });
     return recv;
@@ -129,7 +129,8 @@ class NcclTransport final : public ExpertTransport {
     check_usable();
     const size_t n = static_cast<size_t>(world_);
     if (send_counts.size() != n || recv_counts.size() != n || cols <= 0)
-      throw Error("NCCL transport: all_to_all needs " + std::to_string(world_) + " send and receive counts and cols > 0");
+      throw Error("NCCL transport: all_to_all needs " + std::to_string(world_) +
+                  " send and receive counts and cols > 0");
     collective("all_to_all", [&] {
       int64_t so = 0, ro = 0;
       NcclGroup group(rank_);

@@ -14,7 +14,7 @@
 #include <set>
 #include <string_view>
 
-#include "json_util.h"
+#include "io/json_util.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -148,10 +148,11 @@ void check_data_layout(const std::string& p, std::vector<const TensorInfo*> tens
                 " at the end of the data section belong to no tensor");
   prev = nullptr;
   for (const TensorInfo* t : tensors) {
-    if (t->begin != t->end) prev = t;
+    if (t->begin != t->end)
+      prev = t;
     else if (prev != nullptr && t->begin < prev->end)
-      throw Error(p + ": empty tensor '" + t->name + "' at byte " + std::to_string(t->begin) +
-                  " lies inside tensor " + bytes(prev));
+      throw Error(p + ": empty tensor '" + t->name + "' at byte " + std::to_string(t->begin) + " lies inside tensor " +
+                  bytes(prev));
   }
 }
 
@@ -216,8 +217,8 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   return parse(bytes, size, std::move(mapped), path);
 }
 
-SafetensorsFile SafetensorsFile::parse(const uint8_t* data, size_t size,
-                                       std::shared_ptr<const void> owner, std::string name) {
+SafetensorsFile SafetensorsFile::parse(const uint8_t* data, size_t size, std::shared_ptr<const void> owner,
+                                       std::string name) {
   SafetensorsFile f;
   f.path_ = std::move(name);
   f.owner_ = std::move(owner);
@@ -229,8 +230,8 @@ SafetensorsFile SafetensorsFile::parse(const uint8_t* data, size_t size,
     throw Error(p + ": header length " + std::to_string(header_len) + " exceeds the " +
                 std::to_string(kMaxHeaderBytes) + "-byte limit");
   if (header_len > size - 8)
-    throw Error(p + ": truncated: header length " + std::to_string(header_len) +
-                " but only " + std::to_string(size - 8) + " bytes follow");
+    throw Error(p + ": truncated: header length " + std::to_string(header_len) + " but only " +
+                std::to_string(size - 8) + " bytes follow");
   const uint64_t data_size = size - 8 - header_len;
   f.data_section_ = data + 8 + header_len;
 
@@ -242,7 +243,8 @@ SafetensorsFile SafetensorsFile::parse(const uint8_t* data, size_t size,
   JsonObject* root = doc.root_object();
   const std::string nul = string_with_nul(header_text);
   if (!nul.empty())
-    throw Error(p + ": header string " + nul + " holds a NUL character, which no tensor name, dtype or metadata string may hold");
+    throw Error(p + ": header string " + nul +
+                " holds a NUL character, which no tensor name, dtype or metadata string may hold");
   const std::string repeated = repeated_key(header_text);
   if (!repeated.empty()) throw Error(p + ": " + repeated);
 
@@ -302,24 +304,21 @@ SafetensorsFile SafetensorsFile::parse(const uint8_t* data, size_t size,
       int64_t be[2];
       for (guint i = 0; i < 2; ++i) {
         JsonNode* d = json_array_get_element(offs, i);
-        if (!JSON_NODE_HOLDS_VALUE(d) || json_node_get_value_type(d) != G_TYPE_INT64 ||
-            json_node_get_int(d) < 0)
+        if (!JSON_NODE_HOLDS_VALUE(d) || json_node_get_value_type(d) != G_TYPE_INT64 || json_node_get_int(d) < 0)
           throw Error(what + ": data_offsets entry is not a non-negative integer");
         be[i] = json_node_get_int(d);
       }
       info.begin = static_cast<uint64_t>(be[0]);
       info.end = static_cast<uint64_t>(be[1]);
       if (info.begin > info.end)
-        throw Error(what + ": data_offsets begin " + std::to_string(info.begin) + " > end " +
-                    std::to_string(info.end));
+        throw Error(what + ": data_offsets begin " + std::to_string(info.begin) + " > end " + std::to_string(info.end));
       if (info.end > data_size)
-        throw Error(what + ": data_offsets end " + std::to_string(info.end) +
-                    " is past the data section (" + std::to_string(data_size) + " bytes)");
+        throw Error(what + ": data_offsets end " + std::to_string(info.end) + " is past the data section (" +
+                    std::to_string(data_size) + " bytes)");
       const uint64_t want = dtype_storage_bytes(info.dtype, numel);
       if (info.end - info.begin != want)
-        throw Error(what + ": shape " + shape_to_string(info.shape) + " of " + dt + " needs " +
-                    std::to_string(want) + " bytes but data_offsets span " +
-                    std::to_string(info.end - info.begin));
+        throw Error(what + ": shape " + shape_to_string(info.shape) + " of " + dt + " needs " + std::to_string(want) +
+                    " bytes but data_offsets span " + std::to_string(info.end - info.begin));
       f.index_.emplace(key, std::move(info));
     } catch (...) {
       g_list_free(members);
@@ -379,7 +378,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
   c.path_ = path;
   std::string target = path;
   if (is_directory(path)) {
-    if (is_file(path + "/model.safetensors")) target = path + "/model.safetensors";
+    if (is_file(path + "/model.safetensors"))
+      target = path + "/model.safetensors";
     else if (is_file(path + "/model.safetensors.index.json"))
       target = path + "/model.safetensors.index.json";
     else
@@ -453,12 +453,11 @@ Tensor Checkpoint::get(const std::string& name) const { return shard_of(name).ge
 Tensor Checkpoint::get_f32(const std::string& name, const Shape& expected) const {
   Tensor t = get(name);
   if (t.shape() != expected)
-    throw Error(file_of(name) + ": tensor '" + name + "' has shape " + shape_to_string(t.shape()) +
-                ", expected " + shape_to_string(expected));
-  if (t.dtype() == DType::I64 || t.dtype() == DType::I32 || t.dtype() == DType::I8 ||
-      t.dtype() == DType::U8)
-    throw Error(file_of(name) + ": tensor '" + name + "' has integer dtype " +
-                dtype_name(t.dtype()) + ", expected a floating-point weight");
+    throw Error(file_of(name) + ": tensor '" + name + "' has shape " + shape_to_string(t.shape()) + ", expected " +
+                shape_to_string(expected));
+  if (t.dtype() == DType::I64 || t.dtype() == DType::I32 || t.dtype() == DType::I8 || t.dtype() == DType::U8)
+    throw Error(file_of(name) + ": tensor '" + name + "' has integer dtype " + dtype_name(t.dtype()) +
+                ", expected a floating-point weight");
   return t.to_f32();
 }
 
