@@ -467,10 +467,19 @@ TEST(DecodeImage, RefusesGifFramesThatShowNothing) {
       &size);
   expect_error([&] { moe::decode_image(gif, size, "skipped.gif"); }, {"skipped.gif", "GIF frame 1 (0x2 at 0,512)"});
   g_free(gif);
-  // A frame beyond the canvas with disposal "restore to previous" (found by fuzz_image_decode).
+  // Frames beyond the canvas (found by fuzz_image_decode): with disposal "restore to previous",
+  // and with that disposal read from stale bytes behind empty control blocks.
   gif = g_base64_decode("R0lGODlhAgACAIEAAP8AAAD/AAAA/////yH5BAwAAAAALAAAAAADAAIAAAIDRDQFADs=", &size);
   expect_error([&] { moe::decode_image(gif, size, "restore.gif"); },
-               {"restore.gif", "GIF frame 1 (3x2 at 0,0) restores what it covers but reaches beyond the 2x2 canvas"});
+               {"restore.gif", "GIF frame 1 (3x2 at 0,0) reaches beyond the 2x2 canvas"});
+  g_free(gif);
+  gif = g_base64_decode(
+      "R0lGODlhAgBDAIEAAP8AaQAAAEAA//8h+QAAAAAAAGF+NAAAAMz/OGH3OQAADwD//wD//yH5AAAAAABAAP//IfkAAAAAAgBh9zkAAP//////////"
+      "//////////////////////////////////////////8AD///AP//IfkAaW1hZ2UveP8A//8AAAAAAAAA/yH5AAAAAABAAP//"
+      "IfkAAAAAAABhfjQAAADM/zhh9zkAAA8A//8A//8h+QAAAAAAQAD//yH5AAAAAAIAYfc5AAAAD///AP//IfkAaW1hZ2UveP8A//8h+QBpbWH/"
+      "IfkAAAAAAGFnZIoKYAAAACwAAAAAAoxgAgAABQA7",
+      &size);
+  expect_error([&] { moe::decode_image(gif, size, "stale.gif"); }, {"stale.gif", "reaches beyond the 2x67 canvas"});
   g_free(gif);
 }
 

@@ -167,6 +167,15 @@ def image_seeds():
         # GIF loader copies an area outside the canvas back (a GLib critical; a fuzz finding)
         "restore-previous-oversized-frame.gif": GIF[:25] + b"\x21\xf9\x04\x0c\x00\x00\x00\x00" +
         b"\x2c\x00\x00\x00\x00\x03\x00\x02\x00\x00" + GIF[43:],
+        # frames beyond the canvas whose disposal the loader reads from stale bytes behind empty
+        # graphic control blocks (found by fuzz_image_decode)
+        "stale-disposal-oversized-frame.gif": bytes.fromhex(
+            "47494638396102004300810000ff00690000004000ffff21f9000000000000617e34000000ccff3861f73900000f00ff"
+            "ff00ffff21f900000000004000ffff21f900000000020061f7390000ffffffffffffffffffffffffffffffffffffffff"
+            "ffffffffffffffffffffffffffffffffffffffff000fffff00ffff21f900696d6167652f78ff00ffff00000000000000"
+            "ff21f900000000004000ffff21f9000000000000617e34000000ccff3861f73900000f00ffff00ffff21f90000000000"
+            "4000ffff21f900000000020061f7390000000fffff00ffff21f900696d6167652f78ff00ffff21f900696d61ff21f900"
+            "000000006167648a0a600000002c00000000028c6002000005003b"),
         # the same frame behind stray bytes, which the GIF loader skips while looking for a block
         "stray-bytes-zero-width-frame.gif": bytes.fromhex(
             "47494638396102000200810000ff000000ff000000ff010000de06fc00020000002c0000000200000200000203443405003b"),

@@ -57,9 +57,11 @@ bool png_has_iend(const uint8_t* data, size_t size) {
 }
 
 // Why a GIF cannot be decoded safely, or "" (also when it ends early: the loader then reports
-// that itself). gdk-pixbuf's GIF loader clips each frame to the canvas and,
-// for a frame that lies wholly outside it, asks for a pixbuf of width 0: a GLib critical (fatal
-// where criticals are) instead of an error. PIL would draw nothing of such a frame; we refuse it.
+// that itself). gdk-pixbuf's GIF loader clips each frame to the canvas, but for a frame that lies
+// wholly outside it asks for a pixbuf of width 0, and for a frame that reaches beyond it with
+// disposal "restore to previous" copies an area outside the canvas (whether a frame has that
+// disposal depends on stale bytes when its control block is empty): GLib criticals (fatal where
+// criticals are) instead of errors. Such frames are refused, as any frame beyond the canvas is.
 std::string gif_frame_problem(const uint8_t* data, size_t size) {
   auto u16 = [&](size_t at) { return static_cast<int>(data[at] | (data[at + 1] << 8)); };
   constexpr size_t kHeader = 6, kScreen = 7, kDescriptor = 9;
@@ -72,13 +74,10 @@ std::string gif_frame_problem(const uint8_t* data, size_t size) {
     while (at < size && data[at] != 0) at += size_t{data[at]} + 1;
     ++at;
   };
-  int disposal = 0;
   for (int frame = 0; at < size;) {
     const uint8_t kind = data[at++];
     if (kind == 0x3B) break;  // trailer
     if (kind == 0x21) {       // extension: its label, then sub-blocks
-      // A graphic control extension (label 0xF9, block size 4) sets the next frame's disposal.
-      if (at + 2 < size && data[at] == 0xF9 && data[at + 1] >= 1) disposal = (data[at + 2] >> 2) & 7;
       ++at;
       skip_sub_blocks();
     } else if (kind == 0x2C) {
@@ -89,13 +88,10 @@ std::string gif_frame_problem(const uint8_t* data, size_t size) {
         return "GIF frame " + std::to_string(frame) + " (" + std::to_string(w) + "x" + std::to_string(h) + " at " +
                std::to_string(left) + "," + std::to_string(top) + ") shows nothing of the " + std::to_string(canvas_w) +
                "x" + std::to_string(canvas_h) + " canvas";
-      // "Restore to previous" makes the loader copy the frame's area of the canvas, which must lie
-      // inside it (a frame beyond the canvas is a GLib critical there).
-      if (disposal == 3 && (left + w > canvas_w || top + h > canvas_h))
+      if (left + w > canvas_w || top + h > canvas_h)
         return "GIF frame " + std::to_string(frame) + " (" + std::to_string(w) + "x" + std::to_string(h) + " at " +
-               std::to_string(left) + "," + std::to_string(top) + ") restores what it covers but reaches beyond the " +
-               std::to_string(canvas_w) + "x" + std::to_string(canvas_h) + " canvas";
-      disposal = 0;
+               std::to_string(left) + "," + std::to_string(top) + ") reaches beyond the " + std::to_string(canvas_w) +
+               "x" + std::to_string(canvas_h) + " canvas";
       at += kDescriptor + color_table(data[at + 8]) + 1;  // + the LZW code size byte
       skip_sub_blocks();
     }
