@@ -12,8 +12,17 @@
  * When the moe-expert downstream runs its experts on GPU devices (or in reduced precision),
  * moe-route starts loading each batch's experts there as soon as it has routed the batch.
  *
- * The `stats` property counts the rows and batches routed since the element started, and how
- * many rows chose each expert (expert-load).
+ * Routing policies (docs/routing.md): `temperature` divides the router logits before the softmax;
+ * `balance=bias` steers selection away from overloaded experts with a per-expert bias moved by
+ * `balance-rate` after every batch (the weights stay the router's probabilities); `explore` gives
+ * a row's last expert, with that probability, to the least-used expert (deterministic for a
+ * `seed`). The defaults are the adapter's own top-k routing, computed on its device. The policy
+ * state (bias, exploration stream, load counters) survives a flush and restarts with a new stream.
+ *
+ * The `stats` property counts the rows and batches routed since the element started, how many
+ * rows chose each expert (expert-load), the balancing bias per expert (expert-bias), the
+ * coefficient of variation of the expert load (load-cv) and the rows explored per expert
+ * (expert-explored).
  *
  * ## Example launch lines
  * |[
@@ -41,18 +50,40 @@
  */
 #include "gstmoeroute.h"
 
+#include <memory>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "gstmoeadapter.h"
+#include "moe/error.h"
 #include "moe/expert_executor.h"
+#include "moe/routing_policy.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_moe_route_debug);
 #define GST_CAT_DEFAULT gst_moe_route_debug
 
-enum { PROP_0, PROP_MODEL, PROP_TOP_K, PROP_STATS };
+enum {
+  PROP_0,
+  PROP_MODEL,
+  PROP_TOP_K,
+  PROP_TEMPERATURE,
+  PROP_BALANCE,
+  PROP_BALANCE_RATE,
+  PROP_EXPLORE,
+  PROP_SEED,
+  PROP_STATS
+};
 
 #define DEFAULT_TOP_K 0  // the adapter's top_k
 #define MAX_TOP_K 64
+#define DEFAULT_TEMPERATURE 1.0
+#define MIN_TEMPERATURE 1e-3
+#define MAX_TEMPERATURE 1e3
+#define DEFAULT_BALANCE GST_MOE_ROUTE_BALANCE_NONE
+#define DEFAULT_BALANCE_RATE 1e-3
+#define DEFAULT_EXPLORE 0.0
+#define DEFAULT_SEED 0
 
 namespace {
 
@@ -63,6 +94,8 @@ struct RouteState {
   std::string adapter_name;
   int top_k = 0;  // the property, or the adapter's top_k for 0
   int width = 0;  // negotiated tensor width; 0 before caps
+  // The policy and its state; plain top-k routing runs on the adapter's device and is only counted.
+  std::unique_ptr<moe::Router> router;
 };
 
 }  // namespace
@@ -73,9 +106,19 @@ struct _GstMoeRoute {
   // Properties, under the object lock; read when the element starts.
   gchar* model;  // nullptr: unset
   guint top_k;
+  gdouble temperature;
+  GstMoeRouteBalance balance;
+  gdouble balance_rate;
+  gdouble explore;
+  guint64 seed;
 
   // Behind `stats`: reset at start, kept after stop (its own lock).
   gstmoe::adapter::Stats* stats;
+  // The router's figures after its last batch, under the object lock (the streaming thread
+  // writes them, `stats` reads them).
+  std::vector<double>* expert_bias;
+  std::vector<guint64>* expert_explored;
+  gdouble load_cv;
   // Ids for rows that arrive without a request meta, counted over the element's life (streaming
   // thread only).
   guint64 next_id;
@@ -95,6 +138,38 @@ G_DEFINE_TYPE_WITH_CODE(GstMoeRoute, gst_moe_route, GST_TYPE_BASE_TRANSFORM,
                         GST_DEBUG_CATEGORY_INIT(gst_moe_route_debug, "moe-route", 0, "MoE adapter router"));
 GST_ELEMENT_REGISTER_DEFINE(moe_route, "moe-route", GST_RANK_NONE, GST_TYPE_MOE_ROUTE);
 
+GType gst_moe_route_balance_get_type(void) {
+  static GType type = 0;
+  static const GEnumValue values[] = {
+      {GST_MOE_ROUTE_BALANCE_NONE, "Route by the router's probabilities alone", "none"},
+      {GST_MOE_ROUTE_BALANCE_BIAS, "Per-expert selection bias moved towards equal load after every batch (DeepSeek-V3)",
+       "bias"},
+      {0, nullptr, nullptr},
+  };
+  if (g_once_init_enter(&type)) {
+    GType t = g_enum_register_static("GstMoeRouteBalance", values);
+    g_once_init_leave(&type, t);
+  }
+  return type;
+}
+
+// A GstValueArray of `values`, taken into `s` as `field`.
+template <typename T>
+static void take_array(GstStructure* s, const char* field, const std::vector<T>& values, GType type) {
+  GValue array = G_VALUE_INIT;
+  gst_value_array_init(&array, static_cast<guint>(values.size()));
+  for (T v : values) {
+    GValue item = G_VALUE_INIT;
+    g_value_init(&item, type);
+    if constexpr (std::is_same_v<T, double>)
+      g_value_set_double(&item, v);
+    else
+      g_value_set_uint64(&item, v);
+    gst_value_array_append_and_take_value(&array, &item);
+  }
+  gst_structure_take_value(s, field, &array);
+}
+
 static void gst_moe_route_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
   GstMoeRoute* self = GST_MOE_ROUTE(object);
   GST_OBJECT_LOCK(self);
@@ -107,6 +182,21 @@ static void gst_moe_route_set_property(GObject* object, guint prop_id, const GVa
     }
     case PROP_TOP_K:
       self->top_k = g_value_get_uint(value);
+      break;
+    case PROP_TEMPERATURE:
+      self->temperature = g_value_get_double(value);
+      break;
+    case PROP_BALANCE:
+      self->balance = static_cast<GstMoeRouteBalance>(g_value_get_enum(value));
+      break;
+    case PROP_BALANCE_RATE:
+      self->balance_rate = g_value_get_double(value);
+      break;
+    case PROP_EXPLORE:
+      self->explore = g_value_get_double(value);
+      break;
+    case PROP_SEED:
+      self->seed = g_value_get_uint64(value);
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -125,9 +215,29 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_TOP_K:
       g_value_set_uint(value, self->top_k);
       break;
-    case PROP_STATS:
-      g_value_take_boxed(value, self->stats->to_structure("moe-route-stats", "expert-load"));
+    case PROP_TEMPERATURE:
+      g_value_set_double(value, self->temperature);
       break;
+    case PROP_BALANCE:
+      g_value_set_enum(value, self->balance);
+      break;
+    case PROP_BALANCE_RATE:
+      g_value_set_double(value, self->balance_rate);
+      break;
+    case PROP_EXPLORE:
+      g_value_set_double(value, self->explore);
+      break;
+    case PROP_SEED:
+      g_value_set_uint64(value, self->seed);
+      break;
+    case PROP_STATS: {
+      GstStructure* s = self->stats->to_structure("moe-route-stats", "expert-load");
+      take_array(s, "expert-bias", *self->expert_bias, G_TYPE_DOUBLE);
+      take_array(s, "expert-explored", *self->expert_explored, G_TYPE_UINT64);
+      gst_structure_set(s, "load-cv", G_TYPE_DOUBLE, self->load_cv, nullptr);
+      g_value_take_boxed(value, s);
+      break;
+    }
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -140,6 +250,12 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   GST_OBJECT_LOCK(self);
   const std::string dir = self->model ? self->model : "";
   const guint top_k = self->top_k;
+  moe::RoutingPolicy policy;
+  policy.temperature = self->temperature;
+  policy.balance = self->balance == GST_MOE_ROUTE_BALANCE_BIAS ? moe::LoadBalance::Bias : moe::LoadBalance::None;
+  policy.balance_rate = self->balance_rate;
+  policy.explore = self->explore;
+  policy.seed = self->seed;
   GST_OBJECT_UNLOCK(self);
 
   std::shared_ptr<const moe::MoeAdapter> adapter = gstmoe::adapter::load(GST_ELEMENT(self), dir);
@@ -157,11 +273,24 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   state->adapter_dir = dir;
   state->adapter_name = gstmoe::adapter::name_of(dir);
   state->top_k = top_k ? static_cast<int>(top_k) : cfg.top_k;
+  policy.top_k = state->top_k;
+  policy.renormalize = cfg.routing == moe::RoutingKind::Mixtral || cfg.norm_topk_prob;
+  try {
+    state->router = std::make_unique<moe::Router>(cfg.num_experts, policy);
+  } catch (const moe::Error& e) {
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("%s (MoE adapter '%s')", e.what(), dir.c_str()), (nullptr));
+    delete state;
+    return FALSE;
+  }
   self->stats->reset(cfg.num_experts);
-  GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, top-k %d", dir.c_str(), cfg.hidden_size,
-                  cfg.num_experts, state->top_k);
+  GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, top-k %d, temperature %g, balance %s, explore %g",
+                  dir.c_str(), cfg.hidden_size, cfg.num_experts, state->top_k, policy.temperature,
+                  policy.balance == moe::LoadBalance::Bias ? "bias" : "none", policy.explore);
   GST_OBJECT_LOCK(self);
   self->state = state;
+  self->expert_bias->assign(static_cast<size_t>(cfg.num_experts), 0.0);
+  self->expert_explored->assign(static_cast<size_t>(cfg.num_experts), 0);
+  self->load_cv = 0.0;
   GST_OBJECT_UNLOCK(self);
   return TRUE;
 }
@@ -197,6 +326,13 @@ static gboolean gst_moe_route_query(GstBaseTransform* trans, GstPadDirection dir
   return GST_BASE_TRANSFORM_CLASS(parent_class)->query(trans, direction, query);
 }
 
+static gboolean gst_moe_route_sink_event(GstBaseTransform* trans, GstEvent* event) {
+  GstMoeRoute* self = GST_MOE_ROUTE(trans);
+  // A new stream starts the policy afresh (bias, exploration stream, load); a flush does not.
+  if (GST_EVENT_TYPE(event) == GST_EVENT_STREAM_START && self->state) self->state->router->reset();
+  return GST_BASE_TRANSFORM_CLASS(parent_class)->sink_event(trans, event);
+}
+
 static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuffer* buf) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
   RouteState* st = self->state;
@@ -229,8 +365,15 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   const moe::Tensor x = moe::Tensor::view(moe::DType::F32, {static_cast<int64_t>(rows), st->width}, map.data, nullptr);
   moe::Routing routing;
   const int64_t t0 = g_get_monotonic_time();
+  moe::Router& router = *st->router;
   try {
-    routing = st->adapter->route(x, st->top_k);
+    if (router.policy().is_plain_top_k()) {
+      routing = st->adapter->route(x, st->top_k);
+      router.count(routing);
+    } else {
+      const moe::Tensor logits = st->adapter->layer().router_logits(x);
+      routing = router.route(logits.data<float>(), static_cast<int64_t>(rows));
+    }
   } catch (const std::exception& e) {
     gst_buffer_unmap(buf, &map);
     GST_ELEMENT_ERROR(self, LIBRARY, FAILED, ("routing %zu rows failed: %s", rows, e.what()), (nullptr));
@@ -247,6 +390,11 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
     r.timings_ms.emplace_back("route", ms);
   }
   self->stats->add_batch(rows, routing.expert_ids);
+  GST_OBJECT_LOCK(self);
+  self->expert_bias->assign(router.bias().begin(), router.bias().end());
+  self->expert_explored->assign(router.load().explored.begin(), router.load().explored.end());
+  self->load_cv = router.load().coefficient_of_variation();
+  GST_OBJECT_UNLOCK(self);
   GST_LOG_OBJECT(self, "routed %zu rows in %.3f ms", rows, ms);
 
   // Asked per batch, so the answer follows relinking and restarts downstream; cheap next to routing.
@@ -266,6 +414,8 @@ static void gst_moe_route_finalize(GObject* object) {
   GstMoeRoute* self = GST_MOE_ROUTE(object);
   g_free(self->model);
   delete self->stats;
+  delete self->expert_bias;
+  delete self->expert_explored;
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -285,9 +435,39 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
                         "Experts chosen for every row (0: the adapter's top_k; at most the adapter's num_experts)", 0,
                         MAX_TOP_K, DEFAULT_TOP_K, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
+      gobject_class, PROP_TEMPERATURE,
+      g_param_spec_double("temperature", "Softmax temperature",
+                          "Router logits are divided by it before the softmax: above 1 spreads the weights, below 1 "
+                          "sharpens them (1: the adapter's own routing)",
+                          MIN_TEMPERATURE, MAX_TEMPERATURE, DEFAULT_TEMPERATURE, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_BALANCE,
+      g_param_spec_enum("balance", "Load balancing",
+                        "How the router evens out the experts' load: a per-expert bias on selection only, moved by "
+                        "balance-rate after every batch towards equal load (the weights stay the router's)",
+                        GST_TYPE_MOE_ROUTE_BALANCE, DEFAULT_BALANCE, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_BALANCE_RATE,
+      g_param_spec_double("balance-rate", "Balancing step",
+                          "balance=bias: how far each expert's bias moves after a batch (in probability units)", 0.0,
+                          1.0, DEFAULT_BALANCE_RATE, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_EXPLORE,
+      g_param_spec_double("explore", "Exploration probability",
+                          "Probability that a row's last expert is replaced by the least-used expert it does not use "
+                          "(its weight is its true probability), so that new experts get traffic; 0: off",
+                          0.0, 1.0, DEFAULT_EXPLORE, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_SEED,
+      g_param_spec_uint64("seed", "Exploration seed",
+                          "Seed of the exploration's random stream: the same requests route the same way", 0,
+                          G_MAXUINT64, DEFAULT_SEED, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
       gobject_class, PROP_STATS,
-      gstmoe::stats_param_spec(
-          "Since the element started: rows and batches routed, and expert-load (per expert, how many rows chose it)"));
+      gstmoe::stats_param_spec("Since the element started: rows and batches routed, expert-load (per expert, how many "
+                               "rows chose it), expert-bias (balance=bias: each expert's selection bias), "
+                               "expert-explored (rows given to each expert by exploration) and load-cv (standard "
+                               "deviation / mean of expert-load since the stream started)"));
 
   gst_element_class_set_static_metadata(
       element_class, "MoE router", "Filter/Tensor",
@@ -307,12 +487,23 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
   trans_class->set_caps = GST_DEBUG_FUNCPTR(gst_moe_route_set_caps);
   trans_class->query = GST_DEBUG_FUNCPTR(gst_moe_route_query);
   trans_class->transform_ip = GST_DEBUG_FUNCPTR(gst_moe_route_transform_ip);
+  trans_class->sink_event = GST_DEBUG_FUNCPTR(gst_moe_route_sink_event);
+
+  gst_type_mark_as_plugin_api(GST_TYPE_MOE_ROUTE_BALANCE, static_cast<GstPluginAPIFlags>(0));
 }
 
 static void gst_moe_route_init(GstMoeRoute* self) {
   self->model = nullptr;
   self->top_k = DEFAULT_TOP_K;
+  self->temperature = DEFAULT_TEMPERATURE;
+  self->balance = DEFAULT_BALANCE;
+  self->balance_rate = DEFAULT_BALANCE_RATE;
+  self->explore = DEFAULT_EXPLORE;
+  self->seed = DEFAULT_SEED;
   self->stats = new gstmoe::adapter::Stats();
+  self->expert_bias = new std::vector<double>();
+  self->expert_explored = new std::vector<guint64>();
+  self->load_cv = 0.0;
   // In place: only the meta changes, the tensor memory is never copied.
   gst_base_transform_set_in_place(GST_BASE_TRANSFORM(self), TRUE);
 }

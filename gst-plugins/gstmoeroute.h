@@ -15,6 +15,14 @@
 
 G_BEGIN_DECLS
 
+// `balance`: how the router evens out the experts' load (moe/routing_policy.h).
+typedef enum {
+  GST_MOE_ROUTE_BALANCE_NONE,
+  GST_MOE_ROUTE_BALANCE_BIAS,
+} GstMoeRouteBalance;
+#define GST_TYPE_MOE_ROUTE_BALANCE (gst_moe_route_balance_get_type())
+GType gst_moe_route_balance_get_type(void);
+
 #define GST_TYPE_MOE_ROUTE (gst_moe_route_get_type())
 G_DECLARE_FINAL_TYPE(GstMoeRoute, gst_moe_route, GST, MOE_ROUTE, GstBaseTransform)
 

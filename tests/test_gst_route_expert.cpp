@@ -27,6 +27,7 @@
 #include "moe/expert_store.h"
 #include "moe/model_cache.h"
 #include "moe/moe_layer.h"
+#include "moe/routing_policy.h"
 #include "moe_build_config.h"
 #include "test_util.h"
 
@@ -401,6 +402,77 @@ TEST_F(RouteExpertTest, TopKOverride) {
     EXPECT_EQ(records_of(out).adapter_fingerprint, engine().fingerprint() + "/top" + std::to_string(k));
     gst_buffer_unref(out);
   }
+}
+
+// The routing-policy properties route as moe::Router does on the adapter's logits.
+TEST_F(RouteExpertTest, PolicyPropertiesRouteAsTheEnginesRouter) {
+  moe::RoutingPolicy policy;
+  policy.top_k = kTopK;
+  policy.temperature = 2.5;
+  policy.explore = 0.5;
+  policy.seed = 3;
+  moe::Router router(kExperts, policy);
+  Harness h(route_line("temperature=2.5 explore=0.5 seed=3") + " ! " + expert_line());
+  guint64 explored = 0;
+  for (unsigned b = 0; b < 3; ++b) {
+    const std::vector<float> rows = random_rows(9, 40 + b);
+    const gstmoe::BatchRecords records = records_for(9);
+    ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    const moe::Tensor logits = engine().layer().router_logits(as_tensor(rows));
+    const moe::Routing want = router.route(logits.data<float>(), 9);
+    expect_routing(records_of(out), want);
+    expect_close(buffer_floats(out), engine().apply_experts(as_tensor(rows), want));
+    gst_buffer_unref(out);
+  }
+  for (int64_t n : router.load().explored) explored += static_cast<guint64>(n);
+  EXPECT_GT(explored, 0u);
+  GstElement* route = h.element("route");
+  GstStructure* s = nullptr;
+  g_object_get(route, "stats", &s, nullptr);
+  gst_object_unref(route);
+  ASSERT_NE(s, nullptr);
+  const GValue* got = gst_structure_get_value(s, "expert-explored");
+  ASSERT_TRUE(got && GST_VALUE_HOLDS_ARRAY(got));
+  guint64 sum = 0;
+  for (guint i = 0; i < gst_value_array_get_size(got); ++i)
+    sum += g_value_get_uint64(gst_value_array_get_value(got, i));
+  EXPECT_EQ(sum, explored);
+  gst_structure_free(s);
+}
+
+// balance=bias on a stream that favours a few experts: the bias moves, the load evens out.
+TEST_F(RouteExpertTest, BiasBalancingEvensOutASkewedLoad) {
+  auto run = [&](const std::string& extra, std::vector<double>* bias) {
+    Harness h(route_line(extra));
+    for (unsigned b = 0; b < 40; ++b) {
+      std::vector<float> rows = random_rows(8, 60 + b);
+      for (size_t i = 0; i < rows.size(); i += kWidth) rows[i] += 3.0f;  // the same skew in every row
+      const gstmoe::BatchRecords records = records_for(8);
+      EXPECT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+      gst_buffer_unref(h.pull());
+    }
+    GstElement* route = h.element("route");
+    GstStructure* s = nullptr;
+    g_object_get(route, "stats", &s, nullptr);
+    gst_object_unref(route);
+    double cv = -1.0;
+    EXPECT_TRUE(gst_structure_get_double(s, "load-cv", &cv));
+    const GValue* b = gst_structure_get_value(s, "expert-bias");
+    EXPECT_TRUE(b && GST_VALUE_HOLDS_ARRAY(b));
+    for (guint i = 0; b && i < gst_value_array_get_size(b); ++i)
+      bias->push_back(g_value_get_double(gst_value_array_get_value(b, i)));
+    gst_structure_free(s);
+    return cv;
+  };
+  std::vector<double> bias_none, bias;
+  const double cv_none = run("", &bias_none);
+  const double cv_bias = run("balance=bias balance-rate=0.02", &bias);
+  EXPECT_EQ(bias_none, std::vector<double>(kExperts, 0.0));
+  ASSERT_EQ(bias.size(), static_cast<size_t>(kExperts));
+  EXPECT_NE(bias, std::vector<double>(kExperts, 0.0));
+  EXPECT_LT(cv_bias, cv_none * 0.75) << "load-cv without balancing " << cv_none << ", with " << cv_bias;
 }
 
 TEST_F(RouteExpertTest, TopKAboveNumExpertsFailsAtStart) {

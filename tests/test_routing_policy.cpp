@@ -1,0 +1,240 @@
+// Routing policies (moe/routing_policy.h): each definition pinned on small hand-computed cases,
+// and the plain top-k against the layer's own routing on the backend.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "moe/error.h"
+#include "moe/routing_policy.h"
+#include "random_moe.h"
+#include "test_util.h"
+
+using moe::CapacityOverflow;
+using moe::ExpertSelection;
+using moe::LoadBalance;
+using moe::Router;
+using moe::Routing;
+using moe::RoutingPolicy;
+
+namespace {
+
+// Logits whose softmax is proportional to `weights` (log of each).
+std::vector<float> logits_for(std::initializer_list<std::initializer_list<float>> rows) {
+  std::vector<float> out;
+  for (const auto& row : rows)
+    for (float w : row) out.push_back(std::log(w));
+  return out;
+}
+
+std::vector<int32_t> ids(const Routing& r, int64_t row) {
+  return {r.expert_ids.begin() + row * r.top_k, r.expert_ids.begin() + (row + 1) * r.top_k};
+}
+
+std::vector<float> weights(const Routing& r, int64_t row) {
+  return {r.weights.begin() + row * r.top_k, r.weights.begin() + (row + 1) * r.top_k};
+}
+
+void expect_weights(const Routing& r, int64_t row, std::vector<float> expected) {
+  const auto got = weights(r, row);
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t j = 0; j < got.size(); ++j) EXPECT_NEAR(got[j], expected[j], 1e-6) << "row " << row << " slot " << j;
+}
+
+}  // namespace
+
+TEST(RoutingPolicy, TopKRenormalisesOverTheChosenExperts) {
+  RoutingPolicy policy;  // top-2, renormalised (Mixtral)
+  Router router(3, policy);
+  const auto logits = logits_for({{1, 2, 4}});
+  const Routing r = router.route(logits.data(), 1);
+  EXPECT_EQ(r.top_k, 2);
+  EXPECT_EQ(ids(r, 0), (std::vector<int32_t>{2, 1}));
+  expect_weights(r, 0, {4.0f / 6, 2.0f / 6});
+
+  policy.renormalize = false;  // Qwen2-MoE without norm_topk_prob
+  Router qwen(3, policy);
+  expect_weights(qwen.route(logits.data(), 1), 0, {4.0f / 7, 2.0f / 7});
+}
+
+TEST(RoutingPolicy, TemperatureDividesTheLogits) {
+  RoutingPolicy policy;
+  policy.temperature = 2.0;
+  policy.renormalize = false;
+  Router router(3, policy);
+  // softmax([0, ln 4, ln 16] / 2) = [1, 2, 4] / 7
+  const std::vector<float> logits = {0.0f, std::log(4.0f), std::log(16.0f)};
+  const Routing r = router.route(logits.data(), 1);
+  EXPECT_EQ(ids(r, 0), (std::vector<int32_t>{2, 1}));
+  expect_weights(r, 0, {4.0f / 7, 2.0f / 7});
+}
+
+TEST(RoutingPolicy, TopPTakesTheSmallestSetReachingPWithinMinKAndMaxK) {
+  RoutingPolicy policy;
+  policy.selection = ExpertSelection::TopP;
+  policy.min_k = 1;
+  policy.max_k = 3;
+  const auto logits = logits_for({{4, 2, 1, 0.5}, {1, 1, 1, 1}});
+  auto route = [&](double p) {
+    policy.top_p = p;
+    return Router(4, policy).route(logits.data(), 2);
+  };
+  // Row 0: probabilities 8/15, 4/15, 2/15, 1/15.
+  Routing r = route(0.5);
+  EXPECT_EQ(r.top_k, 3);  // max-k slots per row
+  EXPECT_EQ(ids(r, 0), (std::vector<int32_t>{0, -1, -1}));
+  expect_weights(r, 0, {1.0f, 0.0f, 0.0f});
+  EXPECT_EQ(ids(r, 1), (std::vector<int32_t>{0, 1, -1}));  // 1/4 + 1/4 reaches 0.5; ties to the lower id
+  r = route(0.8);
+  EXPECT_EQ(ids(r, 0), (std::vector<int32_t>{0, 1, -1}));  // 12/15 = 0.8
+  expect_weights(r, 0, {2.0f / 3, 1.0f / 3, 0.0f});
+  EXPECT_EQ(ids(r, 1), (std::vector<int32_t>{0, 1, 2}));  // needs 4, clamped to max-k 3
+  policy.min_k = 2;
+  r = route(0.1);
+  EXPECT_EQ(ids(r, 0), (std::vector<int32_t>{0, 1, -1}));  // 1 would do; min-k 2
+}
+
+TEST(RoutingPolicy, CapacityKeepsTheMostProbableRowsAndReroutesOrDropsTheRest) {
+  RoutingPolicy policy;
+  policy.top_k = 1;
+  policy.capacity_factor = 1.0;  // 4 rows x 1 slot over 2 experts: 2 slots per expert
+  policy.renormalize = false;
+  // Every row prefers expert 0; by probability the rows rank 2, 0, 3, 1.
+  const auto logits = logits_for({{0.8f, 0.2f}, {0.6f, 0.4f}, {0.9f, 0.1f}, {0.7f, 0.3f}});
+  Router reroute(2, policy);
+  Routing r = reroute.route(logits.data(), 4);
+  EXPECT_EQ(r.expert_ids, (std::vector<int32_t>{0, 1, 0, 1}));
+  expect_weights(r, 1, {0.4f});  // its true probability for expert 1
+  expect_weights(r, 3, {0.3f});
+  EXPECT_EQ(reroute.load().overflowed, (std::vector<int64_t>{2, 0}));
+  EXPECT_EQ(reroute.load().slots, (std::vector<int64_t>{2, 2}));
+  EXPECT_EQ(reroute.load().dropped, 0);
+
+  policy.overflow = CapacityOverflow::Drop;
+  Router drop(2, policy);
+  r = drop.route(logits.data(), 4);
+  EXPECT_EQ(r.expert_ids, (std::vector<int32_t>{0, -1, 0, -1}));
+  expect_weights(r, 1, {0.0f});
+  EXPECT_EQ(drop.load().dropped, 2);
+  EXPECT_EQ(drop.load().overflowed, (std::vector<int64_t>{2, 0}));
+}
+
+TEST(RoutingPolicy, CapacityPlacesEveryFirstChoiceBeforeAnySecondChoice) {
+  RoutingPolicy policy;  // top-2 over 2 experts, C 0.5: ceil(0.5 * 4 / 2) = 1 slot per expert
+  policy.capacity_factor = 0.5;
+  policy.overflow = CapacityOverflow::Drop;
+  const auto logits = logits_for({{0.9f, 0.1f}, {0.3f, 0.7f}});
+  Router router(2, policy);
+  const Routing r = router.route(logits.data(), 2);
+  // Row 0's second choice (expert 1) would have come before row 1's first choice (expert 1) by
+  // arrival order; by rank, row 1's first choice wins.
+  EXPECT_EQ(ids(r, 0), (std::vector<int32_t>{0, -1}));
+  EXPECT_EQ(ids(r, 1), (std::vector<int32_t>{1, -1}));
+  expect_weights(r, 0, {1.0f, 0.0f});  // renormalised over what was kept
+}
+
+TEST(RoutingPolicy, BiasSteersSelectionButNotTheWeights) {
+  RoutingPolicy policy;
+  policy.top_k = 1;
+  policy.balance = LoadBalance::Bias;
+  policy.balance_rate = 0.25;
+  policy.renormalize = false;
+  Router router(2, policy);
+  const auto logits = logits_for({{0.6f, 0.4f}});
+  Routing r = router.route(logits.data(), 1);
+  EXPECT_EQ(r.expert_ids, (std::vector<int32_t>{0}));
+  EXPECT_EQ(router.bias(), (std::vector<float>{-0.25f, 0.25f}));  // expert 0 above the mean load
+  r = router.route(logits.data(), 1);                             // scores 0.35 vs 0.65: expert 1 selected
+  EXPECT_EQ(r.expert_ids, (std::vector<int32_t>{1}));
+  expect_weights(r, 0, {0.4f});  // its unbiased probability
+  EXPECT_EQ(router.bias(), (std::vector<float>{0.0f, 0.0f}));
+  router.reset();
+  EXPECT_EQ(router.bias(), (std::vector<float>{0.0f, 0.0f}));
+  EXPECT_EQ(router.load().batches, 0);
+}
+
+TEST(RoutingPolicy, ExplorationGivesTheLastSlotToTheLeastUsedExpert) {
+  RoutingPolicy policy;  // top-2 over 4 experts
+  policy.explore = 1.0;
+  policy.renormalize = false;
+  Router router(4, policy);
+  const auto logits = logits_for({{0.4f, 0.3f, 0.2f, 0.1f}, {0.4f, 0.3f, 0.2f, 0.1f}});
+  const Routing r = router.route(logits.data(), 2);
+  // Nothing used yet: row 0's last slot goes to expert 2 (lowest id not in {0, 1}); row 1's to
+  // expert 3, which is then less used than 2.
+  EXPECT_EQ(ids(r, 0), (std::vector<int32_t>{0, 2}));
+  EXPECT_EQ(ids(r, 1), (std::vector<int32_t>{0, 3}));
+  expect_weights(r, 0, {0.4f, 0.2f});
+  EXPECT_EQ(router.load().explored, (std::vector<int64_t>{0, 0, 1, 1}));
+
+  policy.top_k = 1;  // one slot and no room for a second: never explored
+  Router single(4, policy);
+  EXPECT_EQ(single.route(logits.data(), 2).expert_ids, (std::vector<int32_t>{0, 0}));
+}
+
+TEST(RoutingPolicy, ExplorationIsDeterministicForASeedAndRestartsOnReset) {
+  RoutingPolicy policy;
+  policy.explore = 0.3;
+  policy.seed = 7;
+  std::vector<float> logits(64 * 8);
+  for (size_t i = 0; i < logits.size(); ++i) logits[i] = std::sin(static_cast<float>(i) * 0.37f);
+  Router a(8, policy), b(8, policy);
+  const Routing first = a.route(logits.data(), 64);
+  EXPECT_EQ(first.expert_ids, b.route(logits.data(), 64).expert_ids);
+  EXPECT_GT(std::accumulate(a.load().explored.begin(), a.load().explored.end(), int64_t{0}), 0);
+  a.route(logits.data(), 64);
+  a.reset();
+  EXPECT_EQ(a.route(logits.data(), 64).expert_ids, first.expert_ids);
+}
+
+TEST(RoutingPolicy, PlainTopKMatchesTheLayersRouting) {
+  const auto layer = moe::test::random_moe_layer(4, 16, 32, 2, 5);
+  const moe::Tensor x = moe::test::random_tensor(32, 16, 9);
+  const moe::Tensor logits = layer.router_logits(x);
+  RoutingPolicy policy;
+  policy.top_k = 2;
+  ASSERT_TRUE(policy.is_plain_top_k());
+  Router router(4, policy);
+  const Routing mine = router.route(logits.data<float>(), 32);
+  const Routing theirs = layer.route(x);
+  EXPECT_EQ(mine.expert_ids, theirs.expert_ids);
+  for (size_t i = 0; i < mine.weights.size(); ++i) EXPECT_NEAR(mine.weights[i], theirs.weights[i], 1e-6);
+  policy.temperature = 0.5;
+  EXPECT_FALSE(policy.is_plain_top_k());
+}
+
+TEST(RoutingPolicy, RefusesValuesOutOfRangeNamingThem) {
+  auto refused = [](const RoutingPolicy& p, const std::string& what) {
+    moe::test::expect_error([&] { Router router(4, p); }, {"routing policy", what});
+  };
+  RoutingPolicy p;
+  p.top_k = 5;
+  refused(p, "top-k 5 outside [1, 4]");
+  p = {};
+  p.selection = ExpertSelection::TopP;
+  p.top_p = 0.0;
+  refused(p, "top-p");
+  p.top_p = 0.5;
+  p.max_k = 5;
+  refused(p, "max-k 5");
+  p = {};
+  p.temperature = 0.0;
+  refused(p, "temperature");
+  p = {};
+  p.capacity_factor = -1;
+  refused(p, "capacity-factor");
+  p = {};
+  p.explore = 1.5;
+  refused(p, "explore");
+  moe::test::expect_error([] { moe::parse_expert_selection("top-q"); }, {"top-q", "top-k or top-p"});
+}
+
+TEST(RoutingPolicy, LoadCoefficientOfVariation) {
+  moe::ExpertLoad load;
+  EXPECT_EQ(load.coefficient_of_variation(), 0.0);
+  load.slots = {10, 10, 10, 10};
+  EXPECT_EQ(load.coefficient_of_variation(), 0.0);
+  load.slots = {30, 10, 10, 10};  // mean 15, sd sqrt((225 + 3 * 25) / 4) = sqrt(75)
+  EXPECT_NEAR(load.coefficient_of_variation(), std::sqrt(75.0) / 15.0, 1e-12);
+}
