@@ -1,13 +1,41 @@
-/* moe-catalog-src: the items of an image catalog as application/x-moe-request buffers.
+/**
+ * SECTION:element-moe-catalog-src
+ * @title: moe-catalog-src
+ * @see_also: moe-encode, ann-query
  *
- * Building a search index means encoding every catalog image once; this source feeds them to
- * moe-encode the same way query images arrive, so both go through the same decoder and
- * encoder. `location` is either a folder of images (taken in name order) or a JSON Lines
- * catalog that also gives ids and captions; a folder holding a catalog.jsonl means that catalog.
+ * moe-catalog-src reads an image catalog and sends one application/x-moe-request buffer per
+ * item, as zmq-query sends image requests: the image file's bytes, with a GstMoeBatchMeta row
+ * giving the item's id, its file:// uri and its caption (which ann-query stores with the item
+ * when it builds an index). `location` is a folder of images (taken in name order) or a JSON
+ * Lines catalog, one {"path": ..., "caption": ..., "id": ...} per line; a folder holding a
+ * catalog.jsonl means that catalog.
  *
- * An item that cannot be read (a missing file, a malformed catalog line) does not stop the
- * build: it becomes a zero-row buffer whose meta carries the failure, so that it is reported
- * downstream like any failed request.
+ * An item that cannot be read (a missing file, a malformed catalog line) does not stop the build:
+ * it travels on as a failed request (an empty buffer whose meta carries it), and ann-query
+ * reports it like any other.
+ *
+ * The `stats` property counts, since the element started, the items of the catalog, those sent as
+ * image requests and those sent as failed requests.
+ *
+ * ## Example launch lines
+ * |[
+ * gst-launch-1.0 moe-catalog-src location=models/default/catalog \
+ *     ! moe-encode model=models/default/clip max-batch=32 \
+ *     ! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter \
+ *     ! ann-query mode=build index=/tmp/catalog.faiss ! fakesink
+ * ]| Builds an index of the demo catalog, /tmp/catalog.faiss and its item table
+ * (pipelines/build-index.sh runs this pipeline).
+ * |[
+ * gst-launch-1.0 -v moe-catalog-src location=models/default/catalog num-buffers=3 \
+ *     ! fakesink silent=false
+ * ]| Prints the first three request buffers of the demo catalog (size, offset, meta).
+ */
+
+/* Why a source of requests: building a search index means encoding every catalog image once;
+ * sending them to moe-encode the way query images arrive makes both go through the same decoder
+ * and encoder. The catalog is read (listed, or parsed line by line by the engine) when the
+ * element starts; create() then sends one item per call, in the streaming thread, and reads the
+ * image file there.
  */
 #include "gstmoecatalogsrc.h"
 
@@ -25,6 +53,10 @@
 GST_DEBUG_CATEGORY_STATIC(gst_moe_catalog_src_debug);
 #define GST_CAT_DEFAULT gst_moe_catalog_src_debug
 
+enum { PROP_0, PROP_LOCATION, PROP_STATS };
+
+#define DEFAULT_LOCATION nullptr
+
 namespace {
 
 constexpr const char* kStage = "moe-catalog-src";
@@ -34,26 +66,84 @@ constexpr const char* kImageExtensions[] = {"png", "jpg", "jpeg", "bmp", "gif", 
 // id, absolute path, caption; `error` set for a malformed catalog line.
 using CatalogItem = moe::CatalogEntry;
 
+// What one run works with: created by start() from the catalog, deleted by stop(); create() uses
+// it without a lock.
 struct CatalogState {
-  std::string location;  // under the object lock
   std::vector<CatalogItem> items;
-  size_t next = 0;
+  size_t next = 0;  // the item create() sends next
 };
 
 }  // namespace
 
 struct _GstMoeCatalogSrc {
   GstPushSrc parent;
-  CatalogState* st;
-};
 
-enum { PROP_0, PROP_LOCATION };
+  // Properties, under the object lock; read when the element starts.
+  gchar* location;  // nullptr: unset
+
+  // Behind `stats`, under the object lock: reset at start, kept after stop.
+  guint64 items;   // in the catalog read at start
+  guint64 sent;    // items sent as image requests
+  guint64 failed;  // items sent as failed requests
+
+  // Between start() and stop(), nullptr otherwise (see CatalogState).
+  CatalogState* state;
+};
 
 static GstStaticPadTemplate src_template =
     GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_REQUEST_CAPS));
 
-G_DEFINE_TYPE(GstMoeCatalogSrc, gst_moe_catalog_src, GST_TYPE_PUSH_SRC);
+#define gst_moe_catalog_src_parent_class parent_class
+G_DEFINE_TYPE_WITH_CODE(GstMoeCatalogSrc, gst_moe_catalog_src, GST_TYPE_PUSH_SRC,
+                        GST_DEBUG_CATEGORY_INIT(gst_moe_catalog_src_debug, "moe-catalog-src", 0,
+                                                "image catalog source"));
 GST_ELEMENT_REGISTER_DEFINE(moe_catalog_src, "moe-catalog-src", GST_RANK_NONE, GST_TYPE_MOE_CATALOG_SRC);
+
+/* ----- properties ----- */
+
+static void gst_moe_catalog_src_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(object);
+  bool refused = false;
+  GST_OBJECT_LOCK(self);
+  switch (prop_id) {
+    case PROP_LOCATION: {
+      // GStreamer does not enforce MUTABLE_READY: without this, the property would name another
+      // catalog than the one being sent.
+      if (GST_STATE(self) > GST_STATE_READY) {
+        refused = true;
+        break;
+      }
+      const gchar* location = g_value_get_string(value);
+      g_free(self->location);
+      self->location = location && *location ? g_strdup(location) : nullptr;
+      break;
+    }
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+  GST_OBJECT_UNLOCK(self);
+  if (refused) g_warning("moe-catalog-src: changing 'location' is only possible in the NULL or READY state");
+}
+
+static void gst_moe_catalog_src_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(object);
+  GST_OBJECT_LOCK(self);
+  switch (prop_id) {
+    case PROP_LOCATION:
+      g_value_set_string(value, self->location);
+      break;
+    case PROP_STATS:
+      g_value_take_boxed(
+          value, gst_structure_new("moe-catalog-src-stats", "items", G_TYPE_UINT64, self->items, "sent", G_TYPE_UINT64,
+                                   self->sent, "failed", G_TYPE_UINT64, self->failed, nullptr));
+      break;
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+  GST_OBJECT_UNLOCK(self);
+}
 
 /* ----- reading the catalog ----- */
 
@@ -121,16 +211,15 @@ static bool read_catalog(const std::string& file, std::vector<CatalogItem>* item
   return true;
 }
 
-/* ----- GstBaseSrc ----- */
+/* ----- start/stop ----- */
 
+// Reads the catalog: a failure to find or read it is an element error; its bad items are not.
 static gboolean gst_moe_catalog_src_start(GstBaseSrc* src) {
   GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(src);
-  CatalogState* st = self->st;
   GST_OBJECT_LOCK(self);
-  const std::string location = st->location;
+  const std::string location = self->location ? self->location : "";
+  self->items = self->sent = self->failed = 0;
   GST_OBJECT_UNLOCK(self);
-  st->items.clear();
-  st->next = 0;
 
   if (location.empty()) {
     GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND,
@@ -142,6 +231,7 @@ static gboolean gst_moe_catalog_src_start(GstBaseSrc* src) {
     GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("Catalog location '%s' does not exist", location.c_str()), (nullptr));
     return FALSE;
   }
+  auto state = std::make_unique<CatalogState>();
   std::string file = path;  // what was read, for messages
   bool ok;
   std::string error;
@@ -149,32 +239,42 @@ static gboolean gst_moe_catalog_src_start(GstBaseSrc* src) {
     const std::string catalog = take_string(g_build_filename(path.c_str(), kCatalogName, nullptr));
     if (g_file_test(catalog.c_str(), G_FILE_TEST_EXISTS)) {
       file = catalog;
-      ok = read_catalog(catalog, &st->items, &error);
+      ok = read_catalog(catalog, &state->items, &error);
     } else {
-      ok = list_folder(path, &st->items, &error);
+      ok = list_folder(path, &state->items, &error);
     }
   } else {
-    ok = read_catalog(path, &st->items, &error);
+    ok = read_catalog(path, &state->items, &error);
   }
   if (!ok) {
     GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("Cannot read the catalog '%s': %s", file.c_str(), error.c_str()),
                       (nullptr));
     return FALSE;
   }
-  GST_INFO_OBJECT(self, "%zu catalog items from %s", st->items.size(), file.c_str());
+  GST_INFO_OBJECT(self, "%zu catalog items from %s", state->items.size(), file.c_str());
+  GST_OBJECT_LOCK(self);
+  self->items = state->items.size();
+  self->state = state.release();
+  GST_OBJECT_UNLOCK(self);
   return TRUE;
 }
 
 static gboolean gst_moe_catalog_src_stop(GstBaseSrc* src) {
-  CatalogState* st = GST_MOE_CATALOG_SRC(src)->st;
-  st->items.clear();
-  st->next = 0;
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(src);
+  GST_OBJECT_LOCK(self);
+  CatalogState* state = self->state;
+  self->state = nullptr;
+  GST_OBJECT_UNLOCK(self);
+  delete state;
   return TRUE;
 }
 
+/* ----- items ----- */
+
+// One item as a request buffer, or as a failed request when it cannot be read.
 static GstFlowReturn gst_moe_catalog_src_create(GstPushSrc* src, GstBuffer** out) {
   GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(src);
-  CatalogState* st = self->st;
+  CatalogState* st = self->state;
   if (st->next >= st->items.size()) return GST_FLOW_EOS;
   const guint64 index = st->next++;
   const CatalogItem& item = st->items[index];
@@ -203,6 +303,12 @@ static GstFlowReturn gst_moe_catalog_src_create(GstPushSrc* src, GstBuffer** out
     buf = gst_buffer_new();
     records.failed.push_back({std::move(request), kStage, error});
   }
+  GST_OBJECT_LOCK(self);
+  if (error.empty())
+    ++self->sent;
+  else
+    ++self->failed;
+  GST_OBJECT_UNLOCK(self);
   GST_BUFFER_OFFSET(buf) = index;
   GST_BUFFER_OFFSET_END(buf) = index + 1;
   gst_buffer_add_moe_batch_meta(buf, records);
@@ -212,44 +318,11 @@ static GstFlowReturn gst_moe_catalog_src_create(GstPushSrc* src, GstBuffer** out
 
 /* ----- GObject ----- */
 
-static void gst_moe_catalog_src_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
-  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(object);
-  switch (prop_id) {
-    case PROP_LOCATION: {
-      GST_OBJECT_LOCK(self);
-      if (GST_STATE(self) > GST_STATE_READY) {
-        GST_OBJECT_UNLOCK(self);
-        g_warning("moe-catalog-src: changing 'location' is only possible in the NULL or READY state");
-        return;
-      }
-      const gchar* s = g_value_get_string(value);
-      self->st->location = s != nullptr ? s : "";
-      GST_OBJECT_UNLOCK(self);
-      break;
-    }
-    default:
-      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
-      break;
-  }
-}
-
-static void gst_moe_catalog_src_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
-  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(object);
-  switch (prop_id) {
-    case PROP_LOCATION:
-      GST_OBJECT_LOCK(self);
-      g_value_set_string(value, self->st->location.empty() ? nullptr : self->st->location.c_str());
-      GST_OBJECT_UNLOCK(self);
-      break;
-    default:
-      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
-      break;
-  }
-}
-
 static void gst_moe_catalog_src_finalize(GObject* object) {
-  delete GST_MOE_CATALOG_SRC(object)->st;
-  G_OBJECT_CLASS(gst_moe_catalog_src_parent_class)->finalize(object);
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(object);
+  g_free(self->location);
+  delete self->state;  // only set if the element was disposed without stopping
+  G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
 static void gst_moe_catalog_src_class_init(GstMoeCatalogSrcClass* klass) {
@@ -260,9 +333,6 @@ static void gst_moe_catalog_src_class_init(GstMoeCatalogSrcClass* klass) {
   gobject_class->set_property = gst_moe_catalog_src_set_property;
   gobject_class->get_property = gst_moe_catalog_src_get_property;
   gobject_class->finalize = gst_moe_catalog_src_finalize;
-  basesrc_class->start = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_start);
-  basesrc_class->stop = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_stop);
-  pushsrc_class->create = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_create);
 
   g_object_class_install_property(
       gobject_class, PROP_LOCATION,
@@ -271,7 +341,12 @@ static void gst_moe_catalog_src_class_init(GstMoeCatalogSrcClass* klass) {
           "A folder of images (png, jpg, jpeg, bmp, gif, ppm, webp, tif, tiff; taken in name order; its catalog.jsonl "
           "instead when it has one) or a JSON Lines catalog: one {\"path\": ..., \"caption\": ..., \"id\": ...} per "
           "line, paths relative to the catalog's folder, id defaulting to the file name without extension",
-          nullptr, static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS | GST_PARAM_MUTABLE_READY)));
+          DEFAULT_LOCATION, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_STATS,
+      gstmoe::stats_param_spec("moe-catalog-src-stats, since the element started: items (in the catalog), sent (items "
+                               "sent as image requests), failed (items sent as failed requests: a malformed catalog "
+                               "line, or an image file that cannot be read)"));
 
   gst_element_class_add_static_pad_template(element_class, &src_template);
   gst_element_class_set_static_metadata(
@@ -282,11 +357,15 @@ static void gst_moe_catalog_src_class_init(GstMoeCatalogSrcClass* klass) {
       "location=models/default/catalog ! moe-encode model=models/default/clip max-batch=32 ! fakesink",
       "gst-moe developers");
 
-  GST_DEBUG_CATEGORY_INIT(gst_moe_catalog_src_debug, "moe-catalog-src", 0, "image catalog source");
+  basesrc_class->start = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_start);
+  basesrc_class->stop = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_stop);
+  pushsrc_class->create = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_create);
 }
 
 static void gst_moe_catalog_src_init(GstMoeCatalogSrc* self) {
-  self->st = new CatalogState();
+  self->location = g_strdup(DEFAULT_LOCATION);
+  self->items = self->sent = self->failed = 0;
+  self->state = nullptr;
   // Buffers count items, not bytes or time.
   gst_base_src_set_format(GST_BASE_SRC(self), GST_FORMAT_DEFAULT);
 }

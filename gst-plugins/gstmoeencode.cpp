@@ -1,33 +1,64 @@
-/* moe-encode: CLIP encoder. Turns requests (query texts, video frames, or request buffers
- * carrying a text or an encoded image) into batches of CLIP embeddings.
+/**
+ * SECTION:element-moe-encode
+ * @title: moe-encode
+ * @see_also: moe-route, zmq-query, moe-catalog-src, ann-query
  *
- * Why batches: the engine encodes a batch with one GEMM per layer, much faster per request than
- * one call each. Batching is continuous (moe/batcher.h decides): a request that finds the encoder
- * idle is encoded at once, alone; the requests that arrive while it encodes queue, and leave
- * together (up to `max-batch`) as soon as it is done. So a lone request never waits for company
- * and batches grow with the load. Each output buffer is a rows x projection_dim f32 tensor whose
- * GstMoeBatchMeta says which request every row answers, so a batch may mix texts and images and
- * nothing downstream relies on buffer order.
+ * moe-encode embeds search requests with a CLIP model. Query texts (one per text/x-raw buffer),
+ * video frames, or application/x-moe-request buffers (a text or an encoded image file, as
+ * zmq-query and moe-catalog-src send them) go in; batches of embeddings come out
+ * (application/x-moe-tensor, width = the model's projection_dim), with each row's request (id,
+ * modality, uri, timings) in the buffer's GstMoeBatchMeta. A request that cannot be encoded
+ * (invalid UTF-8, an image that does not decode) is not an element error: it travels on in the
+ * meta's failed list, and ann-query answers it with an error document.
+ *
+ * Batching is continuous: a request that finds the encoder idle is encoded at once, alone; the
+ * requests that arrive while it is busy leave together, up to `max-batch`, as soon as it is done.
+ * A lone request never waits for company, and batches grow with the load. `max-latency` holds
+ * nothing back: it is the queueing wait the element adds to the pipeline latency.
+ *
+ * The model is loaded when the element goes to READY, on `device` (cpu, cuda:N, or auto: cuda:0
+ * when a usable CUDA device exists) with its Linear weights in `precision`; elements naming the
+ * same model, device and precision share it. These three can only be changed in the NULL state.
+ *
+ * The `stats` property counts, since the element started: the requests and the batches, the
+ * batches by size, the requests that failed here, the time spent in the encoder, the time the
+ * requests spent queued (total and longest), and the requests that queued longer than
+ * max-latency.
+ *
+ * ## Example launch lines
+ * |[
+ * gst-launch-1.0 videotestsrc num-buffers=16 ! moe-encode model=models/default/clip max-batch=4 \
+ *     ! fakesink
+ * ]| Embeds 16 test video frames.
+ * |[
+ * gst-launch-1.0 moe-catalog-src location=models/default/catalog \
+ *     ! moe-encode model=models/default/clip max-batch=32 ! fakesink
+ * ]| Embeds the images of the demo catalog, in batches of up to 32 while the encoder is busy.
+ * |[
+ * printf 'red striped mug' | gst-launch-1.0 fdsrc ! text/x-raw,format=utf8 \
+ *     ! moe-encode model=models/default/clip ! fakesink dump=true
+ * ]| Embeds one query text read from standard input and dumps the embedding's bytes.
+ */
+
+/* Why batches: the engine encodes a batch with one GEMM per layer, much faster per request than
+ * one call each. When a batch may leave is the engine's policy (moe/batcher.h); every output
+ * buffer says in its meta which request each row answers, so a batch may mix texts and images
+ * and nothing downstream relies on buffer order.
  *
  * Threads: the streaming thread turns buffers into requests (converting frames, decoding images)
  * and queues them; while a whole batch is queued already it waits (backpressure), since the
- * requests would only wait here instead of upstream. A worker thread, started with the element,
- * encodes and pushes each batch the batcher lets leave, so the streaming thread keeps queueing
- * while the encoder runs. Serialized events (EOS, caps, segments...) push what is queued first,
+ * requests would only wait here instead of upstream. A worker thread (one per run) encodes and
+ * pushes each batch the batcher lets leave, so the streaming thread keeps queueing while the
+ * encoder runs. Serialized events (EOS, caps, segments...) push what is queued first,
  * from the streaming thread; push_lock keeps those pushes and the worker's in order. A failed
  * push from the worker or ahead of an event is returned by the next chain call (and posted at
  * once when fatal); a flush drops what is queued.
  *
- * The model runs on the `device` property's compute backend ("cpu", "cuda:N", or "auto": cuda:0
- * when a usable CUDA device exists, else the CPU) with its Linear weights in `precision`; elements
- * naming the same model, device and precision share one loaded model.
- *
- * A request the engine cannot encode (invalid UTF-8, an image that does not decode...) is not
- * an element error: it moves to the meta's failed list (stage "moe-encode") and travels on to
- * ann-query, which answers it with an error document. Model problems are element errors.
- *
- * The `stats` property counts, since the element started, the requests and batches, the batches
- * by size, the requests that failed here, the time spent in the engine and in the queue.
+ * Lifetimes: the model is loaded at NULL->READY (open) and kept until READY->NULL (close), so it
+ * outlives runs, beside the counters; the queue, the worker and the stream's state are the
+ * running state (EncodeState), made by start (READY->PAUSED) and deleted by stop (PAUSED->READY).
+ * Locks, outermost first: push_lock, the object lock (properties, counters, the two pointers),
+ * EncodeState::lock (queue and batcher).
  */
 #include "gstmoeencode.h"
 
@@ -56,21 +87,34 @@
 GST_DEBUG_CATEGORY_STATIC(gst_moe_encode_debug);
 #define GST_CAT_DEFAULT gst_moe_encode_debug
 
-namespace {
+enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_STATS };
 
-constexpr const char* kStage = "moe-encode";
-constexpr guint kDefaultMaxBatch = 8;
-constexpr guint kMaxMaxBatch = 4096;
-constexpr guint64 kDefaultMaxLatency = 10 * GST_MSECOND;
-constexpr guint64 kMaxMaxLatency = 3600 * GST_SECOND;
-constexpr const char* kDefaultDevice = "cpu";
+#define DEFAULT_MODEL nullptr
+#define DEFAULT_DEVICE "cpu"
+#define DEFAULT_PRECISION GST_MOE_PRECISION_FP32
+#define DEFAULT_MAX_BATCH 8
+#define MIN_MAX_BATCH 1
+#define MAX_MAX_BATCH 4096
+#define DEFAULT_MAX_LATENCY (10 * GST_MSECOND)
+#define MAX_MAX_LATENCY (3600 * GST_SECOND)
 
 #define MOE_ENCODE_VIDEO_FORMATS \
   "{ RGB, RGBx, xRGB, BGR, BGRx, xBGR, RGBA, BGRA, ARGB, ABGR, I420, YV12, NV12, NV21, YUY2, UYVY, GRAY8 }"
 
+namespace {
+
+constexpr const char* kStage = "moe-encode";
+
 enum class InputKind { None, Text, Video, Request };
 
 using Clock = moe::Batcher::Clock;
+
+// The loaded model, from open() to close().
+struct EncodeModel {
+  std::shared_ptr<const moe::ClipModel> clip;
+  std::string name;  // the directory's basename: the encoder the meta names
+  int width = 0;     // projection_dim
+};
 
 // One entry of the queue: a request, already turned into what the engine takes, or one that
 // failed (here on arrival, or upstream) and only travels on to be answered.
@@ -82,26 +126,25 @@ struct Pending {
   GstClockTime pts = GST_CLOCK_TIME_NONE;  // its buffer's; a batch takes its first entry's
 };
 
-// The element's counters behind `stats`, beside the batcher's.
-struct EncodeCounters {
-  guint64 rows_failed = 0;  // requests that failed here, on arrival or in the engine
-  double encode_ms = 0.0;   // time in engine calls
-};
-
-// The C++ side of the element; GObject only holds a pointer to it.
+// What one run works with: created by start() from the loaded model and the batch limits,
+// deleted by stop().
 struct EncodeState {
-  // Properties: model_path, device and precision under the object lock; max-batch and
-  // max-latency are the batcher's limits, under `lock`.
-  std::string model_path;
-  std::string device = kDefaultDevice;
-  GstMoePrecision precision = GST_MOE_PRECISION_FP32;
+  EncodeState(const EncodeModel& loaded, const moe::BatchLimits& limits)
+      : model(loaded.clip), encoder_name(loaded.name), width(static_cast<size_t>(loaded.width)), batcher(limits) {
+    gst_video_info_init(&video_info);
+    gst_segment_init(&segment, GST_FORMAT_TIME);
+  }
+  ~EncodeState() {
+    if (converter != nullptr) gst_video_converter_free(converter);
+  }
+  EncodeState(const EncodeState&) = delete;
+  EncodeState& operator=(const EncodeState&) = delete;
 
-  // READY and above.
-  std::shared_ptr<const moe::ClipModel> model;
-  std::string encoder_name;
-  std::atomic<int> width{0};  // projection_dim; read by queries from any thread
+  const std::shared_ptr<const moe::ClipModel> model;
+  const std::string encoder_name;
+  const size_t width;
 
-  // Streaming-thread state (serialised by the sink pad's stream lock).
+  // The stream, streaming thread only (serialised by the sink pad's stream lock).
   InputKind kind = InputKind::None;
   GstVideoInfo video_info;
   GstVideoConverter* converter = nullptr;  // non-RGB video -> packed RGB
@@ -111,18 +154,16 @@ struct EncodeState {
   guint64 frames = 0;    // video frames in this stream, for "frame:<n>"
   guint64 requests = 0;  // requests seen, the id of last resort
 
-  // The queue, the policy over it and the worker, all under `lock`. `wake` tells the worker that
-  // a batch may leave, and the streaming thread that the queue has room or that it must stop
-  // waiting. The batcher and the counters are made anew at start (so `stats` counts from
-  // there) and kept after stop.
+  // The queue, the policy over it and the worker, under `lock`. `wake` tells the worker that a
+  // batch may leave, and the streaming thread that the queue has room or that it must stop
+  // waiting. set_property gives the batcher new limits (holding the object lock, then `lock`).
   std::mutex lock;
   std::condition_variable wake;
-  moe::Batcher batcher{{kDefaultMaxBatch, std::chrono::nanoseconds(kDefaultMaxLatency)}};
+  moe::Batcher batcher;
   std::deque<Pending> queue;  // the requests the batcher counts, oldest first
-  EncodeCounters counters;
-  bool flushing = false;  // from FLUSH_START to FLUSH_STOP, and while stopping: nothing waits for room
+  bool flushing = false;      // from FLUSH_START to FLUSH_STOP, and while stopping: nothing waits for room
   bool worker_stop = false;
-  std::thread worker;
+  std::thread worker;  // started by start(), joined by stop()
   // Held from taking a batch until it is pushed, and while forwarding serialized events, so that
   // the worker and the streaming thread never reorder output.
   std::mutex push_lock;
@@ -137,21 +178,300 @@ struct _GstMoeEncode {
   GstElement parent;
   GstPad* sinkpad;
   GstPad* srcpad;
-  EncodeState* st;
-};
 
-enum { PROP_0, PROP_MODEL, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_DEVICE, PROP_PRECISION, PROP_STATS };
+  // Properties, under the object lock. model, device and precision are read by open() and refused
+  // in other states than NULL; max-batch and max-latency go to the running batcher at once.
+  gchar* model;  // nullptr: unset
+  gchar* device;
+  GstMoePrecision precision;
+  guint max_batch;
+  guint64 max_latency;
+
+  // Behind `stats`, under the object lock: reset at start, kept after stop. While a run lasts the
+  // batcher's counters are its own (EncodeState::batcher); stop keeps its last ones here.
+  moe::BatcherStats* batcher_stats;
+  guint64 rows_failed;  // requests that failed here, on arrival or in the engine
+  gdouble encode_ms;    // time in engine calls
+
+  // Between open() and close(), nullptr otherwise; under the object lock (read by caps queries).
+  EncodeModel* loaded;
+
+  // Between start() and stop(), nullptr otherwise. The streaming thread uses it without a lock;
+  // the worker holds its own pointer; property calls, `stats` and FLUSH_START (from any thread)
+  // use it under the object lock.
+  EncodeState* state;
+};
 
 static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE(
     "sink", GST_PAD_SINK, GST_PAD_ALWAYS,
     GST_STATIC_CAPS(
         "text/x-raw, format=(string)utf8; " GST_VIDEO_CAPS_MAKE(MOE_ENCODE_VIDEO_FORMATS) "; " GST_MOE_REQUEST_CAPS));
-
 static GstStaticPadTemplate src_template =
     GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
 
-G_DEFINE_TYPE(GstMoeEncode, gst_moe_encode, GST_TYPE_ELEMENT);
+#define gst_moe_encode_parent_class parent_class
+G_DEFINE_TYPE_WITH_CODE(GstMoeEncode, gst_moe_encode, GST_TYPE_ELEMENT,
+                        GST_DEBUG_CATEGORY_INIT(gst_moe_encode_debug, "moe-encode", 0, "CLIP encoder"));
 GST_ELEMENT_REGISTER_DEFINE(moe_encode, "moe-encode", GST_RANK_NONE, GST_TYPE_MOE_ENCODE);
+
+static void worker_loop(GstMoeEncode* self, EncodeState* st);
+static void drop_pending(GstMoeEncode* self, EncodeState* st, const char* why);
+
+/* ----- properties ----- */
+
+// The batcher's limits from the properties; the caller holds the object lock.
+static moe::BatchLimits batch_limits(GstMoeEncode* self) {
+  return {self->max_batch, std::chrono::nanoseconds(self->max_latency)};
+}
+
+// Gives a running batcher the current limits; the caller holds the object lock.
+static void update_batch_limits(GstMoeEncode* self) {
+  EncodeState* st = self->state;
+  if (st == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    st->batcher.set_limits(batch_limits(self));  // within the ranges of the param specs
+  }
+  st->wake.notify_all();  // a larger batch leaves room for a waiting streaming thread
+}
+
+static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
+  GstMoeEncode* self = GST_MOE_ENCODE(object);
+  bool refused = false;
+  GST_OBJECT_LOCK(self);
+  switch (prop_id) {
+    case PROP_MODEL:
+    case PROP_DEVICE:
+    case PROP_PRECISION:
+      // GStreamer does not enforce the flags: without this, the property would name another
+      // model than the one loaded until the element goes back to NULL.
+      if (GST_STATE(self) != GST_STATE_NULL) {
+        refused = true;
+      } else if (prop_id == PROP_MODEL) {
+        const gchar* dir = g_value_get_string(value);
+        g_free(self->model);
+        self->model = dir && *dir ? g_strdup(dir) : nullptr;
+      } else if (prop_id == PROP_DEVICE) {
+        const gchar* device = g_value_get_string(value);
+        g_free(self->device);
+        self->device = g_strdup(device ? device : DEFAULT_DEVICE);
+      } else {
+        self->precision = static_cast<GstMoePrecision>(g_value_get_enum(value));
+      }
+      break;
+    case PROP_MAX_BATCH:
+      self->max_batch = g_value_get_uint(value);
+      update_batch_limits(self);
+      break;
+    case PROP_MAX_LATENCY:
+      self->max_latency = g_value_get_uint64(value);
+      update_batch_limits(self);
+      break;
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+  GST_OBJECT_UNLOCK(self);
+  if (refused) g_warning("moe-encode: changing '%s' is only possible in the NULL state", g_param_spec_get_name(pspec));
+  // Posting takes the object lock: after releasing it.
+  if (prop_id == PROP_MAX_LATENCY)
+    gst_element_post_message(GST_ELEMENT(self), gst_message_new_latency(GST_OBJECT(self)));
+}
+
+// The `stats` structure: the batcher's counters and the encoder's; the caller holds the object lock.
+static GstStructure* encode_stats(GstMoeEncode* self) {
+  moe::BatcherStats b;
+  if (EncodeState* st = self->state) {
+    std::lock_guard<std::mutex> lk(st->lock);
+    b = st->batcher.stats();
+  } else {
+    b = *self->batcher_stats;
+  }
+  GValue by_size = G_VALUE_INIT;
+  gst_value_array_init(&by_size, static_cast<guint>(b.batches_by_size.size()));
+  for (const uint64_t n : b.batches_by_size) {
+    GValue v = G_VALUE_INIT;
+    g_value_init(&v, G_TYPE_UINT64);
+    g_value_set_uint64(&v, n);
+    gst_value_array_append_and_take_value(&by_size, &v);
+  }
+  GstStructure* s = gst_structure_new(
+      "moe-encode-stats", "requests", G_TYPE_UINT64, static_cast<guint64>(b.requests), "batches", G_TYPE_UINT64,
+      static_cast<guint64>(b.batches), "rows-failed", G_TYPE_UINT64, self->rows_failed, "encode-ms", G_TYPE_DOUBLE,
+      self->encode_ms, "queue-wait-ms", G_TYPE_DOUBLE, b.wait_ms_total, "queue-wait-max-ms", G_TYPE_DOUBLE,
+      b.wait_ms_max, "late", G_TYPE_UINT64, static_cast<guint64>(b.late), nullptr);
+  gst_structure_take_value(s, "batches-by-size", &by_size);
+  return s;
+}
+
+static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
+  GstMoeEncode* self = GST_MOE_ENCODE(object);
+  GST_OBJECT_LOCK(self);
+  switch (prop_id) {
+    case PROP_MODEL:
+      g_value_set_string(value, self->model);
+      break;
+    case PROP_DEVICE:
+      g_value_set_string(value, self->device);
+      break;
+    case PROP_PRECISION:
+      g_value_set_enum(value, self->precision);
+      break;
+    case PROP_MAX_BATCH:
+      g_value_set_uint(value, self->max_batch);
+      break;
+    case PROP_MAX_LATENCY:
+      g_value_set_uint64(value, self->max_latency);
+      break;
+    case PROP_STATS:
+      g_value_take_boxed(value, encode_stats(self));
+      break;
+    default:
+      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
+      break;
+  }
+  GST_OBJECT_UNLOCK(self);
+}
+
+/* ----- open/close, start/stop ----- */
+
+// NULL->READY: loads the model (or shares the one loaded for the same directory, device and
+// precision). A missing directory and a bad setting are different errors, both naming the path.
+static gboolean gst_moe_encode_open(GstMoeEncode* self) {
+  GST_OBJECT_LOCK(self);
+  const std::string path = self->model ? self->model : "";
+  moe::ComputeOptions options;
+  options.device = self->device;
+  const GstMoePrecision precision = self->precision;
+  GST_OBJECT_UNLOCK(self);
+  options.precision = gstmoe::weight_type(precision);
+  if (path.empty()) {
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("No CLIP model set: set the 'model' property to a model directory"),
+                      (nullptr));
+    return FALSE;
+  }
+  // The device first, so that an unusable one is reported as such (moe::Error names the device
+  // and the reason, e.g. no usable CUDA device and why).
+  std::string reason;
+  try {
+    moe::resolve_device(options.device, &reason);
+  } catch (const std::exception& e) {
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("Cannot run the CLIP model: %s", e.what()),
+                      ("device=%s model=%s", options.device.c_str(), path.c_str()));
+    return FALSE;
+  }
+  auto loaded = std::make_unique<EncodeModel>();
+  try {
+    loaded->clip = moe::shared_clip_model(path, options);
+  } catch (const std::exception& e) {  // moe::Error names the file (or the device) and the reason
+    if (g_file_test(path.c_str(), G_FILE_TEST_EXISTS))
+      GST_ELEMENT_ERROR(
+          self, RESOURCE, SETTINGS, ("Cannot load the CLIP model: %s", e.what()),
+          ("model=%s device=%s precision=%s", path.c_str(), options.device.c_str(), gstmoe::precision_nick(precision)));
+    else
+      GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("Cannot load the CLIP model: %s", e.what()),
+                        ("model directory '%s' does not exist", path.c_str()));
+    return FALSE;
+  }
+  gchar* base = g_path_get_basename(path.c_str());
+  loaded->name = base;
+  g_free(base);
+  loaded->width = loaded->clip->config().projection_dim;
+  GST_INFO_OBJECT(self, "loaded CLIP model %s on %s with %s weights (projection_dim %d; %s)", path.c_str(),
+                  loaded->clip->device().c_str(), gstmoe::precision_nick(precision), loaded->width, reason.c_str());
+  GST_OBJECT_LOCK(self);
+  self->loaded = loaded.release();
+  GST_OBJECT_UNLOCK(self);
+  return TRUE;
+}
+
+// READY->NULL.
+static void gst_moe_encode_close(GstMoeEncode* self) {
+  GST_OBJECT_LOCK(self);
+  EncodeModel* loaded = self->loaded;
+  self->loaded = nullptr;
+  GST_OBJECT_UNLOCK(self);
+  delete loaded;  // the cache frees the model when its last user lets go
+}
+
+// READY->PAUSED, before the pads activate: a new running state and its worker; `stats` counts
+// from here.
+static void gst_moe_encode_start(GstMoeEncode* self) {
+  GST_OBJECT_LOCK(self);
+  auto* st = new EncodeState(*self->loaded, batch_limits(self));
+  *self->batcher_stats = moe::BatcherStats();
+  self->rows_failed = 0;
+  self->encode_ms = 0.0;
+  self->state = st;
+  GST_OBJECT_UNLOCK(self);
+  st->worker = std::thread(worker_loop, self, st);
+}
+
+// PAUSED->READY, once the pads are inactive (no chain call runs, pushes return FLUSHING); also
+// when READY->PAUSED fails after start().
+static void gst_moe_encode_stop(GstMoeEncode* self) {
+  // Only state changes (serialised) and finalize write the pointer: read here without the lock.
+  EncodeState* st = self->state;
+  if (st == nullptr) return;
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    st->worker_stop = true;
+  }
+  st->wake.notify_all();
+  if (st->worker.joinable()) st->worker.join();
+  drop_pending(self, st, "stop");
+  GST_OBJECT_LOCK(self);
+  *self->batcher_stats = st->batcher.stats();  // `stats` keeps the run's counts
+  self->state = nullptr;
+  GST_OBJECT_UNLOCK(self);
+  delete st;
+}
+
+// While flushing (or stopping), the streaming thread stops waiting for room in the queue.
+static void set_flushing(EncodeState* st, bool flushing) {
+  {
+    std::lock_guard<std::mutex> lk(st->lock);
+    st->flushing = flushing;
+  }
+  st->wake.notify_all();
+}
+
+static GstStateChangeReturn gst_moe_encode_change_state(GstElement* element, GstStateChange transition) {
+  GstMoeEncode* self = GST_MOE_ENCODE(element);
+  switch (transition) {
+    case GST_STATE_CHANGE_NULL_TO_READY:
+      if (!gst_moe_encode_open(self)) return GST_STATE_CHANGE_FAILURE;
+      break;
+    case GST_STATE_CHANGE_READY_TO_PAUSED:
+      gst_moe_encode_start(self);
+      break;
+    case GST_STATE_CHANGE_PAUSED_TO_READY:
+      set_flushing(self->state, true);  // a chain call waiting for room returns, so the pads can deactivate
+      break;
+    default:
+      break;
+  }
+
+  const GstStateChangeReturn ret = GST_ELEMENT_CLASS(parent_class)->change_state(element, transition);
+  if (ret == GST_STATE_CHANGE_FAILURE) {
+    if (transition == GST_STATE_CHANGE_NULL_TO_READY) gst_moe_encode_close(self);
+    if (transition == GST_STATE_CHANGE_READY_TO_PAUSED) gst_moe_encode_stop(self);
+    if (transition == GST_STATE_CHANGE_PAUSED_TO_READY) set_flushing(self->state, false);  // still running
+    return ret;
+  }
+
+  switch (transition) {
+    case GST_STATE_CHANGE_PAUSED_TO_READY:
+      gst_moe_encode_stop(self);
+      break;
+    case GST_STATE_CHANGE_READY_TO_NULL:
+      gst_moe_encode_close(self);
+      break;
+    default:
+      break;
+  }
+  return ret;
+}
 
 /* ----- requests ----- */
 
@@ -164,8 +484,7 @@ static std::string media_seconds(GstClockTime t) {
 }
 
 // The uri of the stream feeding the sink pad, asked once per stream (empty when unknown).
-static const std::string& upstream_uri(GstMoeEncode* self) {
-  EncodeState* st = self->st;
+static const std::string& upstream_uri(GstMoeEncode* self, EncodeState* st) {
   if (!st->uri_queried) {
     st->uri_queried = true;
     GstQuery* query = gst_query_new_uri();
@@ -181,9 +500,8 @@ static const std::string& upstream_uri(GstMoeEncode* self) {
 
 // The uri of a video frame without one in its meta: the stream's uri at the frame's time
 // (a media fragment), else its position in the stream.
-static std::string frame_uri(GstMoeEncode* self, GstBuffer* buf, guint64 frame) {
-  EncodeState* st = self->st;
-  const std::string& uri = upstream_uri(self);
+static std::string frame_uri(GstMoeEncode* self, EncodeState* st, GstBuffer* buf, guint64 frame) {
+  const std::string& uri = upstream_uri(self, st);
   GstClockTime t = GST_BUFFER_PTS(buf);
   if (GST_CLOCK_TIME_IS_VALID(t) && st->segment.format == GST_FORMAT_TIME)
     t = gst_segment_to_stream_time(&st->segment, GST_FORMAT_TIME, t);
@@ -192,8 +510,7 @@ static std::string frame_uri(GstMoeEncode* self, GstBuffer* buf, guint64 frame) 
 }
 
 // A video frame as packed RGB8: copied when it is RGB already, else through GstVideoConverter.
-static void frame_to_rgb(GstMoeEncode* self, GstBuffer* buf, moe::RgbImage* image, std::string* error) {
-  EncodeState* st = self->st;
+static void frame_to_rgb(EncodeState* st, GstBuffer* buf, moe::RgbImage* image, std::string* error) {
   GstVideoFrame in;
   if (!gst_video_frame_map(&in, &st->video_info, buf, GST_MAP_READ)) {
     *error = "video frame of " + std::to_string(gst_buffer_get_size(buf)) + " bytes does not match its caps (" +
@@ -277,8 +594,7 @@ static void complete_record(gstmoe::RequestRecord* r, GstBuffer* buf, guint64 n,
 
 // Turns an input buffer into queue entries: the upstream failures its meta carries, then its
 // request (normally one). Runs in the streaming thread.
-static std::vector<Pending> collect_requests(GstMoeEncode* self, GstBuffer* buf) {
-  EncodeState* st = self->st;
+static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st, GstBuffer* buf) {
   const int64_t wall = g_get_real_time(), mono = g_get_monotonic_time();
   const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
   const gstmoe::BatchRecords* in = meta != nullptr ? meta->records : nullptr;
@@ -328,8 +644,8 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, GstBuffer* buf)
     case InputKind::Video: {
       const guint64 frame = st->frames++;
       p.record.modality = gstmoe::Modality::Image;
-      if (p.record.uri.empty()) p.record.uri = frame_uri(self, buf, frame);
-      frame_to_rgb(self, buf, &p.image, &p.error);
+      if (p.record.uri.empty()) p.record.uri = frame_uri(self, st, buf, frame);
+      frame_to_rgb(st, buf, &p.image, &p.error);
       break;
     }
     case InputKind::Request:
@@ -349,9 +665,8 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, GstBuffer* buf)
 
 // Encodes a batch into one tensor buffer: texts with one encode_texts call, images with one
 // encode_images call, rows in arrival order; failures go to the meta's failed list.
-static GstBuffer* encode_batch(GstMoeEncode* self, std::vector<Pending>& batch) {
-  EncodeState* st = self->st;
-  const size_t width = static_cast<size_t>(st->width.load());
+static GstBuffer* encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<Pending>& batch) {
+  const size_t width = st->width;
   const int64_t start = g_get_monotonic_time();
 
   std::vector<std::string> texts;
@@ -398,11 +713,10 @@ static GstBuffer* encode_batch(GstMoeEncode* self, std::vector<Pending>& batch) 
     records.rows.push_back(std::move(p.record));
     row_data.push_back(rows.values.data() + slot[i] * width);
   }
-  {
-    std::lock_guard<std::mutex> lk(st->lock);
-    st->counters.rows_failed += failed_here;
-    st->counters.encode_ms += encode_ms;
-  }
+  GST_OBJECT_LOCK(self);
+  self->rows_failed += failed_here;
+  self->encode_ms += encode_ms;
+  GST_OBJECT_UNLOCK(self);
 
   GstBuffer* out;
   if (row_data.empty()) {
@@ -429,8 +743,7 @@ static GstBuffer* encode_batch(GstMoeEncode* self, std::vector<Pending>& batch) 
 // Takes the batch that the batcher lets leave now, encodes and pushes it, and sets `ret` to the
 // push's result; false when no batch may leave. The caller holds push_lock, so batches are
 // pushed in the order they were taken.
-static bool push_next_batch(GstMoeEncode* self, GstFlowReturn* ret) {
-  EncodeState* st = self->st;
+static bool push_next_batch(GstMoeEncode* self, EncodeState* st, GstFlowReturn* ret) {
   std::vector<Pending> batch;
   {
     std::lock_guard<std::mutex> lk(st->lock);
@@ -441,7 +754,7 @@ static bool push_next_batch(GstMoeEncode* self, GstFlowReturn* ret) {
     st->queue.erase(st->queue.begin(), taken);
   }
   st->wake.notify_all();  // room for the streaming thread, which queues on while this batch runs
-  *ret = gst_pad_push(self->srcpad, encode_batch(self, batch));
+  *ret = gst_pad_push(self->srcpad, encode_batch(self, st, batch));
   {
     std::lock_guard<std::mutex> lk(st->lock);
     st->batcher.finished();
@@ -454,14 +767,13 @@ static bool push_next_batch(GstMoeEncode* self, GstFlowReturn* ret) {
 // the next chain call to return upstream. With `report_now`, a fatal result is also posted at
 // once, as queue does: the next chain call may never come (after EOS, or a live source that
 // receives no more requests).
-static void defer_flow(GstMoeEncode* self, GstFlowReturn ret, bool report_now) {
-  self->st->deferred_flow = ret;
+static void defer_flow(GstMoeEncode* self, EncodeState* st, GstFlowReturn ret, bool report_now) {
+  st->deferred_flow = ret;
   if (report_now && (ret == GST_FLOW_NOT_LINKED || ret < GST_FLOW_EOS)) GST_ELEMENT_FLOW_ERROR(self, ret);
 }
 
 // The worker: runs every batch the batcher lets leave, as soon as it may.
-static void worker_loop(GstMoeEncode* self) {
-  EncodeState* st = self->st;
+static void worker_loop(GstMoeEncode* self, EncodeState* st) {
   std::unique_lock<std::mutex> lk(st->lock);
   while (!st->worker_stop) {
     if (!st->batcher.ready()) {
@@ -472,51 +784,16 @@ static void worker_loop(GstMoeEncode* self) {
     {
       std::lock_guard<std::mutex> push(st->push_lock);
       GstFlowReturn ret;
-      if (push_next_batch(self, &ret) && ret != GST_FLOW_OK) {
+      if (push_next_batch(self, st, &ret) && ret != GST_FLOW_OK) {
         GST_DEBUG_OBJECT(self, "push: %s", gst_flow_get_name(ret));
-        defer_flow(self, ret, /*report_now=*/true);
+        defer_flow(self, st, ret, /*report_now=*/true);
       }
     }
     lk.lock();
   }
 }
 
-// Starts the worker with a fresh batcher and counters: `stats` counts from here.
-static void start_worker(GstMoeEncode* self) {
-  EncodeState* st = self->st;
-  {
-    std::lock_guard<std::mutex> lk(st->lock);
-    st->batcher = moe::Batcher(st->batcher.limits());
-    st->counters = EncodeCounters();
-    st->flushing = false;
-    st->worker_stop = false;
-  }
-  st->worker = std::thread(worker_loop, self);
-}
-
-static void stop_worker(GstMoeEncode* self) {
-  EncodeState* st = self->st;
-  if (!st->worker.joinable()) return;
-  {
-    std::lock_guard<std::mutex> lk(st->lock);
-    st->worker_stop = true;
-  }
-  st->wake.notify_all();
-  st->worker.join();
-}
-
-// While flushing (or stopping), the streaming thread stops waiting for room in the queue.
-static void set_flushing(GstMoeEncode* self, bool flushing) {
-  EncodeState* st = self->st;
-  {
-    std::lock_guard<std::mutex> lk(st->lock);
-    st->flushing = flushing;
-  }
-  st->wake.notify_all();
-}
-
-static void drop_pending(GstMoeEncode* self, const char* why) {
-  EncodeState* st = self->st;
+static void drop_pending(GstMoeEncode* self, EncodeState* st, const char* why) {
   std::lock_guard<std::mutex> lk(st->lock);
   if (const size_t n = st->batcher.drop()) GST_INFO_OBJECT(self, "%s: dropping %zu pending requests", why, n);
   st->queue.clear();
@@ -525,8 +802,7 @@ static void drop_pending(GstMoeEncode* self, const char* why) {
 // Queues a buffer's requests for the worker, first waiting while a whole batch is queued already
 // (the batcher is full: the encoder is busy, so requests would only wait here instead of
 // upstream). Runs in the streaming thread.
-static GstFlowReturn enqueue(GstMoeEncode* self, std::vector<Pending>&& requests) {
-  EncodeState* st = self->st;
+static GstFlowReturn enqueue(EncodeState* st, std::vector<Pending>&& requests) {
   {
     std::unique_lock<std::mutex> lk(st->lock);
     st->wake.wait(lk, [st] { return !st->batcher.full() || st->flushing; });
@@ -542,7 +818,7 @@ static GstFlowReturn enqueue(GstMoeEncode* self, std::vector<Pending>&& requests
 
 static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer* buf) {
   GstMoeEncode* self = GST_MOE_ENCODE(parent);
-  EncodeState* st = self->st;
+  EncodeState* st = self->state;
   const GstFlowReturn deferred = st->deferred_flow;
   if (deferred != GST_FLOW_OK) {
     gst_buffer_unref(buf);
@@ -558,24 +834,24 @@ static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer*
                       (nullptr));
     return GST_FLOW_NOT_NEGOTIATED;
   }
-  std::vector<Pending> requests = collect_requests(self, buf);
+  std::vector<Pending> requests = collect_requests(self, st, buf);
   gst_buffer_unref(buf);
-  return enqueue(self, std::move(requests));
+  return enqueue(st, std::move(requests));
 }
 
 // Pushes everything queued ahead of a serialized event, in batches of at most max-batch; the
 // caller holds push_lock. The first failed push is kept for the next chain call.
-static void push_before_event(GstMoeEncode* self, GstEvent* event) {
+static void push_before_event(GstMoeEncode* self, EncodeState* st, GstEvent* event) {
   GstFlowReturn ret, first = GST_FLOW_OK;
-  while (push_next_batch(self, &ret))
+  while (push_next_batch(self, st, &ret))
     if (first == GST_FLOW_OK) first = ret;
-  if (first != GST_FLOW_OK) defer_flow(self, first, /*report_now=*/GST_EVENT_TYPE(event) == GST_EVENT_EOS);
+  if (first != GST_FLOW_OK) defer_flow(self, st, first, /*report_now=*/GST_EVENT_TYPE(event) == GST_EVENT_EOS);
 }
 
 // Sets the fixed output caps once per stream; the caller holds push_lock.
-static gboolean ensure_src_caps(GstMoeEncode* self) {
+static gboolean ensure_src_caps(GstMoeEncode* self, EncodeState* st) {
   if (gst_pad_has_current_caps(self->srcpad)) return TRUE;
-  GstCaps* caps = gstmoe::tensor_caps(self->st->width);
+  GstCaps* caps = gstmoe::tensor_caps(static_cast<int>(st->width));
   const gboolean ok = gst_pad_set_caps(self->srcpad, caps);
   if (!ok) {
     GstCaps* peer = gst_pad_peer_query_caps(self->srcpad, nullptr);
@@ -591,8 +867,7 @@ static gboolean ensure_src_caps(GstMoeEncode* self) {
   return ok;
 }
 
-static gboolean set_sink_caps(GstMoeEncode* self, GstCaps* caps) {
-  EncodeState* st = self->st;
+static gboolean set_sink_caps(GstMoeEncode* self, EncodeState* st, GstCaps* caps) {
   const GstStructure* s = gst_caps_get_structure(caps, 0);
   if (st->converter != nullptr) {
     gst_video_converter_free(st->converter);
@@ -630,31 +905,36 @@ static gboolean set_sink_caps(GstMoeEncode* self, GstCaps* caps) {
     }
   }
   GST_DEBUG_OBJECT(self, "sink caps %" GST_PTR_FORMAT, caps);
-  return ensure_src_caps(self);
+  return ensure_src_caps(self, st);
 }
 
 static gboolean gst_moe_encode_sink_event(GstPad* pad, GstObject* parent, GstEvent* event) {
   GstMoeEncode* self = GST_MOE_ENCODE(parent);
-  EncodeState* st = self->st;
+  EncodeState* st = self->state;
   switch (GST_EVENT_TYPE(event)) {
     case GST_EVENT_FLUSH_START:
-      // Not serialized: must not wait for a push that is blocked downstream.
-      set_flushing(self, true);
-      drop_pending(self, "flush");
+      // Not serialized: must not wait for a push that is blocked downstream. It may come from any
+      // thread, even while the element stops: the object lock keeps the running state alive.
+      GST_OBJECT_LOCK(self);
+      if (EncodeState* running = self->state) {
+        set_flushing(running, true);
+        drop_pending(self, running, "flush");
+      }
+      GST_OBJECT_UNLOCK(self);
       return gst_pad_event_default(pad, parent, event);
     case GST_EVENT_FLUSH_STOP: {
       std::lock_guard<std::mutex> push(st->push_lock);  // after any push racing the flush
-      drop_pending(self, "flush");                      // what a chain call still running at FLUSH_START queued
-      set_flushing(self, false);
+      drop_pending(self, st, "flush");                  // what a chain call still running at FLUSH_START queued
+      set_flushing(st, false);
       st->deferred_flow = GST_FLOW_OK;
       return gst_pad_event_default(pad, parent, event);
     }
     case GST_EVENT_CAPS: {
       std::lock_guard<std::mutex> push(st->push_lock);
-      push_before_event(self, event);  // the next requests may be of another kind
+      push_before_event(self, st, event);  // the next requests may be of another kind
       GstCaps* caps;
       gst_event_parse_caps(event, &caps);
-      const gboolean ok = set_sink_caps(self, caps);
+      const gboolean ok = set_sink_caps(self, st, caps);
       gst_event_unref(event);  // the output caps are ours, not upstream's
       return ok;
     }
@@ -671,24 +951,21 @@ static gboolean gst_moe_encode_sink_event(GstPad* pad, GstObject* parent, GstEve
   if (!GST_EVENT_IS_SERIALIZED(event)) return gst_pad_event_default(pad, parent, event);
   // EOS, segments, tags, gaps...: whatever is pending goes out first, in order.
   std::lock_guard<std::mutex> push(st->push_lock);
-  push_before_event(self, event);
+  push_before_event(self, st, event);
   return gst_pad_event_default(pad, parent, event);
 }
 
 static gboolean gst_moe_encode_src_query(GstPad* pad, GstObject* parent, GstQuery* query) {
   GstMoeEncode* self = GST_MOE_ENCODE(parent);
-  EncodeState* st = self->st;
   switch (GST_QUERY_TYPE(query)) {
     case GST_QUERY_LATENCY: {
       if (!gst_pad_peer_query(self->sinkpad, query)) return FALSE;
       gboolean live;
       GstClockTime min, max;
       gst_query_parse_latency(query, &live, &min, &max);
-      guint64 wait;
-      {
-        std::lock_guard<std::mutex> lk(st->lock);
-        wait = st->batcher.limits().max_latency.count();
-      }
+      GST_OBJECT_LOCK(self);
+      const guint64 wait = self->max_latency;
+      GST_OBJECT_UNLOCK(self);
       // The declared wait: a request may queue behind a running batch (moe/batcher.h, rule 4).
       min += wait;
       if (GST_CLOCK_TIME_IS_VALID(max)) max += wait;
@@ -699,7 +976,9 @@ static gboolean gst_moe_encode_src_query(GstPad* pad, GstObject* parent, GstQuer
     }
     case GST_QUERY_CAPS: {
       // Fixed to the model's projection_dim once it is loaded.
-      const int width = st->width;
+      GST_OBJECT_LOCK(self);
+      const int width = self->loaded ? self->loaded->width : 0;
+      GST_OBJECT_UNLOCK(self);
       GstCaps* caps = width > 0 ? gstmoe::tensor_caps(width) : gst_pad_get_pad_template_caps(pad);
       GstCaps* filter;
       gst_query_parse_caps(query, &filter);
@@ -717,228 +996,16 @@ static gboolean gst_moe_encode_src_query(GstPad* pad, GstObject* parent, GstQuer
   }
 }
 
-/* ----- element ----- */
-
-static gboolean load_model(GstMoeEncode* self) {
-  EncodeState* st = self->st;
-  GST_OBJECT_LOCK(self);
-  const std::string path = st->model_path;
-  moe::ComputeOptions options;
-  options.device = st->device;
-  const GstMoePrecision precision = st->precision;
-  GST_OBJECT_UNLOCK(self);
-  options.precision = gstmoe::weight_type(precision);
-  if (path.empty()) {
-    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("No CLIP model set: set the 'model' property to a model directory"),
-                      (nullptr));
-    return FALSE;
-  }
-  // The device first, so that an unusable one is reported as such (moe::Error names the device
-  // and the reason, e.g. no usable CUDA device and why).
-  std::string reason;
-  try {
-    moe::resolve_device(options.device, &reason);
-  } catch (const std::exception& e) {
-    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("Cannot run the CLIP model: %s", e.what()),
-                      ("device=%s model=%s", options.device.c_str(), path.c_str()));
-    return FALSE;
-  }
-  try {
-    st->model = moe::shared_clip_model(path, options);
-  } catch (const std::exception& e) {  // moe::Error names the file (or the device) and the reason
-    if (g_file_test(path.c_str(), G_FILE_TEST_EXISTS))
-      GST_ELEMENT_ERROR(
-          self, RESOURCE, SETTINGS, ("Cannot load the CLIP model: %s", e.what()),
-          ("model=%s device=%s precision=%s", path.c_str(), options.device.c_str(), gstmoe::precision_nick(precision)));
-    else
-      GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("Cannot load the CLIP model: %s", e.what()),
-                        ("model directory '%s' does not exist", path.c_str()));
-    return FALSE;
-  }
-  gchar* base = g_path_get_basename(path.c_str());
-  st->encoder_name = base;
-  g_free(base);
-  st->width = st->model->config().projection_dim;
-  GST_INFO_OBJECT(self, "loaded CLIP model %s on %s with %s weights (projection_dim %d; %s)", path.c_str(),
-                  st->model->device().c_str(), gstmoe::precision_nick(precision), st->width.load(), reason.c_str());
-  return TRUE;
-}
-
-static void reset_stream(EncodeState* st) {
-  st->kind = InputKind::None;
-  if (st->converter != nullptr) gst_video_converter_free(st->converter);
-  st->converter = nullptr;
-  gst_segment_init(&st->segment, GST_FORMAT_TIME);
-  st->uri_queried = false;
-  st->stream_uri.clear();
-  st->frames = 0;
-  st->requests = 0;
-  st->deferred_flow = GST_FLOW_OK;
-}
-
-static GstStateChangeReturn gst_moe_encode_change_state(GstElement* element, GstStateChange transition) {
-  GstMoeEncode* self = GST_MOE_ENCODE(element);
-  EncodeState* st = self->st;
-  switch (transition) {
-    case GST_STATE_CHANGE_NULL_TO_READY:
-      if (!load_model(self)) return GST_STATE_CHANGE_FAILURE;
-      break;
-    case GST_STATE_CHANGE_READY_TO_PAUSED:
-      reset_stream(st);
-      start_worker(self);
-      break;
-    case GST_STATE_CHANGE_PAUSED_TO_READY:
-      set_flushing(self, true);  // a chain call waiting for room returns, so the pads can deactivate
-      break;
-    default:
-      break;
-  }
-
-  const GstStateChangeReturn ret = GST_ELEMENT_CLASS(gst_moe_encode_parent_class)->change_state(element, transition);
-  if (ret == GST_STATE_CHANGE_FAILURE) {
-    if (transition == GST_STATE_CHANGE_READY_TO_PAUSED) stop_worker(self);
-    if (transition == GST_STATE_CHANGE_PAUSED_TO_READY) set_flushing(self, false);  // still running
-    return ret;
-  }
-
-  switch (transition) {
-    case GST_STATE_CHANGE_PAUSED_TO_READY:
-      // The pads are inactive now: no chain call runs and pushes return FLUSHING.
-      stop_worker(self);
-      drop_pending(self, "stop");
-      reset_stream(st);
-      break;
-    case GST_STATE_CHANGE_READY_TO_NULL:
-      st->model.reset();
-      st->width = 0;
-      break;
-    default:
-      break;
-  }
-  return ret;
-}
-
-static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
-  GstMoeEncode* self = GST_MOE_ENCODE(object);
-  EncodeState* st = self->st;
-  switch (prop_id) {
-    case PROP_MODEL: {
-      GST_OBJECT_LOCK(self);
-      if (GST_STATE(self) != GST_STATE_NULL) {
-        GST_OBJECT_UNLOCK(self);
-        g_warning("moe-encode: changing 'model' is only possible in the NULL state");
-        return;
-      }
-      const gchar* s = g_value_get_string(value);
-      st->model_path = s != nullptr ? s : "";
-      GST_OBJECT_UNLOCK(self);
-      break;
-    }
-    case PROP_DEVICE:
-    case PROP_PRECISION: {
-      GST_OBJECT_LOCK(self);
-      if (GST_STATE(self) != GST_STATE_NULL) {
-        GST_OBJECT_UNLOCK(self);
-        g_warning("moe-encode: changing '%s' is only possible in the NULL state", g_param_spec_get_name(pspec));
-        return;
-      }
-      if (prop_id == PROP_DEVICE) {
-        const gchar* s = g_value_get_string(value);
-        st->device = s != nullptr ? s : kDefaultDevice;
-      } else {
-        st->precision = static_cast<GstMoePrecision>(g_value_get_enum(value));
-      }
-      GST_OBJECT_UNLOCK(self);
-      break;
-    }
-    case PROP_MAX_BATCH:
-    case PROP_MAX_LATENCY: {
-      {
-        std::lock_guard<std::mutex> lk(st->lock);
-        moe::BatchLimits limits = st->batcher.limits();
-        if (prop_id == PROP_MAX_BATCH)
-          limits.max_batch = g_value_get_uint(value);
-        else
-          limits.max_latency = std::chrono::nanoseconds(g_value_get_uint64(value));
-        st->batcher.set_limits(limits);  // within the ranges of the param specs
-      }
-      if (prop_id == PROP_MAX_BATCH)
-        st->wake.notify_all();  // a larger batch leaves room for a waiting streaming thread
-      else
-        gst_element_post_message(GST_ELEMENT(self), gst_message_new_latency(GST_OBJECT(self)));
-      break;
-    }
-    default:
-      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
-      break;
-  }
-}
-
-// The `stats` structure: the batcher's counters and the encoder's.
-static GstStructure* encode_stats(EncodeState* st) {
-  std::lock_guard<std::mutex> lk(st->lock);
-  const moe::BatcherStats& b = st->batcher.stats();
-  GValue by_size = G_VALUE_INIT;
-  gst_value_array_init(&by_size, static_cast<guint>(b.batches_by_size.size()));
-  for (const uint64_t n : b.batches_by_size) {
-    GValue v = G_VALUE_INIT;
-    g_value_init(&v, G_TYPE_UINT64);
-    g_value_set_uint64(&v, n);
-    gst_value_array_append_and_take_value(&by_size, &v);
-  }
-  GstStructure* s = gst_structure_new(
-      "moe-encode-stats", "requests", G_TYPE_UINT64, static_cast<guint64>(b.requests), "batches", G_TYPE_UINT64,
-      static_cast<guint64>(b.batches), "rows-failed", G_TYPE_UINT64, st->counters.rows_failed, "encode-ms",
-      G_TYPE_DOUBLE, st->counters.encode_ms, "queue-wait-ms", G_TYPE_DOUBLE, b.wait_ms_total, "queue-wait-max-ms",
-      G_TYPE_DOUBLE, b.wait_ms_max, "late", G_TYPE_UINT64, static_cast<guint64>(b.late), nullptr);
-  gst_structure_take_value(s, "batches-by-size", &by_size);
-  return s;
-}
-
-static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
-  GstMoeEncode* self = GST_MOE_ENCODE(object);
-  EncodeState* st = self->st;
-  switch (prop_id) {
-    case PROP_MODEL:
-      GST_OBJECT_LOCK(self);
-      g_value_set_string(value, st->model_path.empty() ? nullptr : st->model_path.c_str());
-      GST_OBJECT_UNLOCK(self);
-      break;
-    case PROP_DEVICE:
-      GST_OBJECT_LOCK(self);
-      g_value_set_string(value, st->device.c_str());
-      GST_OBJECT_UNLOCK(self);
-      break;
-    case PROP_PRECISION:
-      GST_OBJECT_LOCK(self);
-      g_value_set_enum(value, st->precision);
-      GST_OBJECT_UNLOCK(self);
-      break;
-    case PROP_MAX_BATCH: {
-      std::lock_guard<std::mutex> lk(st->lock);
-      g_value_set_uint(value, static_cast<guint>(st->batcher.limits().max_batch));
-      break;
-    }
-    case PROP_MAX_LATENCY: {
-      std::lock_guard<std::mutex> lk(st->lock);
-      g_value_set_uint64(value, static_cast<guint64>(st->batcher.limits().max_latency.count()));
-      break;
-    }
-    case PROP_STATS:
-      g_value_take_boxed(value, encode_stats(st));
-      break;
-    default:
-      G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
-      break;
-  }
-}
+/* ----- GObject ----- */
 
 static void gst_moe_encode_finalize(GObject* object) {
   GstMoeEncode* self = GST_MOE_ENCODE(object);
-  stop_worker(self);  // only running if the element was disposed without going to NULL
-  reset_stream(self->st);
-  delete self->st;
-  G_OBJECT_CLASS(gst_moe_encode_parent_class)->finalize(object);
+  gst_moe_encode_stop(self);  // only running if the element was disposed without going to NULL
+  gst_moe_encode_close(self);
+  g_free(self->model);
+  g_free(self->device);
+  delete self->batcher_stats;
+  G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
 static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
@@ -949,42 +1016,44 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
   gobject_class->finalize = gst_moe_encode_finalize;
   element_class->change_state = GST_DEBUG_FUNCPTR(gst_moe_encode_change_state);
 
+  // model, device and precision have no MUTABLE flag: only the NULL state may change them (set
+  // in another state, they are refused with a warning).
+  const auto rw_null = static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS);
   g_object_class_install_property(
       gobject_class, PROP_MODEL,
       g_param_spec_string("model", "Model",
                           "Hugging Face CLIP model directory (config.json, model.safetensors, vocab.json, merges.txt, "
                           "preprocessor_config.json); loaded when going to READY, shared with other elements naming "
                           "the same directory, device and precision; can only be changed in the NULL state",
-                          nullptr, static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS)));
+                          DEFAULT_MODEL, rw_null));
   g_object_class_install_property(
       gobject_class, PROP_DEVICE,
       g_param_spec_string("device", "Device",
                           "Where the model computes: 'cpu', 'cuda:N' (CUDA device N; an error when it is not usable), "
                           "or 'auto' (cuda:0 when a usable CUDA device exists, else cpu; the choice and its reason "
                           "are logged); can only be changed in the NULL state",
-                          kDefaultDevice, static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS)));
+                          DEFAULT_DEVICE, rw_null));
   g_object_class_install_property(
       gobject_class, PROP_PRECISION,
       g_param_spec_enum("precision", "Precision",
                         "How the model's Linear weights are stored on the device: fp32 (exact), fp16 or bf16 (half "
                         "the memory; embeddings typically within 1e-3 (fp16) or 1e-2 (bf16) relative of fp32); "
                         "activations and accumulation stay f32; can only be changed in the NULL state",
-                        GST_TYPE_MOE_PRECISION, GST_MOE_PRECISION_FP32,
-                        static_cast<GParamFlags>(G_PARAM_READWRITE | G_PARAM_STATIC_STRINGS)));
+                        GST_TYPE_MOE_PRECISION, DEFAULT_PRECISION, rw_null));
   g_object_class_install_property(
       gobject_class, PROP_MAX_BATCH,
       g_param_spec_uint("max-batch", "Maximum batch",
                         "Most requests encoded together. A request that finds the encoder idle is encoded at once; "
                         "those that arrive while it is busy leave together, up to this many, when it is done. While "
                         "this many are queued, the streaming thread waits (backpressure)",
-                        1, kMaxMaxBatch, kDefaultMaxBatch, gstmoe::kPropertyMutablePlaying));
+                        MIN_MAX_BATCH, MAX_MAX_BATCH, DEFAULT_MAX_BATCH, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_MAX_LATENCY,
       g_param_spec_uint64("max-latency", "Maximum latency",
                           "How long (ns) a request may queue behind the batch being encoded: added to the pipeline "
                           "latency; requests that queued longer are counted in stats (late). It delays nothing: "
                           "batches never wait for more requests while the encoder is idle",
-                          0, kMaxMaxLatency, kDefaultMaxLatency, gstmoe::kPropertyMutablePlaying));
+                          0, MAX_MAX_LATENCY, DEFAULT_MAX_LATENCY, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(
@@ -1005,15 +1074,10 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       "num-buffers=16 ! moe-encode model=models/default/clip max-batch=4 ! fakesink",
       "gst-moe developers");
 
-  GST_DEBUG_CATEGORY_INIT(gst_moe_encode_debug, "moe-encode", 0, "CLIP encoder");
   gst_type_mark_as_plugin_api(GST_TYPE_MOE_PRECISION, static_cast<GstPluginAPIFlags>(0));
 }
 
 static void gst_moe_encode_init(GstMoeEncode* self) {
-  self->st = new EncodeState();
-  gst_video_info_init(&self->st->video_info);
-  gst_segment_init(&self->st->segment, GST_FORMAT_TIME);
-
   self->sinkpad = gst_pad_new_from_static_template(&sink_template, "sink");
   gst_pad_set_chain_function(self->sinkpad, GST_DEBUG_FUNCPTR(gst_moe_encode_chain));
   gst_pad_set_event_function(self->sinkpad, GST_DEBUG_FUNCPTR(gst_moe_encode_sink_event));
@@ -1022,4 +1086,15 @@ static void gst_moe_encode_init(GstMoeEncode* self) {
   self->srcpad = gst_pad_new_from_static_template(&src_template, "src");
   gst_pad_set_query_function(self->srcpad, GST_DEBUG_FUNCPTR(gst_moe_encode_src_query));
   gst_element_add_pad(GST_ELEMENT(self), self->srcpad);
+
+  self->model = g_strdup(DEFAULT_MODEL);
+  self->device = g_strdup(DEFAULT_DEVICE);
+  self->precision = DEFAULT_PRECISION;
+  self->max_batch = DEFAULT_MAX_BATCH;
+  self->max_latency = DEFAULT_MAX_LATENCY;
+  self->batcher_stats = new moe::BatcherStats();
+  self->rows_failed = 0;
+  self->encode_ms = 0.0;
+  self->loaded = nullptr;
+  self->state = nullptr;
 }

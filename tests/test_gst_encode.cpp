@@ -1,6 +1,7 @@
 // moe-encode and moe-catalog-src: continuous batching, ordering, flushes, request ids,
-// per-request failures, video input, request buffers, state changes, latency, stats; every
-// embedding compared with the engine called directly (moe::ClipModel on the same inputs).
+// per-request failures, video input, request buffers, state changes, property mutability,
+// latency, stats; every embedding compared with the engine called directly (moe::ClipModel on
+// the same inputs).
 // Batch boundaries depend on when the encoder is busy: tests merge the batches, or hold the
 // encoder busy at its src pad (PushGate) when they need to know them.
 #include <gst/app/gstappsink.h>
@@ -623,9 +624,6 @@ TEST(MoeEncode, RequestBuffersMixTextAndImagesAndCarryFailures) {
 
 /* ----- states and errors ----- */
 
-// Puts a `factory` element in a pipeline, with `property` set to `value` unless `property` is
-// null, and expects the change to `state` to fail; returns the error it posted (to be freed), or
-// null when there was none.
 // Sets the properties (as gst-launch would parse them), asks for `state`, expects the state
 // change to fail, and returns the error the element posted (nullptr if none).
 GError* failed_state_change(const char* factory, const std::vector<std::pair<std::string, std::string>>& properties,
@@ -818,6 +816,102 @@ TEST(MoeEncode, PropertiesSayWhenTheyMayChange) {
   EXPECT_TRUE(stats->flags & G_PARAM_READABLE);
   EXPECT_FALSE(stats->flags & G_PARAM_WRITABLE);
   g_type_class_unref(klass);
+}
+
+// Messages of g_warning() (GLib's default log domain, where the elements warn) while it lives.
+class WarningCapture {
+ public:
+  WarningCapture() { id_ = g_log_set_handler(nullptr, G_LOG_LEVEL_WARNING, &WarningCapture::handler, this); }
+  ~WarningCapture() { g_log_remove_handler(nullptr, id_); }
+  std::vector<std::string> messages() {
+    std::lock_guard<std::mutex> lk(mutex_);
+    return messages_;
+  }
+
+ private:
+  static void handler(const gchar*, GLogLevelFlags, const gchar* message, gpointer self) {
+    auto* capture = static_cast<WarningCapture*>(self);
+    std::lock_guard<std::mutex> lk(capture->mutex_);
+    capture->messages_.emplace_back(message);
+  }
+  guint id_ = 0;
+  std::mutex mutex_;
+  std::vector<std::string> messages_;
+};
+
+// GStreamer does not enforce the mutability flags: moe-encode refuses the change itself, so the
+// property never names another model than the one that runs.
+TEST(MoeEncode, ModelDeviceAndPrecisionAreRefusedOutsideNull) {
+  GstHarness* h = encode_harness(8, kHour, "text/x-raw, format=(string)utf8");
+  {
+    WarningCapture warnings;
+    g_object_set(h->element, "model", "/another/clip", "device", "auto", nullptr);
+    gst_util_set_object_arg(G_OBJECT(h->element), "precision", "bf16");
+    const std::vector<std::string> messages = warnings.messages();
+    ASSERT_EQ(messages.size(), 3u);
+    const char* names[] = {"'model'", "'device'", "'precision'"};
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_NE(messages[i].find(names[i]), std::string::npos) << messages[i];
+      EXPECT_NE(messages[i].find("only possible in the NULL state"), std::string::npos) << messages[i];
+    }
+  }
+  gchar* dir = nullptr;
+  gchar* device = nullptr;
+  gint precision = -1;
+  g_object_get(h->element, "model", &dir, "device", &device, "precision", &precision, nullptr);
+  EXPECT_STREQ(dir, kModelDir.c_str());
+  EXPECT_STREQ(device, "cpu");
+  EXPECT_EQ(precision, GST_MOE_PRECISION_FP32);
+  g_free(dir);
+  g_free(device);
+
+  ASSERT_EQ(gst_harness_push(h, text_buffer("red mug")), GST_FLOW_OK);
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
+  ASSERT_EQ(out.rows(), 1u);
+  EXPECT_LE(max_abs_diff(out.row(0), model()->encode_texts({"red mug"}).embeds, 0), kTolerance)
+      << "still the model it loaded, in f32 on the CPU";
+
+  ASSERT_EQ(gst_element_set_state(h->element, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
+  g_object_set(h->element, "model", "/another/clip", nullptr);
+  g_object_get(h->element, "model", &dir, nullptr);
+  EXPECT_STREQ(dir, "/another/clip") << "taken in NULL";
+  g_free(dir);
+  gst_harness_teardown(h);
+}
+
+// max-batch is read as the data flows: a new value applies to the requests already queued.
+TEST(MoeEncode, MaxBatchChangedWhilePlayingAppliesToQueuedRequests) {
+  GstHarness* h = encode_harness(8, kHour, "text/x-raw, format=(string)utf8");
+  auto gate = std::make_unique<PushGate>(h->element);
+  ASSERT_EQ(gst_harness_push(h, text_buffer("first")), GST_FLOW_OK);
+  ASSERT_TRUE(gate->wait_held());
+  for (const char* t : {"q1", "q2", "q3", "q4"}) ASSERT_EQ(gst_harness_push(h, text_buffer(t)), GST_FLOW_OK);
+  g_object_set(h->element, "max-batch", 2u, nullptr);
+  guint max_batch = 0;
+  g_object_get(h->element, "max-batch", &max_batch, nullptr);
+  EXPECT_EQ(max_batch, 2u);
+  gate.reset();
+
+  std::vector<Output> batches;
+  Output all;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &all, &batches));
+  std::vector<size_t> sizes;
+  for (const Output& b : batches) sizes.push_back(b.rows());
+  EXPECT_EQ(sizes, (std::vector<size_t>{1, 2, 2}));
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, StatsAreReadableBeforeStart) {
+  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
+  GstStructure* s = stats_of(e);
+  ASSERT_NE(s, nullptr);
+  EXPECT_TRUE(gst_structure_has_name(s, "moe-encode-stats"));
+  EXPECT_EQ(stat_u64(s, "requests"), 0u);
+  EXPECT_EQ(stat_u64(s, "batches"), 0u);
+  EXPECT_EQ(stat_u64(s, "rows-failed"), 0u);
+  gst_structure_free(s);
+  gst_object_unref(e);
 }
 
 /* ----- this binary's elements ----- */
@@ -1093,6 +1187,79 @@ TEST(MoeCatalogSrc, MissingLocationIsAnErrorNamingThePath) {
   ASSERT_NE(err, nullptr);
   EXPECT_NE(std::string(err->message).find(missing), std::string::npos) << err->message;
   g_error_free(err);
+}
+
+void expect_catalog_stats(GstElement* e, guint64 items, guint64 sent, guint64 failed) {
+  GstStructure* s = stats_of(e);
+  ASSERT_NE(s, nullptr);
+  EXPECT_TRUE(gst_structure_has_name(s, "moe-catalog-src-stats"));
+  EXPECT_EQ(stat_u64(s, "items"), items);
+  EXPECT_EQ(stat_u64(s, "sent"), sent);
+  EXPECT_EQ(stat_u64(s, "failed"), failed);
+  gst_structure_free(s);
+}
+
+TEST(MoeCatalogSrc, StatsCountItemsSentAndFailedSinceStart) {
+  GstElement* fresh = gst_element_factory_make("moe-catalog-src", nullptr);
+  ASSERT_NO_FATAL_FAILURE(expect_catalog_stats(fresh, 0, 0, 0));
+  gst_object_unref(fresh);
+
+  CatalogFixture fx;
+  fx.write_catalog();  // 4 items, one of them a missing file
+  GstHarness* h = catalog_harness(fx.dir.path());
+  for (int run = 0; run < 2; ++run) {
+    for (int i = 0; i < 4; ++i) {
+      GstBuffer* buf = gst_harness_pull(h);
+      ASSERT_NE(buf, nullptr) << run << " " << i;
+      gst_buffer_unref(buf);
+    }
+    expect_eos_next(h);
+    ASSERT_NO_FATAL_FAILURE(expect_catalog_stats(h->element, 4, 3, 1)) << "run " << run << ": counted from its start";
+    ASSERT_EQ(gst_element_set_state(h->element, GST_STATE_READY), GST_STATE_CHANGE_SUCCESS);
+    ASSERT_NO_FATAL_FAILURE(expect_catalog_stats(h->element, 4, 3, 1)) << "kept after stop";
+    gst_harness_play(h);
+  }
+  gst_harness_teardown(h);
+}
+
+TEST(MoeCatalogSrc, LocationIsRefusedWhileRunning) {
+  GObjectClass* klass = static_cast<GObjectClass*>(g_type_class_ref(GST_TYPE_MOE_CATALOG_SRC));
+  GParamSpec* location = g_object_class_find_property(klass, "location");
+  ASSERT_NE(location, nullptr);
+  EXPECT_TRUE(location->flags & GST_PARAM_MUTABLE_READY) << "read when the element starts";
+  GParamSpec* stats = g_object_class_find_property(klass, "stats");
+  ASSERT_NE(stats, nullptr);
+  EXPECT_FALSE(stats->flags & G_PARAM_WRITABLE);
+  g_type_class_unref(klass);
+
+  CatalogFixture fx;
+  GstHarness* h = catalog_harness(fx.dir.path());
+  {
+    WarningCapture warnings;
+    g_object_set(h->element, "location", "/another/catalog", nullptr);
+    const std::vector<std::string> messages = warnings.messages();
+    ASSERT_EQ(messages.size(), 1u);
+    EXPECT_NE(messages[0].find("'location'"), std::string::npos) << messages[0];
+  }
+  gchar* now = nullptr;
+  g_object_get(h->element, "location", &now, nullptr);
+  EXPECT_EQ(now, fx.dir.path());
+  g_free(now);
+  for (const char* id : {"a", "b", "c"}) {  // the folder it started with
+    GstBuffer* buf = gst_harness_pull(h);
+    ASSERT_NE(buf, nullptr) << id;
+    const gstmoe::BatchRecords* records = batch_records(buf);
+    ASSERT_NE(records, nullptr) << id;
+    ASSERT_EQ(records->rows.size(), 1u) << id;
+    EXPECT_EQ(records->rows[0].id, id);
+    gst_buffer_unref(buf);
+  }
+  ASSERT_EQ(gst_element_set_state(h->element, GST_STATE_READY), GST_STATE_CHANGE_SUCCESS);
+  g_object_set(h->element, "location", "/another/catalog", nullptr);
+  g_object_get(h->element, "location", &now, nullptr);
+  EXPECT_STREQ(now, "/another/catalog") << "taken in READY";
+  g_free(now);
+  gst_harness_teardown(h);
 }
 
 TEST(MoeCatalogSrc, ChainedIntoEncodeGivesRowsAndFailures) {
