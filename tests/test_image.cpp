@@ -481,6 +481,18 @@ TEST(DecodeImage, RefusesGifFramesThatShowNothing) {
       &size);
   expect_error([&] { moe::decode_image(gif, size, "stale.gif"); }, {"stale.gif", "reaches beyond the 2x67 canvas"});
   g_free(gif);
+  // A frame only the loader finds (it reads sub-blocks after an empty control block): its GLib
+  // critical becomes the error (found by fuzz_image_decode).
+  gif = g_base64_decode(
+      "R0lGODlhAgBDAIEAAP8AaZaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaW"
+      "lpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWlpaWAAAAQAD//"
+      "yH5AAAAAAAAYX4yAAAAzP84Yfc5AAAPAP//AP//IfkAAAAAAEAA//8h+QAAAAACAGH3OQAA/////////////////////////////////////////"
+      "////////////wAP//8A//8h+QBpbWFnZS94/wD//wAAAAAAAAD/IfkAAAAAAEAA//8h+QAAAAAAAGF+NAAAAMz/OGH3OQAADwD//wD//"
+      "yH5AAAAAABAAP//IflYWFhYWFhh9zkAAAAP//8A//8h+QBpbWFnZS94/wD//yH5AGltYf8h+QAAAAAAYWdkigpgAAAALAAAAAACjGACAAAFADs=",
+      &size);
+  expect_error([&] { moe::decode_image(gif, size, "hidden.gif"); },
+               {"hidden.gif", "malformed image data (the image decoder reported: gdk_pixbuf_copy_area"});
+  g_free(gif);
 }
 
 TEST(DecodeImage, RefusesTruncatedJpeg) {
