@@ -107,7 +107,8 @@ void Stats::add_batch(size_t rows, const std::vector<int32_t>& expert_ids) {
   std::lock_guard<std::mutex> lock(lock_);
   rows_ += rows;
   batches_ += 1;
-  for (int32_t e : expert_ids) ++per_expert_[static_cast<size_t>(e)];
+  for (int32_t e : expert_ids)
+    if (e != moe::Routing::kUnusedSlot) ++per_expert_[static_cast<size_t>(e)];
 }
 
 GstStructure* Stats::to_structure(const char* name, const char* per_expert) const {

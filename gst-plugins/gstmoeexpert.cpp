@@ -437,7 +437,7 @@ static bool gst_moe_expert_routing(GstMoeExpert* self, const gstmoe::BatchRecord
       return false;
     }
     for (int32_t e : r.experts) {
-      if (e < 0 || e >= num_experts) {
+      if (e != moe::Routing::kUnusedSlot && (e < 0 || e >= num_experts)) {
         const std::string source = !st->route_dir.empty()     ? "the MoE adapter '" + st->route_dir + "' of moe-route"
                                    : !records.adapter.empty() ? "an adapter named '" + records.adapter + "'"
                                                               : "an unknown router";
@@ -478,10 +478,9 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   moe::Routing routing;
   if (rows > 0 && !gst_moe_expert_routing(self, records, &routing)) return GST_FLOW_ERROR;
   records.adapter = st->adapter_name;  // the experts that made the embeddings name the adapter
+  // The weights name the embedding space; how rows were routed (top-k, routing policies) is a
+  // serving choice within it, so an index built with one routing answers queries routed another way.
   records.adapter_fingerprint = st->rows_fingerprint;
-  // Routing to another number of experts (moe-route top-k) makes other vectors from the same weights.
-  if (rows > 0 && routing.top_k != st->adapter->layer().config().top_k)
-    records.adapter_fingerprint += "/top" + std::to_string(routing.top_k);
   if (rows == 0) return GST_FLOW_OK;  // only failed requests: they travel on untouched
   GST_OBJECT_LOCK(self);
   const std::shared_ptr<moe::ExpertExecutor> executor = st->executor ? st->executor->built : nullptr;

@@ -60,9 +60,9 @@ struct BatchRecords {
   std::string adapter;
   // What made the vectors, for ann-query's provenance check: moe-encode's and moe-expert's
   // fingerprint() of their models (16 hex digits; moe-expert appends "+<router's>" when the
-  // moe-route that chose its experts has other weights, and "/top<k>" when it chose another
-  // number of experts per row than the adapter's top_k). Empty adapter_fingerprint: no moe-expert
-  // changed the rows (moe-route names its adapter in `adapter` but leaves the vectors as they are).
+  // moe-route that chose its experts has other weights; how it routed is not part of it). Empty
+  // adapter_fingerprint: no moe-expert changed the rows (moe-route names its adapter in `adapter`
+  // but leaves the vectors as they are).
   std::string encoder_fingerprint;
   std::string adapter_fingerprint;
   // moe-route's moe::ExpertExecutor::prefetch() of this batch, for the moe-expert downstream

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <utility>
 
+#include "moe/moe_layer.h"
 #include "moe/query_request.h"
 
 namespace gstmoe {
@@ -169,6 +170,7 @@ std::string result_document(const RequestRecord& r, int k, const std::vector<Res
   json_builder_set_member_name(b, "experts");
   json_builder_begin_array(b);
   for (size_t i = 0; i < r.experts.size(); ++i) {
+    if (r.experts[i] == moe::Routing::kUnusedSlot) continue;  // a row routed to fewer experts
     json_builder_begin_object(b);
     member_int(b, "expert", r.experts[i]);
     member_number(b, "weight", i < r.expert_weights.size() ? r.expert_weights[i] : NAN, 6);

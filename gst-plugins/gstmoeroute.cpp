@@ -12,17 +12,22 @@
  * When the moe-expert downstream runs its experts on GPU devices (or in reduced precision),
  * moe-route starts loading each batch's experts there as soon as it has routed the batch.
  *
- * Routing policies (docs/routing.md): `temperature` divides the router logits before the softmax;
+ * Routing policies (docs/routing.md): `routing=top-p` gives each row the smallest set of experts
+ * whose probability reaches `top-p`, between `min-k` and `max-k` (rows may then use different
+ * numbers of experts); `capacity-factor` caps the rows each expert takes per batch, the most
+ * probable rows first, and sends the rest to their next expert with room or drops them
+ * (`overflow`); `temperature` divides the router logits before the softmax;
  * `balance=bias` steers selection away from overloaded experts with a per-expert bias moved by
  * `balance-rate` after every batch (the weights stay the router's probabilities); `explore` gives
  * a row's last expert, with that probability, to the least-used expert (deterministic for a
  * `seed`). The defaults are the adapter's own top-k routing, computed on its device. The policy
  * state (bias, exploration stream, load counters) survives a flush and restarts with a new stream.
  *
- * The `stats` property counts the rows and batches routed since the element started, how many
- * rows chose each expert (expert-load), the balancing bias per expert (expert-bias), the
- * coefficient of variation of the expert load (load-cv) and the rows explored per expert
- * (expert-explored).
+ * The `stats` property counts the rows and batches routed since the element started and how many
+ * rows chose each expert (expert-load); and since the stream started, the balancing bias per
+ * expert (expert-bias), the rows explored per expert (expert-explored), the rows that found each
+ * expert full (expert-overflowed), the slots dropped at capacity (dropped), the mean experts per
+ * row (experts-per-row) and the coefficient of variation of the expert load (load-cv).
  *
  * ## Example launch lines
  * |[
@@ -51,6 +56,7 @@
 #include "gstmoeroute.h"
 
 #include <memory>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -67,6 +73,12 @@ enum {
   PROP_0,
   PROP_MODEL,
   PROP_TOP_K,
+  PROP_ROUTING,
+  PROP_TOP_P,
+  PROP_MIN_K,
+  PROP_MAX_K,
+  PROP_CAPACITY_FACTOR,
+  PROP_OVERFLOW,
   PROP_TEMPERATURE,
   PROP_BALANCE,
   PROP_BALANCE_RATE,
@@ -77,6 +89,13 @@ enum {
 
 #define DEFAULT_TOP_K 0  // the adapter's top_k
 #define MAX_TOP_K 64
+#define DEFAULT_ROUTING GST_MOE_ROUTE_ROUTING_TOP_K
+#define DEFAULT_TOP_P 0.5
+#define DEFAULT_MIN_K 1
+#define DEFAULT_MAX_K 4
+#define DEFAULT_CAPACITY_FACTOR 0.0
+#define MAX_CAPACITY_FACTOR 64.0
+#define DEFAULT_OVERFLOW GST_MOE_ROUTE_OVERFLOW_REROUTE
 #define DEFAULT_TEMPERATURE 1.0
 #define MIN_TEMPERATURE 1e-3
 #define MAX_TEMPERATURE 1e3
@@ -106,6 +125,12 @@ struct _GstMoeRoute {
   // Properties, under the object lock; read when the element starts.
   gchar* model;  // nullptr: unset
   guint top_k;
+  GstMoeRouteRouting routing;
+  gdouble top_p;
+  guint min_k;
+  guint max_k;
+  gdouble capacity_factor;
+  GstMoeRouteOverflow overflow;
   gdouble temperature;
   GstMoeRouteBalance balance;
   gdouble balance_rate;
@@ -118,6 +143,9 @@ struct _GstMoeRoute {
   // writes them, `stats` reads them).
   std::vector<double>* expert_bias;
   std::vector<guint64>* expert_explored;
+  std::vector<guint64>* expert_overflowed;
+  guint64 dropped;
+  gdouble experts_per_row;
   gdouble load_cv;
   // Ids for rows that arrive without a request meta, counted over the element's life (streaming
   // thread only).
@@ -137,6 +165,35 @@ static GstStaticPadTemplate src_template =
 G_DEFINE_TYPE_WITH_CODE(GstMoeRoute, gst_moe_route, GST_TYPE_BASE_TRANSFORM,
                         GST_DEBUG_CATEGORY_INIT(gst_moe_route_debug, "moe-route", 0, "MoE adapter router"));
 GST_ELEMENT_REGISTER_DEFINE(moe_route, "moe-route", GST_RANK_NONE, GST_TYPE_MOE_ROUTE);
+
+GType gst_moe_route_routing_get_type(void) {
+  static GType type = 0;
+  static const GEnumValue values[] = {
+      {GST_MOE_ROUTE_ROUTING_TOP_K, "The top-k most probable experts for every row", "top-k"},
+      {GST_MOE_ROUTE_ROUTING_TOP_P,
+       "The fewest most probable experts whose probability reaches top-p, min-k..max-k per row", "top-p"},
+      {0, nullptr, nullptr},
+  };
+  if (g_once_init_enter(&type)) {
+    GType t = g_enum_register_static("GstMoeRouteRouting", values);
+    g_once_init_leave(&type, t);
+  }
+  return type;
+}
+
+GType gst_moe_route_overflow_get_type(void) {
+  static GType type = 0;
+  static const GEnumValue values[] = {
+      {GST_MOE_ROUTE_OVERFLOW_REROUTE, "To the row's next most probable expert with room (else dropped)", "reroute"},
+      {GST_MOE_ROUTE_OVERFLOW_DROP, "Dropped; the row's other experts' weights renormalised", "drop"},
+      {0, nullptr, nullptr},
+  };
+  if (g_once_init_enter(&type)) {
+    GType t = g_enum_register_static("GstMoeRouteOverflow", values);
+    g_once_init_leave(&type, t);
+  }
+  return type;
+}
 
 GType gst_moe_route_balance_get_type(void) {
   static GType type = 0;
@@ -183,6 +240,24 @@ static void gst_moe_route_set_property(GObject* object, guint prop_id, const GVa
     case PROP_TOP_K:
       self->top_k = g_value_get_uint(value);
       break;
+    case PROP_ROUTING:
+      self->routing = static_cast<GstMoeRouteRouting>(g_value_get_enum(value));
+      break;
+    case PROP_TOP_P:
+      self->top_p = g_value_get_double(value);
+      break;
+    case PROP_MIN_K:
+      self->min_k = g_value_get_uint(value);
+      break;
+    case PROP_MAX_K:
+      self->max_k = g_value_get_uint(value);
+      break;
+    case PROP_CAPACITY_FACTOR:
+      self->capacity_factor = g_value_get_double(value);
+      break;
+    case PROP_OVERFLOW:
+      self->overflow = static_cast<GstMoeRouteOverflow>(g_value_get_enum(value));
+      break;
     case PROP_TEMPERATURE:
       self->temperature = g_value_get_double(value);
       break;
@@ -215,6 +290,24 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_TOP_K:
       g_value_set_uint(value, self->top_k);
       break;
+    case PROP_ROUTING:
+      g_value_set_enum(value, self->routing);
+      break;
+    case PROP_TOP_P:
+      g_value_set_double(value, self->top_p);
+      break;
+    case PROP_MIN_K:
+      g_value_set_uint(value, self->min_k);
+      break;
+    case PROP_MAX_K:
+      g_value_set_uint(value, self->max_k);
+      break;
+    case PROP_CAPACITY_FACTOR:
+      g_value_set_double(value, self->capacity_factor);
+      break;
+    case PROP_OVERFLOW:
+      g_value_set_enum(value, self->overflow);
+      break;
     case PROP_TEMPERATURE:
       g_value_set_double(value, self->temperature);
       break;
@@ -234,7 +327,9 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
       GstStructure* s = self->stats->to_structure("moe-route-stats", "expert-load");
       take_array(s, "expert-bias", *self->expert_bias, G_TYPE_DOUBLE);
       take_array(s, "expert-explored", *self->expert_explored, G_TYPE_UINT64);
-      gst_structure_set(s, "load-cv", G_TYPE_DOUBLE, self->load_cv, nullptr);
+      take_array(s, "expert-overflowed", *self->expert_overflowed, G_TYPE_UINT64);
+      gst_structure_set(s, "load-cv", G_TYPE_DOUBLE, self->load_cv, "experts-per-row", G_TYPE_DOUBLE,
+                        self->experts_per_row, "dropped", G_TYPE_UINT64, self->dropped, nullptr);
       g_value_take_boxed(value, s);
       break;
     }
@@ -251,6 +346,14 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   const std::string dir = self->model ? self->model : "";
   const guint top_k = self->top_k;
   moe::RoutingPolicy policy;
+  policy.selection =
+      self->routing == GST_MOE_ROUTE_ROUTING_TOP_P ? moe::ExpertSelection::TopP : moe::ExpertSelection::TopK;
+  policy.top_p = self->top_p;
+  policy.min_k = static_cast<int>(self->min_k);
+  policy.max_k = static_cast<int>(self->max_k);
+  policy.capacity_factor = self->capacity_factor;
+  policy.overflow =
+      self->overflow == GST_MOE_ROUTE_OVERFLOW_DROP ? moe::CapacityOverflow::Drop : moe::CapacityOverflow::Reroute;
   policy.temperature = self->temperature;
   policy.balance = self->balance == GST_MOE_ROUTE_BALANCE_BIAS ? moe::LoadBalance::Bias : moe::LoadBalance::None;
   policy.balance_rate = self->balance_rate;
@@ -283,13 +386,24 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
     return FALSE;
   }
   self->stats->reset(cfg.num_experts);
-  GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, top-k %d, temperature %g, balance %s, explore %g",
-                  dir.c_str(), cfg.hidden_size, cfg.num_experts, state->top_k, policy.temperature,
+  GST_INFO_OBJECT(self,
+                  "adapter %s: hidden_size %d, %d experts, %s, capacity-factor %g, temperature %g, balance %s, "
+                  "explore %g",
+                  dir.c_str(), cfg.hidden_size, cfg.num_experts,
+                  (policy.selection == moe::ExpertSelection::TopP
+                       ? "top-p " + std::to_string(policy.top_p) + " (" + std::to_string(policy.min_k) + ".." +
+                             std::to_string(policy.max_k) + " experts)"
+                       : "top-k " + std::to_string(state->top_k))
+                      .c_str(),
+                  policy.capacity_factor, policy.temperature,
                   policy.balance == moe::LoadBalance::Bias ? "bias" : "none", policy.explore);
   GST_OBJECT_LOCK(self);
   self->state = state;
   self->expert_bias->assign(static_cast<size_t>(cfg.num_experts), 0.0);
   self->expert_explored->assign(static_cast<size_t>(cfg.num_experts), 0);
+  self->expert_overflowed->assign(static_cast<size_t>(cfg.num_experts), 0);
+  self->dropped = 0;
+  self->experts_per_row = 0.0;
   self->load_cv = 0.0;
   GST_OBJECT_UNLOCK(self);
   return TRUE;
@@ -392,8 +506,14 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   self->stats->add_batch(rows, routing.expert_ids);
   GST_OBJECT_LOCK(self);
   self->expert_bias->assign(router.bias().begin(), router.bias().end());
-  self->expert_explored->assign(router.load().explored.begin(), router.load().explored.end());
-  self->load_cv = router.load().coefficient_of_variation();
+  const moe::ExpertLoad& load = router.load();
+  self->expert_explored->assign(load.explored.begin(), load.explored.end());
+  self->expert_overflowed->assign(load.overflowed.begin(), load.overflowed.end());
+  self->dropped = static_cast<guint64>(load.dropped);
+  self->experts_per_row =
+      load.rows ? static_cast<double>(std::accumulate(load.slots.begin(), load.slots.end(), int64_t{0})) / load.rows
+                : 0.0;
+  self->load_cv = load.coefficient_of_variation();
   GST_OBJECT_UNLOCK(self);
   GST_LOG_OBJECT(self, "routed %zu rows in %.3f ms", rows, ms);
 
@@ -416,6 +536,7 @@ static void gst_moe_route_finalize(GObject* object) {
   delete self->stats;
   delete self->expert_bias;
   delete self->expert_explored;
+  delete self->expert_overflowed;
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -434,6 +555,37 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
       g_param_spec_uint("top-k", "Experts per row",
                         "Experts chosen for every row (0: the adapter's top_k; at most the adapter's num_experts)", 0,
                         MAX_TOP_K, DEFAULT_TOP_K, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_ROUTING,
+      g_param_spec_enum("routing", "Experts per row",
+                        "top-k: top-k experts for every row; top-p: per row, the fewest most probable experts whose "
+                        "probability reaches top-p, within min-k..max-k (dynamic k)",
+                        GST_TYPE_MOE_ROUTE_ROUTING, DEFAULT_ROUTING, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_TOP_P,
+      g_param_spec_double("top-p", "Probability to reach",
+                          "routing=top-p: the router probability a row's experts must reach together", 1e-6, 1.0,
+                          DEFAULT_TOP_P, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_MIN_K,
+      g_param_spec_uint("min-k", "Fewest experts per row", "routing=top-p: at least this many experts per row", 1,
+                        MAX_TOP_K, DEFAULT_MIN_K, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_MAX_K,
+      g_param_spec_uint("max-k", "Most experts per row",
+                        "routing=top-p: at most this many experts per row (at most the adapter's num_experts)", 1,
+                        MAX_TOP_K, DEFAULT_MAX_K, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_CAPACITY_FACTOR,
+      g_param_spec_double("capacity-factor", "Expert capacity factor",
+                          "Each expert takes at most ceil(factor x rows x mean experts per row / experts) rows of a "
+                          "batch, the rows with the highest probability for it first; 0: no limit",
+                          0.0, MAX_CAPACITY_FACTOR, DEFAULT_CAPACITY_FACTOR, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_OVERFLOW,
+      g_param_spec_enum("overflow", "Capacity overflow",
+                        "capacity-factor: where a row's slot goes when its expert is full", GST_TYPE_MOE_ROUTE_OVERFLOW,
+                        DEFAULT_OVERFLOW, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_TEMPERATURE,
       g_param_spec_double("temperature", "Softmax temperature",
@@ -466,8 +618,10 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec("Since the element started: rows and batches routed, expert-load (per expert, how many "
                                "rows chose it), expert-bias (balance=bias: each expert's selection bias), "
-                               "expert-explored (rows given to each expert by exploration) and load-cv (standard "
-                               "deviation / mean of expert-load since the stream started)"));
+                               "expert-explored (rows given to each expert by exploration), expert-overflowed (rows "
+                               "that found each expert full), dropped (slots dropped at capacity), experts-per-row "
+                               "(mean) and load-cv (standard deviation / mean of the expert load); the last five "
+                               "since the stream started"));
 
   gst_element_class_set_static_metadata(
       element_class, "MoE router", "Filter/Tensor",
@@ -489,12 +643,20 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
   trans_class->transform_ip = GST_DEBUG_FUNCPTR(gst_moe_route_transform_ip);
   trans_class->sink_event = GST_DEBUG_FUNCPTR(gst_moe_route_sink_event);
 
+  gst_type_mark_as_plugin_api(GST_TYPE_MOE_ROUTE_ROUTING, static_cast<GstPluginAPIFlags>(0));
+  gst_type_mark_as_plugin_api(GST_TYPE_MOE_ROUTE_OVERFLOW, static_cast<GstPluginAPIFlags>(0));
   gst_type_mark_as_plugin_api(GST_TYPE_MOE_ROUTE_BALANCE, static_cast<GstPluginAPIFlags>(0));
 }
 
 static void gst_moe_route_init(GstMoeRoute* self) {
   self->model = nullptr;
   self->top_k = DEFAULT_TOP_K;
+  self->routing = DEFAULT_ROUTING;
+  self->top_p = DEFAULT_TOP_P;
+  self->min_k = DEFAULT_MIN_K;
+  self->max_k = DEFAULT_MAX_K;
+  self->capacity_factor = DEFAULT_CAPACITY_FACTOR;
+  self->overflow = DEFAULT_OVERFLOW;
   self->temperature = DEFAULT_TEMPERATURE;
   self->balance = DEFAULT_BALANCE;
   self->balance_rate = DEFAULT_BALANCE_RATE;
@@ -503,6 +665,9 @@ static void gst_moe_route_init(GstMoeRoute* self) {
   self->stats = new gstmoe::adapter::Stats();
   self->expert_bias = new std::vector<double>();
   self->expert_explored = new std::vector<guint64>();
+  self->expert_overflowed = new std::vector<guint64>();
+  self->dropped = 0;
+  self->experts_per_row = 0.0;
   self->load_cv = 0.0;
   // In place: only the meta changes, the tensor memory is never copied.
   gst_base_transform_set_in_place(GST_BASE_TRANSFORM(self), TRUE);

@@ -15,6 +15,22 @@
 
 G_BEGIN_DECLS
 
+// `routing`: how many experts each row gets (moe/routing_policy.h).
+typedef enum {
+  GST_MOE_ROUTE_ROUTING_TOP_K,
+  GST_MOE_ROUTE_ROUTING_TOP_P,
+} GstMoeRouteRouting;
+#define GST_TYPE_MOE_ROUTE_ROUTING (gst_moe_route_routing_get_type())
+GType gst_moe_route_routing_get_type(void);
+
+// `overflow`: what happens to a slot whose expert is full (capacity-factor).
+typedef enum {
+  GST_MOE_ROUTE_OVERFLOW_REROUTE,
+  GST_MOE_ROUTE_OVERFLOW_DROP,
+} GstMoeRouteOverflow;
+#define GST_TYPE_MOE_ROUTE_OVERFLOW (gst_moe_route_overflow_get_type())
+GType gst_moe_route_overflow_get_type(void);
+
 // `balance`: how the router evens out the experts' load (moe/routing_policy.h).
 typedef enum {
   GST_MOE_ROUTE_BALANCE_NONE,

@@ -187,8 +187,9 @@ class Backend {
   // copies row x[row] to x_sorted[slot] so that expert e's slots are rows
   // [offsets[e], offsets[e+1]) of x_sorted (within an expert, slots keep (row, j) order).
   // slot_of[row·top_k + j] receives the slot of (row, j). Returns offsets (experts + 1 entries)
-  // on the host: the grouped GEMM needs the sizes (CUDA: waits for the compute stream). An id
-  // outside [0, experts) is a moe::Error.
+  // on the host: the grouped GEMM needs the sizes (CUDA: waits for the compute stream). Id -1
+  // marks an unused slot (a row routed to fewer than top_k experts): it gets no row in x_sorted
+  // and slot_of -1. Any other id outside [0, experts) is a moe::Error.
   virtual std::vector<int64_t> moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t experts,
                                            const float* x, int64_t cols, float* x_sorted, int32_t* slot_of) = 0;
   // For every expert e with rows: out_sorted[offsets[e]:offsets[e+1]] = w2(silu(w1 x) · w3 x) over
@@ -197,7 +198,8 @@ class Backend {
   virtual void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
                               const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter,
                               float* out_sorted) = 0;
-  // y[row] = Σ_j weights[row·top_k + j] · out_sorted[slot_of[row·top_k + j]] (overwrites y).
+  // y[row] = Σ_j weights[row·top_k + j] · out_sorted[slot_of[row·top_k + j]] over the row's used
+  // slots (slot_of -1 is skipped, whatever its weight); a row without one gets zeros (overwrites y).
   virtual void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
                              int64_t top_k, int64_t cols, float* y) = 0;
 

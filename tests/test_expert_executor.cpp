@@ -308,6 +308,34 @@ TEST(ExpertExecutor, TwoDevicesWithDifferentBudgetsGiveTheSameOutput) {
   expect_consistent_and_idle(two);
 }
 
+// Rows routed to fewer experts (unused slots -1, as routing policies leave them) on one and on
+// two devices (split batches), and a batch in which no row has an expert.
+TEST(ExpertExecutor, UnusedSlotsRunNoExpertOnOneOrTwoDevices) {
+  const moe::MoeConfig& c = tiny().layer().config();
+  ExpertExecutor one(tiny().layer(), "cpu");
+  ExpertExecutor two(tiny().layer(), cpu_devices(2), budgets(c, {4, 2}));
+  for (unsigned b = 0; b < 4; ++b) {
+    const Tensor x = rows(13, 16, 110 + b);
+    Routing r = tiny().route(x, 3);
+    for (size_t i = b; i < r.expert_ids.size(); i += 4) {
+      r.expert_ids[i] = Routing::kUnusedSlot;
+      r.weights[i] = 0.0f;
+    }
+    const Tensor want = tiny().apply_experts(x, r);
+    EXPECT_TRUE(close(one.run(x, r, one.prefetch(r)), want, 1e-5)) << "batch " << b;
+    EXPECT_TRUE(close(two.run(x, r, two.prefetch(r)), want, 1e-5)) << "batch " << b;
+  }
+  const Tensor x = rows(3, 16, 120);
+  Routing none = tiny().route(x, 2);
+  std::fill(none.expert_ids.begin(), none.expert_ids.end(), Routing::kUnusedSlot);
+  std::fill(none.weights.begin(), none.weights.end(), 0.0f);
+  const Tensor want = tiny().apply_experts(x, none);  // the residual alone, normalised
+  EXPECT_TRUE(close(one.run(x, none, nullptr), want, 1e-6));
+  EXPECT_TRUE(close(two.run(x, none, nullptr), want, 1e-6));
+  expect_consistent_and_idle(one);
+  expect_consistent_and_idle(two);
+}
+
 TEST(ExpertExecutor, HotExpertsAreReplicatedAndShareTheRows) {
   const moe::MoeConfig& c = tiny().layer().config();
   ExpertExecutorOptions o = budgets(c, {6, 6});

@@ -45,12 +45,18 @@ moe::Routing slice(const moe::Routing& r, int64_t begin, int64_t end) {
 
 // Every rank holds `rows[r]` rows of one batch; each runs ExpertParallelMoe with `owner` and
 // must reproduce run_experts on its rows.
+// unused_stride > 0: every unused_stride-th slot is unused (-1, weight 0), as routing policies
+// leave them.
 void check_expert_parallel(const MoeLayer& layer, const std::vector<int>& owner, const std::vector<int64_t>& rows,
-                           unsigned seed) {
+                           unsigned seed, size_t unused_stride = 0) {
   const int world = static_cast<int>(rows.size());
   const int64_t total = std::accumulate(rows.begin(), rows.end(), int64_t{0});
   const Tensor x = moe::test::random_tensor(total, layer.config().hidden_size, seed);
-  const moe::Routing routing = layer.route(x);
+  moe::Routing routing = layer.route(x);
+  for (size_t i = 0; unused_stride > 0 && i < routing.expert_ids.size(); i += unused_stride) {
+    routing.expert_ids[i] = moe::Routing::kUnusedSlot;
+    routing.weights[i] = 0.0f;
+  }
   const Tensor expected = layer.run_experts(x, routing);
   auto transports = moe::make_in_process_transports(world);
   on_ranks(world, [&](int r) {
@@ -166,6 +172,12 @@ TEST(ExpertParallelMoe, MatchesRunExpertsOnTwoToFourRanks) {
     for (int e = 0; e < 8; ++e) scattered.push_back((e * 3 + 1) % world);
     check_expert_parallel(layer, scattered, rows, 50u + static_cast<unsigned>(world));
   }
+}
+
+TEST(ExpertParallelMoe, UnusedSlotsTravelNowhere) {
+  const MoeLayer layer = moe::test::random_moe_layer(8, 32, 48, 2, 23);
+  check_expert_parallel(layer, ExpertParallelMoe::block_owners(8, 3), {6, 0, 9}, 61, 3);
+  check_expert_parallel(layer, ExpertParallelMoe::block_owners(8, 2), {4, 5}, 62, 1);  // no slot used at all
 }
 
 TEST(ExpertParallelMoe, RanksWithoutExpertsAndTopKOfAll) {

@@ -398,8 +398,8 @@ TEST_F(RouteExpertTest, TopKOverride) {
     const moe::Routing routing = engine().route(as_tensor(rows), k);
     expect_routing(records_of(out), routing);
     expect_close(buffer_floats(out), engine().apply_experts(as_tensor(rows), routing));
-    // Other vectors than the adapter's top-k makes: the provenance says so.
-    EXPECT_EQ(records_of(out).adapter_fingerprint, engine().fingerprint() + "/top" + std::to_string(k));
+    // The same adapter's space: routing is a serving choice, the provenance names the weights.
+    EXPECT_EQ(records_of(out).adapter_fingerprint, engine().fingerprint());
     gst_buffer_unref(out);
   }
 }
@@ -440,6 +440,47 @@ TEST_F(RouteExpertTest, PolicyPropertiesRouteAsTheEnginesRouter) {
     sum += g_value_get_uint64(gst_value_array_get_value(got, i));
   EXPECT_EQ(sum, explored);
   gst_structure_free(s);
+}
+
+// Dynamic k and capacity: rows end with different numbers of experts (unused slots -1), and
+// moe-expert runs exactly those.
+TEST_F(RouteExpertTest, TopPAndCapacityGiveRowsDifferentNumbersOfExperts) {
+  for (const char* overflow : {"reroute", "drop"}) {
+    moe::RoutingPolicy policy;
+    policy.selection = moe::ExpertSelection::TopP;
+    policy.top_p = 0.6;
+    policy.max_k = 3;
+    policy.capacity_factor = 1.0;
+    policy.overflow = std::string(overflow) == "drop" ? moe::CapacityOverflow::Drop : moe::CapacityOverflow::Reroute;
+    moe::Router router(kExperts, policy);
+    Harness h(route_line(std::string("routing=top-p top-p=0.6 max-k=3 capacity-factor=1 overflow=") + overflow) +
+              " ! " + expert_line());
+    const std::vector<float> rows = random_rows(24, 70);
+    const gstmoe::BatchRecords records = records_for(24);
+    ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    const moe::Tensor logits = engine().layer().router_logits(as_tensor(rows));
+    const moe::Routing want = router.route(logits.data<float>(), 24);
+    ASSERT_EQ(want.top_k, 3);
+    const auto unused = std::count(want.expert_ids.begin(), want.expert_ids.end(), moe::Routing::kUnusedSlot);
+    EXPECT_GT(unused, 0) << "every row used max-k experts: the case tests nothing";
+    expect_routing(records_of(out), want);
+    expect_close(buffer_floats(out), engine().apply_experts(as_tensor(rows), want));
+    gst_buffer_unref(out);
+
+    GstElement* route = h.element("route");
+    GstStructure* s = nullptr;
+    g_object_get(route, "stats", &s, nullptr);
+    gst_object_unref(route);
+    double per_row = 0.0;
+    guint64 dropped = 0;
+    EXPECT_TRUE(gst_structure_get_double(s, "experts-per-row", &per_row));
+    EXPECT_TRUE(gst_structure_get_uint64(s, "dropped", &dropped));
+    EXPECT_NEAR(per_row, static_cast<double>(want.expert_ids.size() - static_cast<size_t>(unused)) / 24, 1e-9);
+    EXPECT_EQ(dropped, static_cast<guint64>(router.load().dropped));
+    gst_structure_free(s);
+  }
 }
 
 // balance=bias on a stream that favours a few experts: the bias moves, the load evens out.

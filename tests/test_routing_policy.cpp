@@ -238,3 +238,24 @@ TEST(RoutingPolicy, LoadCoefficientOfVariation) {
   load.slots = {30, 10, 10, 10};  // mean 15, sd sqrt((225 + 3 * 25) / 4) = sqrt(75)
   EXPECT_NEAR(load.coefficient_of_variation(), std::sqrt(75.0) / 15.0, 1e-12);
 }
+
+// Unused slots (-1) run no expert: the same output as those slots given any expert with weight 0,
+// and as the per-row reference.
+TEST(RoutingPolicy, UnusedSlotsRunNoExpert) {
+  const auto layer = moe::test::random_moe_layer(4, 16, 24, 2, 21);
+  const moe::Tensor x = moe::test::random_tensor(6, 16, 22);
+  Routing r;
+  r.rows = 6;
+  r.top_k = 3;
+  r.expert_ids = {0, 2, -1, 1, -1, -1, 3, 0, 1, -1, -1, -1, 2, 3, -1, 1, 0, 2};
+  r.weights = {0.6f, 0.4f, 0, 1, 0, 0, 0.5f, 0.3f, 0.2f, 0, 0, 0, 0.7f, 0.3f, 0, 0.2f, 0.3f, 0.5f};
+  Routing padded = r;
+  for (size_t i = 0; i < padded.expert_ids.size(); ++i)
+    if (padded.expert_ids[i] == Routing::kUnusedSlot) padded.expert_ids[i] = 1;  // weight 0 there
+  const moe::Tensor got = layer.run_experts(x, r);
+  EXPECT_LT(moe::test::max_abs_error(got, layer.run_experts(x, padded)), 1e-6);
+  EXPECT_LT(moe::test::max_abs_error(got, layer.run_experts_reference(x, r)), 1e-5);
+  for (int64_t d = 0; d < 16; ++d) EXPECT_EQ(got.data<float>()[3 * 16 + d], 0.0f) << "row 3 has no expert";
+  r.expert_ids[2] = -2;
+  moe::test::expect_error([&] { layer.run_experts(x, r); }, {"expert id -2"});
+}

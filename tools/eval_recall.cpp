@@ -1,10 +1,15 @@
 // Retrieval quality of a model (and adapter) measured through the real pipelines: builds an
 // index of a catalog with the index-build pipeline, runs every held-out text query through the
 // query pipeline, and reports R@1/5/10 (share of queries with a relevant item in the top k) and
-// mAP over the full ranking — the definitions tools/train/evaluate.py uses.
+// mAP over the full ranking — the definitions tools/train/evaluate.py uses. With an adapter it also
+// reports the routing: experts per row, the expert load and its coefficient of variation (from
+// moe-route's stats) and the MoE stage's (route + expert) latency per request, p50 and p99.
 //
-//   moe-eval-recall --model DIR [--adapter DIR] --catalog DIR --queries FILE [--index FILE] [--json]
+//   moe-eval-recall --model DIR [--adapter DIR] --catalog DIR --queries FILE [--index FILE]
+//                   [--route-props "temperature=2 balance=bias"] [--json]
 //
+// --route-props: properties of the query pipeline's moe-route (the index is built with the
+// adapter's own routing).
 // queries.jsonl: one {"id": ..., "text": ..., "relevant": [catalog ids]} per line.
 #include <glib.h>
 #include <glib/gstdio.h>
@@ -14,6 +19,7 @@
 #include <json-glib/json-glib.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -77,7 +83,7 @@ void run_to_eos(const std::string& description) {
 
 int main(int argc, char** argv) {
   gst_init(&argc, &argv);
-  std::string model, adapter, catalog, queries_path, index;
+  std::string model, adapter, catalog, queries_path, index, route_props;
   bool json = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -97,11 +103,16 @@ int main(int argc, char** argv) {
       queries_path = v;
     else if (a == "--index")
       index = v;
+    else if (a == "--route-props")
+      route_props = v;
     else
       fail("unknown option " + a);
   }
   if (model.empty() || catalog.empty() || queries_path.empty())
-    fail("usage: moe-eval-recall --model DIR [--adapter DIR] --catalog DIR --queries FILE [--index FILE] [--json]");
+    fail(
+        "usage: moe-eval-recall --model DIR [--adapter DIR] --catalog DIR --queries FILE [--index FILE] "
+        "[--route-props PROPS] [--json]");
+  if (!route_props.empty() && adapter.empty()) fail("--route-props needs --adapter");
   std::string tmp_dir;
   if (index.empty()) {
     gchar* t = g_dir_make_tmp("moe-eval-XXXXXX", nullptr);
@@ -135,10 +146,13 @@ int main(int argc, char** argv) {
   for (JsonNode* n : items) json_node_unref(n);
   const int k = static_cast<int>(std::min<size_t>(item_ids.size(), 1024));  // the full ranking
 
+  const std::string query_adapter_stages = adapter.empty() ? ""
+                                                           : " ! moe-route name=route model=" + quote(adapter) + " " +
+                                                                 route_props + " ! moe-expert model=" + quote(adapter);
   GError* err = nullptr;
   GstElement* p = gst_parse_launch(
       ("appsrc name=src format=time caps=\"text/x-raw,format=(string)utf8\" ! moe-encode model=" + quote(model) +
-       " max-batch=32" + adapter_stages + " ! ann-query index=" + quote(index) + " k=" + std::to_string(k) +
+       " max-batch=32" + query_adapter_stages + " ! ann-query index=" + quote(index) + " k=" + std::to_string(k) +
        " ! appsink name=sink sync=false")
           .c_str(),
       &err);
@@ -156,6 +170,7 @@ int main(int argc, char** argv) {
   const int ks[3] = {1, 5, 10};
   double hits[3] = {0, 0, 0}, ap_sum = 0;
   size_t answered = 0;
+  std::vector<double> moe_ms;  // route + expert, per request
   while (GstSample* sample = gst_app_sink_pull_sample(GST_APP_SINK(sink))) {
     GstBuffer* buf = gst_sample_get_buffer(sample);
     GstMapInfo map;
@@ -167,6 +182,10 @@ int main(int argc, char** argv) {
     if (g_strcmp0(json_object_get_string_member(o, "type"), "result") != 0)
       fail(std::string("query failed: ") + json_to_string(doc, FALSE));
     const HeldOutQuery& q = queries.at(std::stoul(json_object_get_string_member(o, "id")));
+    if (!adapter.empty()) {
+      JsonObject* t = json_object_get_object_member(o, "timings_ms");
+      moe_ms.push_back(json_object_get_double_member(t, "route") + json_object_get_double_member(t, "expert"));
+    }
     JsonArray* results = json_object_get_array_member(o, "results");
     int found = 0;
     double precision_sum = 0;
@@ -182,6 +201,21 @@ int main(int argc, char** argv) {
     ++answered;
     json_node_unref(doc);
   }
+  // The routing, from moe-route's stats (read before the pipeline stops).
+  std::vector<guint64> load;
+  guint64 routed_rows = 0;
+  double load_cv = 0.0;
+  if (GstElement* route = gst_bin_get_by_name(GST_BIN(p), "route")) {
+    GstStructure* stats = nullptr;
+    g_object_get(route, "stats", &stats, nullptr);
+    gst_structure_get_uint64(stats, "rows", &routed_rows);
+    gst_structure_get_double(stats, "load-cv", &load_cv);
+    const GValue* per_expert = gst_structure_get_value(stats, "expert-load");
+    for (guint i = 0; i < gst_value_array_get_size(per_expert); ++i)
+      load.push_back(g_value_get_uint64(gst_value_array_get_value(per_expert, i)));
+    gst_structure_free(stats);
+    gst_object_unref(route);
+  }
   gst_element_set_state(p, GST_STATE_NULL);
   gst_object_unref(src);
   gst_object_unref(sink);
@@ -194,11 +228,35 @@ int main(int argc, char** argv) {
   if (answered != queries.size())
     fail("only " + std::to_string(answered) + " of " + std::to_string(queries.size()) + " queries answered");
   const double n = static_cast<double>(queries.size());
+  std::string routing;  // ", ..." JSON members or "  ..." text
+  if (!adapter.empty()) {
+    guint64 slots = 0;
+    std::string loads;
+    for (guint64 l : load) {
+      slots += l;
+      loads += (loads.empty() ? "" : ", ") + std::to_string(l);
+    }
+    std::sort(moe_ms.begin(), moe_ms.end());
+    const auto pct = [&](double q) {
+      return moe_ms.empty() ? 0.0 : moe_ms[static_cast<size_t>(std::ceil(q * moe_ms.size())) - 1];
+    };
+    const double per_row = routed_rows ? static_cast<double>(slots) / static_cast<double>(routed_rows) : 0.0;
+    char buf[512];
+    if (json)
+      std::snprintf(buf, sizeof buf,
+                    ", \"experts_per_row\": %.4f, \"load_cv\": %.4f, \"expert_load\": [%s], \"moe_ms_p50\": %.4f, "
+                    "\"moe_ms_p99\": %.4f",
+                    per_row, load_cv, loads.c_str(), pct(0.5), pct(0.99));
+    else
+      std::snprintf(buf, sizeof buf, "  experts/row %.3f  load-cv %.3f  MoE p50 %.3f ms  p99 %.3f ms", per_row, load_cv,
+                    pct(0.5), pct(0.99));
+    routing = buf;
+  }
   if (json)
-    std::printf("{\"queries\": %zu, \"items\": %zu, \"R@1\": %.4f, \"R@5\": %.4f, \"R@10\": %.4f, \"mAP\": %.4f}\n",
-                queries.size(), item_ids.size(), hits[0] / n, hits[1] / n, hits[2] / n, ap_sum / n);
+    std::printf("{\"queries\": %zu, \"items\": %zu, \"R@1\": %.4f, \"R@5\": %.4f, \"R@10\": %.4f, \"mAP\": %.4f%s}\n",
+                queries.size(), item_ids.size(), hits[0] / n, hits[1] / n, hits[2] / n, ap_sum / n, routing.c_str());
   else
-    std::printf("queries %zu  items %zu  R@1 %.3f  R@5 %.3f  R@10 %.3f  mAP %.3f\n", queries.size(), item_ids.size(),
-                hits[0] / n, hits[1] / n, hits[2] / n, ap_sum / n);
+    std::printf("queries %zu  items %zu  R@1 %.3f  R@5 %.3f  R@10 %.3f  mAP %.3f%s\n", queries.size(), item_ids.size(),
+                hits[0] / n, hits[1] / n, hits[2] / n, ap_sum / n, routing.c_str());
   return 0;
 }

@@ -206,6 +206,7 @@ void moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t expert
   std::vector<int64_t> fill(static_cast<size_t>(experts), 0);
   for (int64_t i = 0; i < slots; ++i) {
     const int32_t e = ids[i];
+    if (e == -1) continue;  // an unused slot (backend.h)
     if (e < 0 || e >= experts)
       throw Error("moe_permute: expert id " + std::to_string(e) + " at row " + std::to_string(i / top_k) +
                   " is outside [0, " + std::to_string(experts) + ")");
@@ -217,6 +218,10 @@ void moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t expert
     fill[static_cast<size_t>(e)] = offsets[e];
   }
   for (int64_t i = 0; i < slots; ++i) {
+    if (ids[i] == -1) {
+      slot_of[i] = -1;
+      continue;
+    }
     const int64_t slot = fill[static_cast<size_t>(ids[i])]++;
     slot_of[i] = static_cast<int32_t>(slot);
     std::copy_n(x + (i / top_k) * cols, cols, x_sorted + slot * cols);
@@ -245,6 +250,7 @@ void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float*
     float* yr = y + r * cols;
     std::fill(yr, yr + cols, 0.0f);
     for (int64_t j = 0; j < top_k; ++j) {
+      if (slot_of[r * top_k + j] < 0) continue;  // an unused slot
       const float w = weights[r * top_k + j];
       const float* src = out_sorted + static_cast<int64_t>(slot_of[r * top_k + j]) * cols;
       for (int64_t c = 0; c < cols; ++c) yr[c] += w * src[c];

@@ -4,16 +4,15 @@
 //   row of -inf as equal logits) goes to shared memory; then top_k passes of a warp argmax (ties
 //   to the lower index), the winner masked with -inf after each pass. Renormalisation divides by
 //   the chosen weights' sum, accumulated in selection order.
-// moe_permute: (1) count slots per expert with atomics (order-independent, so deterministic) and
-//   note the first invalid id; (2) one block scans the counts into offsets; (3) one block per
-//   expert walks the slots in (row, j) order and ranks its matches with a block scan
-//   (a stable counting sort: no atomics decide an order), writing slot_of and the source row of
-//   every slot; (4) one block per slot gathers its row. The offsets (and the invalid-id flag)
-//   come back to the host with one copy.
+// moe_permute: (1) count slots per expert with atomics (order-independent, so deterministic),
+//   mark unused slots (id -1) with slot_of -1 and note the first invalid id; (2) one block scans the counts into
+//   offsets; (3) one block per expert walks the slots in (row, j) order and ranks its matches with a block scan (a
+//   stable counting sort: no atomics decide an order), writing slot_of and the source row of every slot; (4) one block
+//   per slot gathers its row. The offsets (and the invalid-id flag) come back to the host with one copy.
 // grouped_swiglu: cublasGemmGroupedBatchedEx, one group per active expert: w1 and w3 in one call,
 //   silu_mul, then w2 (per weight type present; f16/bf16 cast the activations first, scaled per
 //   row into f16's range where a stage has an f16 weight).
-// moe_unpermute: one block per row sums its top_k weighted slots in j order (no atomics).
+// moe_unpermute: one block per row sums its used weighted slots in j order (no atomics).
 #include <algorithm>
 #include <climits>
 
@@ -83,11 +82,15 @@ __global__ void topk_softmax_kernel(const float* logits, int64_t rows, int exper
     for (int j = 0; j < top_k; ++j) row_w[j] = row_w[j] / chosen;
 }
 
-// counts[e] += 1 per slot of e; *first_bad = the lowest slot index with an invalid id.
-__global__ void count_experts_kernel(const int32_t* ids, int64_t slots, int experts, int* counts, unsigned* first_bad) {
+// counts[e] += 1 per slot of e; slot_of -1 for an unused slot (id -1); *first_bad = the lowest
+// slot index with an invalid id.
+__global__ void count_experts_kernel(const int32_t* ids, int64_t slots, int experts, int* counts, int32_t* slot_of,
+                                     unsigned* first_bad) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < slots; i += int64_t{gridDim.x} * blockDim.x) {
     const int32_t e = ids[i];
-    if (e < 0 || e >= experts)
+    if (e == -1)
+      slot_of[i] = -1;
+    else if (e < 0 || e >= experts)
       atomicMin(first_bad, static_cast<unsigned>(i));
     else
       atomicAdd(&counts[e], 1);
@@ -144,7 +147,8 @@ __global__ void unpermute_kernel(const float* out_sorted, const int32_t* slot_of
   float* yr = y + row * cols;
   for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
     float acc = 0.0f;
-    for (int j = 0; j < top_k; ++j) acc += w[j] * out_sorted[static_cast<int64_t>(slots[j]) * cols + c];
+    for (int j = 0; j < top_k; ++j)
+      if (slots[j] >= 0) acc += w[j] * out_sorted[static_cast<int64_t>(slots[j]) * cols + c];
     yr[c] = acc;
   }
 }
@@ -194,7 +198,7 @@ std::vector<int64_t> moe_permute(Ctx& ctx, const int32_t* ids, int64_t rows, int
   check(ctx, op, cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned), ctx.stream), "cudaMemsetAsync");
   if (slots > 0) {
     count_experts_kernel<<<grid_for(slots, 256), 256, 0, ctx.stream>>>(ids, slots, static_cast<int>(experts), counts,
-                                                                       first_bad);
+                                                                       slot_of, first_bad);
     check_launch(ctx, op, "count_experts_kernel");
   }
   offsets_kernel<<<1, 1024, 0, ctx.stream>>>(counts, static_cast<int>(experts), offsets);

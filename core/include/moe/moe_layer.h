@@ -39,7 +39,8 @@ struct MoeConfig {
   void validate() const;
 };
 
-// Per-row routing decisions: rows × top_k expert ids and weights, best first.
+// Per-row routing decisions: rows × top_k expert ids and weights, best first. A row routed to
+// fewer experts (routing policies: top-p, capacity) ends with unused slots: expert -1, weight 0.
 struct Routing {
   int64_t rows = 0;
   int top_k = 0;
@@ -47,6 +48,7 @@ struct Routing {
   std::vector<float> weights;
   int32_t expert(int64_t row, int j) const { return expert_ids[static_cast<size_t>(row * top_k + j)]; }
   float weight(int64_t row, int j) const { return weights[static_cast<size_t>(row * top_k + j)]; }
+  static constexpr int32_t kUnusedSlot = -1;
 };
 
 // The three matrices of a SwiGLU expert, in the order HostExpertStore packs them:

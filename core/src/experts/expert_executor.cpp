@@ -86,7 +86,7 @@ void check_routing(const State& st, const Routing& r) {
                 " has " + std::to_string(r.expert_ids.size()) + " ids and " + std::to_string(r.weights.size()) +
                 " weights (top_k must be 1.." + std::to_string(E) + ")");
   for (size_t s = 0; s < r.expert_ids.size(); ++s)
-    if (r.expert_ids[s] < 0 || r.expert_ids[s] >= E)
+    if (r.expert_ids[s] != Routing::kUnusedSlot && (r.expert_ids[s] < 0 || r.expert_ids[s] >= E))
       throw Error("expert executor: row " + std::to_string(s / static_cast<size_t>(r.top_k)) + " is routed to expert " +
                   std::to_string(r.expert_ids[s]) + " outside [0, " + std::to_string(E) + ")");
 }
@@ -100,6 +100,10 @@ std::shared_ptr<void> prefetch_on(const std::shared_ptr<State>& st, const Routin
   for (int64_t row = 0; row < routing.rows; ++row)
     for (int j = 0; j < routing.top_k; ++j) {
       const int e = routing.expert(row, j);
+      if (e == Routing::kUnusedSlot) {
+        p->device_of.push_back(-1);  // no device: moe_permute skips it
+        continue;
+      }
       const int d = placement->choose_replica(e, row);
       p->device_of.push_back(d);
       experts[static_cast<size_t>(d)].push_back(e);
@@ -348,15 +352,19 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
     throw Error("expert executor: the prefetch handle was made for " + std::to_string(pins.device_of.size()) +
                 " slots, the batch has " + std::to_string(N * K) + " (it was made for another routing)");
   }
-  std::vector<std::vector<int64_t>> slots(st.devices.size());  // per device, its slots in order
+  std::vector<std::vector<int64_t>> slots(st.devices.size());  // per device, its used slots in order
+  size_t used = 0;
   for (size_t s = 0; s < pins.device_of.size(); ++s)
-    slots[static_cast<size_t>(pins.device_of[s])].push_back(static_cast<int64_t>(s));
+    if (pins.device_of[s] >= 0) {
+      slots[static_cast<size_t>(pins.device_of[s])].push_back(static_cast<int64_t>(s));
+      ++used;
+    }
   // Home: the device with the most slots. The batch goes there once; the slots of other devices
   // travel to them and back by peer copies; residual and normalisation run there too.
   size_t home = 0;
   for (size_t d = 1; d < slots.size(); ++d)
     if (slots[d].size() > slots[home].size()) home = d;
-  const bool split = slots[home].size() != static_cast<size_t>(N * K);
+  const bool split = slots[home].size() != used;
   kernels::Backend& hb = *st.devices[home].backend;
 
   Tensor y = Tensor::zeros(DType::F32, {N, D});
@@ -401,9 +409,14 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
       w.device = d;
       w.k = split ? 1 : K;
       w.rows = split ? static_cast<int64_t>(slots[d].size()) : N;
-      for (int64_t s : slots[d]) {  // slot order: the order moe_permute keeps within a device
-        w.ids.push_back(routing.expert_ids[static_cast<size_t>(s)]);
-        w.weights.push_back(routing.weights[static_cast<size_t>(s)]);
+      if (split) {
+        for (int64_t s : slots[d]) {  // slot order: the order moe_permute keeps within a device
+          w.ids.push_back(routing.expert_ids[static_cast<size_t>(s)]);
+          w.weights.push_back(routing.weights[static_cast<size_t>(s)]);
+        }
+      } else {  // the whole batch, unused slots included (moe_permute skips them)
+        w.ids = routing.expert_ids;
+        w.weights = routing.weights;
       }
       const int64_t S = w.rows * w.k;
       if (!split) {
@@ -443,6 +456,8 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
         st.devices[w.device].backend->copy_to_peer(hb, out_by_device + device_offsets[w.device] * D, w.y,
                                                    static_cast<size_t>(w.rows * D) * fbytes);
     // 4. On home: sum the (already weighted) slots of every row, add the residual, normalise.
+    if (used == 0)  // every row dropped all its experts: no work wrote y_home (y is still zeros)
+      hb.copy_from_host(y_home, y.data<float>(), static_cast<size_t>(N * D) * fbytes);
     if (split) {
       batch.ones.assign(static_cast<size_t>(N * K), 1.0f);
       float* unit = batch.alloc_home(hb, batch.ones.size() * fbytes);
@@ -479,7 +494,8 @@ Tensor ExpertExecutor::run(const Tensor& x, const Routing& routing, const std::s
   }
   release();
   if (st.rebalance_interval > 0 && st.devices.size() > 1) {
-    for (int32_t e : routing.expert_ids) ++st.window_load[static_cast<size_t>(e)];
+    for (int32_t e : routing.expert_ids)
+      if (e != Routing::kUnusedSlot) ++st.window_load[static_cast<size_t>(e)];
     if (++st.batches_in_window >= st.rebalance_interval) {
       rebalance(st.window_load);
       st.window_load.assign(st.window_load.size(), 0);

@@ -254,6 +254,10 @@ void ExpertParallelMoe::forward_impl(const float* x, const moe::Routing& routing
   std::vector<int32_t> keys(static_cast<size_t>(S));
   for (int64_t s = 0; s < S; ++s) {
     const int32_t e = routing.expert_ids[static_cast<size_t>(s)];
+    if (e == Routing::kUnusedSlot) {  // no owner: moe_permute skips it, the combine too
+      keys[static_cast<size_t>(s)] = Routing::kUnusedSlot;
+      continue;
+    }
     if (e < 0 || e >= E)
       throw Error("ExpertParallelMoe: expert id " + std::to_string(e) + " outside [0, " + std::to_string(E) + ")");
     keys[static_cast<size_t>(s)] = key_of_[static_cast<size_t>(e)];

@@ -277,7 +277,7 @@ void MoeLayer::check_routing(const Tensor& x, const Routing& r) const {
     throw Error("run_experts: routing for " + std::to_string(r.rows) + " rows x top_k " + std::to_string(r.top_k) +
                 " does not match input " + x.describe());
   for (int32_t id : r.expert_ids)
-    if (id < 0 || id >= c.num_experts)
+    if (id != Routing::kUnusedSlot && (id < 0 || id >= c.num_experts))
       throw Error("run_experts: expert id " + std::to_string(id) + " outside [0, " + std::to_string(c.num_experts) +
                   ")");
 }
@@ -355,6 +355,7 @@ Tensor MoeLayer::run_experts_reference(const Tensor& x, const Routing& r) const 
     const float* xr = x.data<float>() + n * D;
     std::vector<double> acc(static_cast<size_t>(D), 0.0);
     for (int j = 0; j < r.top_k; ++j) {
+      if (r.expert(n, j) == Routing::kUnusedSlot) continue;
       expert_row(impl_->experts[r.expert(n, j)], xr, c.intermediate_size, eo);
       for (int64_t d = 0; d < D; ++d) acc[d] += r.weight(n, j) * eo[d];
     }

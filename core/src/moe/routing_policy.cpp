@@ -189,7 +189,7 @@ Routing Router::route(const float* logits, int64_t rows) {
   Routing out;
   out.rows = rows;
   out.top_k = slots;
-  out.expert_ids.assign(static_cast<size_t>(rows * slots), -1);
+  out.expert_ids.assign(static_cast<size_t>(rows * slots), Routing::kUnusedSlot);
   out.weights.assign(out.expert_ids.size(), 0.0f);
   for (int64_t r = 0; r < rows; ++r) {
     auto& k = kept[static_cast<size_t>(r)];
