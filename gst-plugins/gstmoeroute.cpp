@@ -96,8 +96,8 @@ enum {
 #define DEFAULT_CAPACITY_FACTOR 0.0
 #define MAX_CAPACITY_FACTOR 64.0
 #define DEFAULT_OVERFLOW GST_MOE_ROUTE_OVERFLOW_REROUTE
-#define DEFAULT_TEMPERATURE 1.0
-#define MIN_TEMPERATURE 1e-3
+#define DEFAULT_TEMPERATURE 0.0  // the adapter's router_temperature (1 when it has none)
+#define MIN_TEMPERATURE 0.0
 #define MAX_TEMPERATURE 1e3
 #define DEFAULT_BALANCE GST_MOE_ROUTE_BALANCE_NONE
 #define DEFAULT_BALANCE_RATE 1e-3
@@ -354,7 +354,7 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   policy.capacity_factor = self->capacity_factor;
   policy.overflow =
       self->overflow == GST_MOE_ROUTE_OVERFLOW_DROP ? moe::CapacityOverflow::Drop : moe::CapacityOverflow::Reroute;
-  policy.temperature = self->temperature;
+  const double temperature = self->temperature;
   policy.balance = self->balance == GST_MOE_ROUTE_BALANCE_BIAS ? moe::LoadBalance::Bias : moe::LoadBalance::None;
   policy.balance_rate = self->balance_rate;
   policy.explore = self->explore;
@@ -378,6 +378,7 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   state->top_k = top_k ? static_cast<int>(top_k) : cfg.top_k;
   policy.top_k = state->top_k;
   policy.renormalize = cfg.routing == moe::RoutingKind::Mixtral || cfg.norm_topk_prob;
+  policy.temperature = temperature > 0.0 ? temperature : cfg.router_temperature;
   try {
     state->router = std::make_unique<moe::Router>(cfg.num_experts, policy);
   } catch (const moe::Error& e) {
@@ -590,7 +591,8 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
       gobject_class, PROP_TEMPERATURE,
       g_param_spec_double("temperature", "Softmax temperature",
                           "Router logits are divided by it before the softmax: above 1 spreads the weights, below 1 "
-                          "sharpens them (1: the adapter's own routing)",
+                          "sharpens them (0: the adapter's router_temperature, fitted by moe-calibrate-temperature; "
+                          "1 when it has none)",
                           MIN_TEMPERATURE, MAX_TEMPERATURE, DEFAULT_TEMPERATURE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_BALANCE,

@@ -294,7 +294,8 @@ void expect_contains(const std::string& text, const std::string& fragment) {
 // whose experts do not match adapter_tiny's.
 class TempAdapter {
  public:
-  explicit TempAdapter(int num_experts) {
+  // `config_extra`: more members of adapter_config.json (",\"key\":value").
+  explicit TempAdapter(int num_experts, const std::string& config_extra = "") {
     const int D = kWidth, I = 24;
     std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {{"gate.weight", {num_experts, D}}};
     for (int e = 0; e < num_experts; ++e) {
@@ -326,7 +327,8 @@ class TempAdapter {
     dir_.write("adapter.safetensors", file);
     dir_.write("adapter_config.json",
                "{\"format\":\"gst-moe-adapter\",\"version\":1,\"hidden_size\":16,\"num_experts\":" +
-                   std::to_string(num_experts) + ",\"top_k\":2,\"intermediate_size\":24,\"routing\":\"mixtral\"}");
+                   std::to_string(num_experts) + ",\"top_k\":2,\"intermediate_size\":24,\"routing\":\"mixtral\"" +
+                   config_extra + "}");
   }
   const std::string& dir() const { return dir_.path(); }
 
@@ -480,6 +482,28 @@ TEST_F(RouteExpertTest, TopPAndCapacityGiveRowsDifferentNumbersOfExperts) {
     EXPECT_NEAR(per_row, static_cast<double>(want.expert_ids.size() - static_cast<size_t>(unused)) / 24, 1e-9);
     EXPECT_EQ(dropped, static_cast<guint64>(router.load().dropped));
     gst_structure_free(s);
+  }
+}
+
+// The adapter's calibrated temperature (router_temperature) applies unless the property says
+// otherwise; an adapter without one routes as before.
+TEST_F(RouteExpertTest, AdapterRouterTemperatureIsTheDefault) {
+  TempAdapter calibrated(4, ",\"router_temperature\":3.0");
+  const moe::MoeAdapter adapter = moe::MoeAdapter::load(calibrated.dir());
+  EXPECT_EQ(adapter.layer().config().router_temperature, 3.0);
+  const std::vector<float> rows = random_rows(6, 80);
+  const moe::Tensor logits = adapter.layer().router_logits(as_tensor(rows));
+  for (const std::string& extra : {std::string(""), std::string("temperature=0.5")}) {
+    moe::RoutingPolicy policy;
+    policy.temperature = extra.empty() ? 3.0 : 0.5;
+    moe::Router router(4, policy);
+    Harness h("moe-route name=route model=\"" + calibrated.dir() + "\" " + extra);
+    const gstmoe::BatchRecords records = records_for(6);
+    ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    expect_routing(records_of(out), router.route(logits.data<float>(), 6));
+    gst_buffer_unref(out);
   }
 }
 

@@ -137,4 +137,8 @@ TEST(MoeLayer, RejectsBadInputs) {
       },
       {"gate.weight", "has shape [6,16]", "expected [5,16]"});
   expect_error([] { moe::MoeAdapter::load(fixture_path("mixtral_tiny")); }, {"adapter_config.json", "cannot open"});
+  bad = moe::MoeConfig::from_adapter_config(fixture_path("adapter_tiny/adapter_config.json"));
+  EXPECT_EQ(bad.router_temperature, 1.0);  // none in the file
+  bad.router_temperature = 0.0;
+  expect_error([&] { bad.validate(); }, {"router_temperature", "outside [0.001, 1000]"});
 }

@@ -30,7 +30,10 @@ struct MoeConfig {
   RoutingKind routing = RoutingKind::Mixtral;
   bool norm_topk_prob = true;
   int shared_expert_intermediate_size = 0;  // 0: no shared expert
-  std::string source;                       // file it came from, for messages
+  // The router's calibrated softmax temperature (adapter_config.json "router_temperature", fitted
+  // by moe-calibrate-temperature; 1: none). Routing policies use it; MoeLayer::route does not.
+  double router_temperature = 1.0;
+  std::string source;  // file it came from, for messages
 
   // The project's adapter format (adapter_config.json; see docs/model-formats.md).
   static MoeConfig from_adapter_config(const std::string& path);

@@ -52,6 +52,7 @@ MoeConfig MoeConfig::from_adapter_config(const std::string& path) {
     throw Error(path + ": unknown routing '" + routing + "' (expected mixtral or qwen2_moe)");
   c.norm_topk_prob = json::get_bool_or(o, "norm_topk_prob", c.routing == RoutingKind::Mixtral, path);
   c.shared_expert_intermediate_size = static_cast<int>(json::get_int_or(o, "shared_expert_intermediate_size", 0, path));
+  c.router_temperature = json::get_double_or(o, "router_temperature", 1.0, path);
   c.validate();
   return c;
 }
@@ -93,6 +94,8 @@ void MoeConfig::validate() const {
   if (shared_expert_intermediate_size < 0) throw Error(w + ": shared_expert_intermediate_size must not be negative");
   if (shared_expert_intermediate_size > 0 && routing != RoutingKind::Qwen2Moe)
     throw Error(w + ": a shared expert needs qwen2_moe routing");
+  if (!(router_temperature >= 1e-3 && router_temperature <= 1e3))
+    throw Error(w + ": router_temperature " + std::to_string(router_temperature) + " outside [0.001, 1000]");
 }
 
 struct MoeLayer::Impl {
