@@ -180,6 +180,22 @@ TEST(CpuOps, HalfAndBfloatWideningMatchesTensorConversions) {
   }
 }
 
+// f32 -> f16 rounds to nearest even down to the smallest subnormal and to zero below it (no
+// shift past 31 bits on the way: UBSan checks it in CI), and every half survives the round trip.
+TEST(CpuOps, FloatToHalfRoundsToNearestEvenDownToZero) {
+  EXPECT_EQ(moe::float_to_half(std::ldexp(1.0f, -24)), 0x0001);  // the smallest subnormal
+  EXPECT_EQ(moe::float_to_half(std::ldexp(1.0f, -25)), 0x0000);  // half of it: ties to even
+  EXPECT_EQ(moe::float_to_half(std::ldexp(1.5f, -25)), 0x0001);  // above half of it
+  EXPECT_EQ(moe::float_to_half(std::ldexp(1.0f, -26)), 0x0000);
+  EXPECT_EQ(moe::float_to_half(1e-30f), 0x0000);
+  EXPECT_EQ(moe::float_to_half(-1e-30f), 0x8000);
+  EXPECT_EQ(moe::float_to_half(1e-40f), 0x0000);  // an f32 subnormal
+  for (uint32_t b = 0; b <= 0xffffu; ++b) {
+    const auto bits = static_cast<uint16_t>(b);
+    if (!std::isnan(moe::half_to_float(bits))) ASSERT_EQ(moe::float_to_half(moe::half_to_float(bits)), bits) << b;
+  }
+}
+
 TEST(CpuBackend, AsyncCopiesRunOnTheCopyQueueWhileOperationsRun) {
   auto cpu = moe::kernels::make_cpu_backend({/*async_copies=*/true});
   constexpr int kThreads = 4, kCopies = 50;

@@ -234,7 +234,8 @@ uint16_t float_to_half(float f) {
   if (abs >= 0x477FF000) return sign | 0x7C00;  // rounds to >= 65520: overflow to inf
   if (abs < 0x38800000) {                       // below smallest normal half: subnormal
     const uint32_t shift = 113 - (abs >> 23);
-    if (shift > 24) return sign;
+    // Below 2^-25 everything rounds to zero (and shifting by shift + 13 >= 32 would be undefined).
+    if (shift > 11) return sign;
     const uint32_t mant = (abs & 0x7FFFFF) | 0x800000;
     uint32_t h = mant >> (shift + 13);
     const uint32_t rem = mant & ((1u << (shift + 13)) - 1);
