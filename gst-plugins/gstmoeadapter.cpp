@@ -101,28 +101,27 @@ void Stats::reset(int num_experts) {
   std::lock_guard<std::mutex> lock(lock_);
   rows_ = batches_ = 0;
   per_expert_.assign(static_cast<size_t>(num_experts), 0);
+  meter_.emplace(num_experts, 10.0);
 }
 
-void Stats::add_batch(size_t rows, const std::vector<int32_t>& expert_ids) {
+static double seconds_now() { return static_cast<double>(g_get_monotonic_time()) / 1e6; }
+
+void Stats::add_batch(size_t rows, const moe::Routing& routing) {
   std::lock_guard<std::mutex> lock(lock_);
   rows_ += rows;
   batches_ += 1;
-  for (int32_t e : expert_ids)
+  for (int32_t e : routing.expert_ids)
     if (e != moe::Routing::kUnusedSlot) ++per_expert_[static_cast<size_t>(e)];
+  if (meter_) meter_->add(routing, seconds_now());
 }
 
 GstStructure* Stats::to_structure(const char* name, const char* per_expert) const {
   std::lock_guard<std::mutex> lock(lock_);
   GstStructure* s = gst_structure_new(name, "rows", G_TYPE_UINT64, rows_, "batches", G_TYPE_UINT64, batches_, nullptr);
-  GValue array = G_VALUE_INIT;
-  gst_value_array_init(&array, static_cast<guint>(per_expert_.size()));
-  for (guint64 v : per_expert_) {
-    GValue item = G_VALUE_INIT;
-    g_value_init(&item, G_TYPE_UINT64);
-    g_value_set_uint64(&item, v);
-    gst_value_array_append_and_take_value(&array, &item);
-  }
-  gst_structure_take_value(s, per_expert, &array);
+  take_array(s, per_expert, per_expert_);
+  take_array(s, "expert-share", meter_ ? meter_->shares() : std::vector<double>());
+  take_array(s, "expert-rate", meter_ ? meter_->rates(seconds_now()) : std::vector<double>());
+  take_array(s, "expert-peak", meter_ ? meter_->peak() : std::vector<int64_t>());
   return s;
 }
 

@@ -14,11 +14,14 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gstmoemeta.h"
 #include "moe/moe_layer.h"
+#include "moe/routing_policy.h"
 
 namespace moe {
 class ExpertExecutor;
@@ -47,15 +50,36 @@ bool check_meta_rows(GstElement* element, const GstMoeBatchMeta* meta, size_t ro
 // The last path component of an adapter directory: the adapter's name in result documents.
 std::string name_of(const std::string& dir);
 
+// A GstValueArray of `values` (guint64 or double), taken into `s` as `field`.
+template <typename T>
+void take_array(GstStructure* s, const char* field, const std::vector<T>& values) {
+  GValue array = G_VALUE_INIT;
+  gst_value_array_init(&array, static_cast<guint>(values.size()));
+  for (T v : values) {
+    GValue item = G_VALUE_INIT;
+    if constexpr (std::is_floating_point_v<T>) {
+      g_value_init(&item, G_TYPE_DOUBLE);
+      g_value_set_double(&item, static_cast<double>(v));
+    } else {
+      g_value_init(&item, G_TYPE_UINT64);
+      g_value_set_uint64(&item, static_cast<guint64>(v));
+    }
+    gst_value_array_append_and_take_value(&array, &item);
+  }
+  gst_structure_take_value(s, field, &array);
+}
+
 // The counters behind an element's 'stats' property, since the element started: rows and
-// batches processed and, per expert, how many rows used it. Locked, because the property is
-// read from any thread while the streaming thread counts.
+// batches processed and, per expert, how many rows used it, its share of them, its rate (rows
+// per second, decaying with a 10 s time constant) and the most rows it took in one batch. Locked,
+// because the property is read from any thread while the streaming thread counts.
 class Stats {
  public:
   void reset(int num_experts);
-  // One batch of `rows` rows whose routing chose `expert_ids` (rows x top-k).
-  void add_batch(size_t rows, const std::vector<int32_t>& expert_ids);
-  // Structure `name` with rows, batches and the per-expert counts as a guint64 array `per_expert`.
+  // One batch of `rows` rows routed as `routing` (unused slots are not counted).
+  void add_batch(size_t rows, const moe::Routing& routing);
+  // Structure `name` with rows, batches and the per-expert counts as a guint64 array `per_expert`,
+  // and the arrays expert-share, expert-rate (double) and expert-peak (guint64).
   GstStructure* to_structure(const char* name, const char* per_expert) const;
 
  private:
@@ -63,6 +87,7 @@ class Stats {
   guint64 rows_ = 0;
   guint64 batches_ = 0;
   std::vector<guint64> per_expert_;
+  std::optional<moe::ExpertLoadMeter> meter_;
 };
 
 // The custom upstream query (GST_QUERY_CUSTOM, structure "moe-route-adapter") that moe-expert

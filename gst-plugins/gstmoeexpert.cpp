@@ -507,7 +507,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   gst_buffer_unmap(buf, &map);
 
   for (gstmoe::RequestRecord& r : records.rows) r.timings_ms.emplace_back("expert", ms);
-  self->stats->add_batch(rows, routing.expert_ids);
+  self->stats->add_batch(rows, routing);
   if (prefetched) {
     GST_OBJECT_LOCK(self);
     ++self->batches_prefetched;
@@ -575,6 +575,7 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(
           "Since the element started: rows and batches processed, expert-rows (per expert, how many rows it ran on), "
+          "expert-share, expert-rate (rows/s, 10 s time constant), expert-peak (most rows in one batch), "
           "batches-prefetched (batches whose experts moe-route preloaded), placement-changes (how often "
           "rebalance-interval moved experts), and devices: per device of the expert executor (none on the plain CPU "
           "path) the experts it serves, its cache slots and budget-bytes, and the cache counters hits, misses, "

@@ -23,8 +23,10 @@
  * `seed`). The defaults are the adapter's own top-k routing, computed on its device. The policy
  * state (bias, exploration stream, load counters) survives a flush and restarts with a new stream.
  *
- * The `stats` property counts the rows and batches routed since the element started and how many
- * rows chose each expert (expert-load); and since the stream started, the balancing bias per
+ * The `stats` property counts the rows and batches routed since the element started, how many
+ * rows chose each expert (expert-load), each expert's share of them (expert-share), its rate
+ * (expert-rate: rows per second, decaying with a 10 s time constant) and the most rows it took
+ * in one batch (expert-peak); and since the stream started, the balancing bias per
  * expert (expert-bias), the rows explored per expert (expert-explored), the rows that found each
  * expert full (expert-overflowed), the slots dropped at capacity (dropped), the mean experts per
  * row (experts-per-row) and the coefficient of variation of the expert load (load-cv).
@@ -57,7 +59,6 @@
 
 #include <memory>
 #include <numeric>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -210,23 +211,6 @@ GType gst_moe_route_balance_get_type(void) {
   return type;
 }
 
-// A GstValueArray of `values`, taken into `s` as `field`.
-template <typename T>
-static void take_array(GstStructure* s, const char* field, const std::vector<T>& values, GType type) {
-  GValue array = G_VALUE_INIT;
-  gst_value_array_init(&array, static_cast<guint>(values.size()));
-  for (T v : values) {
-    GValue item = G_VALUE_INIT;
-    g_value_init(&item, type);
-    if constexpr (std::is_same_v<T, double>)
-      g_value_set_double(&item, v);
-    else
-      g_value_set_uint64(&item, v);
-    gst_value_array_append_and_take_value(&array, &item);
-  }
-  gst_structure_take_value(s, field, &array);
-}
-
 static void gst_moe_route_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
   GstMoeRoute* self = GST_MOE_ROUTE(object);
   GST_OBJECT_LOCK(self);
@@ -325,9 +309,9 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
       break;
     case PROP_STATS: {
       GstStructure* s = self->stats->to_structure("moe-route-stats", "expert-load");
-      take_array(s, "expert-bias", *self->expert_bias, G_TYPE_DOUBLE);
-      take_array(s, "expert-explored", *self->expert_explored, G_TYPE_UINT64);
-      take_array(s, "expert-overflowed", *self->expert_overflowed, G_TYPE_UINT64);
+      gstmoe::adapter::take_array(s, "expert-bias", *self->expert_bias);
+      gstmoe::adapter::take_array(s, "expert-explored", *self->expert_explored);
+      gstmoe::adapter::take_array(s, "expert-overflowed", *self->expert_overflowed);
       gst_structure_set(s, "load-cv", G_TYPE_DOUBLE, self->load_cv, "experts-per-row", G_TYPE_DOUBLE,
                         self->experts_per_row, "dropped", G_TYPE_UINT64, self->dropped, nullptr);
       g_value_take_boxed(value, s);
@@ -504,7 +488,7 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
     r.expert_weights.assign(routing.weights.begin() + begin, routing.weights.begin() + begin + routing.top_k);
     r.timings_ms.emplace_back("route", ms);
   }
-  self->stats->add_batch(rows, routing.expert_ids);
+  self->stats->add_batch(rows, routing);
   GST_OBJECT_LOCK(self);
   self->expert_bias->assign(router.bias().begin(), router.bias().end());
   const moe::ExpertLoad& load = router.load();
@@ -619,7 +603,8 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec("Since the element started: rows and batches routed, expert-load (per expert, how many "
-                               "rows chose it), expert-bias (balance=bias: each expert's selection bias), "
+                               "rows chose it), expert-share, expert-rate (rows/s, 10 s time constant), expert-peak "
+                               "(most rows in one batch), expert-bias (balance=bias: each expert's selection bias), "
                                "expert-explored (rows given to each expert by exploration), expert-overflowed (rows "
                                "that found each expert full), dropped (slots dropped at capacity), experts-per-row "
                                "(mean) and load-cv (standard deviation / mean of the expert load); the last five "

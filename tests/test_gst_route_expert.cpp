@@ -387,6 +387,28 @@ TEST_F(RouteExpertTest, RouteStatsCountRowsBatchesAndExpertLoad) {
   EXPECT_EQ(stats.batches, 2u);
   EXPECT_EQ(stats.per_expert, want_load);
   EXPECT_EQ(std::accumulate(stats.per_expert.begin(), stats.per_expert.end(), guint64{0}), 8u * kTopK);
+  // Shares, rates and peaks beside the counts.
+  GstElement* route = h.element("route");
+  GstStructure* s = nullptr;
+  g_object_get(route, "stats", &s, nullptr);
+  gst_object_unref(route);
+  for (const char* field : {"expert-share", "expert-rate", "expert-peak"}) {
+    const GValue* v = gst_structure_get_value(s, field);
+    ASSERT_TRUE(v && GST_VALUE_HOLDS_ARRAY(v)) << field;
+    EXPECT_EQ(gst_value_array_get_size(v), static_cast<guint>(kExperts)) << field;
+  }
+  const GValue* share = gst_structure_get_value(s, "expert-share");
+  const GValue* rate = gst_structure_get_value(s, "expert-rate");
+  double share_sum = 0.0;
+  for (guint e = 0; e < static_cast<guint>(kExperts); ++e) {
+    const double sh = g_value_get_double(gst_value_array_get_value(share, e));
+    EXPECT_NEAR(sh, static_cast<double>(want_load[e]) / (8.0 * kTopK), 1e-12);
+    share_sum += sh;
+    // Two batches just now: the rate is about the slots over the 10 s time constant.
+    EXPECT_NEAR(g_value_get_double(gst_value_array_get_value(rate, e)), want_load[e] / 10.0, want_load[e] / 10.0 * 0.1);
+  }
+  EXPECT_NEAR(share_sum, 1.0, 1e-12);
+  gst_structure_free(s);
 }
 
 TEST_F(RouteExpertTest, TopKOverride) {

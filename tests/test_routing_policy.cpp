@@ -259,3 +259,30 @@ TEST(RoutingPolicy, UnusedSlotsRunNoExpert) {
   r.expert_ids[2] = -2;
   moe::test::expect_error([&] { layer.run_experts(x, r); }, {"expert id -2"});
 }
+
+// The meter's rate is an exponentially decaying count: a batch adds slots / tau, then it decays
+// with time constant tau; shares and peaks count every slot routed.
+TEST(ExpertLoadMeter, RatesDecayAndSharesAndPeaksCount) {
+  moe::ExpertLoadMeter meter(3, 10.0);
+  Routing r;
+  r.rows = 2;
+  r.top_k = 2;
+  r.expert_ids = {0, 1, 0, -1};
+  r.weights = {0.5f, 0.5f, 1, 0};
+  meter.add(r, 100.0);
+  std::vector<double> rates = meter.rates(100.0);
+  EXPECT_NEAR(rates[0], 0.2, 1e-12);  // 2 slots / 10 s
+  EXPECT_NEAR(rates[1], 0.1, 1e-12);
+  EXPECT_EQ(rates[2], 0.0);
+  rates = meter.rates(110.0);  // one time constant later
+  EXPECT_NEAR(rates[0], 0.2 * std::exp(-1.0), 1e-12);
+  r.expert_ids = {2, 2, 2, 2};
+  meter.add(r, 110.0);
+  rates = meter.rates(110.0);
+  EXPECT_NEAR(rates[0], 0.2 * std::exp(-1.0), 1e-12);
+  EXPECT_NEAR(rates[2], 0.4, 1e-12);
+  EXPECT_EQ(meter.peak(), (std::vector<int64_t>{2, 1, 4}));
+  const std::vector<double> shares = meter.shares();
+  EXPECT_NEAR(shares[0], 2.0 / 7, 1e-12);
+  EXPECT_NEAR(shares[2], 4.0 / 7, 1e-12);
+}

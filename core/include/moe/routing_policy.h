@@ -103,6 +103,28 @@ class Router {
   std::mt19937_64 rng_;
 };
 
+// Per-expert load as operators watch it: routed slots per second (an exponentially decaying
+// rate with time constant `tau_seconds`), each expert's share of all slots, and the most slots an
+// expert took in one batch. Times are seconds on any monotonic clock. Threads: one at a time.
+class ExpertLoadMeter {
+ public:
+  ExpertLoadMeter(int num_experts, double tau_seconds);
+  // One batch's routing at time `now` (unused slots are not counted).
+  void add(const Routing& routing, double now);
+  // Slots per second per expert at `now` (decayed since the last batch).
+  std::vector<double> rates(double now) const;
+  // Share of all slots so far per expert (zeros before any slot).
+  std::vector<double> shares() const;
+  const std::vector<int64_t>& peak() const { return peak_; }
+
+ private:
+  double tau_;
+  double last_ = 0.0;
+  bool started_ = false;
+  std::vector<double> rate_;
+  std::vector<int64_t> total_, peak_;
+};
+
 // "top-k" / "top-p"; "reroute" / "drop"; "none" / "bias". Throw moe::Error naming the value.
 ExpertSelection parse_expert_selection(const std::string& name);
 CapacityOverflow parse_capacity_overflow(const std::string& name);

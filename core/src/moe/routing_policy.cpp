@@ -237,6 +237,46 @@ void Router::count(const Routing& routing) {
   ++load_.batches;
 }
 
+ExpertLoadMeter::ExpertLoadMeter(int num_experts, double tau_seconds)
+    : tau_(tau_seconds),
+      rate_(static_cast<size_t>(num_experts), 0.0),
+      total_(static_cast<size_t>(num_experts), 0),
+      peak_(static_cast<size_t>(num_experts), 0) {
+  if (num_experts < 1 || !(tau_seconds > 0.0)) throw Error("expert load meter: needs experts and a time constant > 0");
+}
+
+void ExpertLoadMeter::add(const Routing& routing, double now) {
+  // rate = Σ slots_i · exp(-(now - t_i) / tau) / tau: each batch adds slots / tau, then decays.
+  const double decay = started_ ? std::exp(-std::max(0.0, now - last_) / tau_) : 1.0;
+  std::vector<int64_t> taken(rate_.size(), 0);
+  for (int32_t e : routing.expert_ids)
+    if (e >= 0 && static_cast<size_t>(e) < taken.size()) ++taken[static_cast<size_t>(e)];
+  for (size_t e = 0; e < rate_.size(); ++e) {
+    rate_[e] = rate_[e] * decay + static_cast<double>(taken[e]) / tau_;
+    total_[e] += taken[e];
+    peak_[e] = std::max(peak_[e], taken[e]);
+  }
+  last_ = started_ ? std::max(last_, now) : now;
+  started_ = true;
+}
+
+std::vector<double> ExpertLoadMeter::rates(double now) const {
+  std::vector<double> out = rate_;
+  if (started_) {
+    const double decay = std::exp(-std::max(0.0, now - last_) / tau_);
+    for (double& r : out) r *= decay;
+  }
+  return out;
+}
+
+std::vector<double> ExpertLoadMeter::shares() const {
+  const auto all = static_cast<double>(std::accumulate(total_.begin(), total_.end(), int64_t{0}));
+  std::vector<double> out(total_.size(), 0.0);
+  if (all > 0)
+    for (size_t e = 0; e < out.size(); ++e) out[e] = static_cast<double>(total_[e]) / all;
+  return out;
+}
+
 ExpertSelection parse_expert_selection(const std::string& name) {
   if (name == "top-k") return ExpertSelection::TopK;
   if (name == "top-p") return ExpertSelection::TopP;
