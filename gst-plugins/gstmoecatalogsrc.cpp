@@ -61,7 +61,8 @@ namespace {
 
 constexpr const char* kStage = "moe-catalog-src";
 constexpr const char* kCatalogName = "catalog.jsonl";
-constexpr const char* kImageExtensions[] = {"png", "jpg", "jpeg", "bmp", "gif", "ppm", "webp", "tif", "tiff"};
+constexpr const char* kImageExtensions[] = {"png", "jpg", "jpeg", "bmp",  "gif", "ppm",
+                                            "pgm", "pbm", "pnm",  "webp", "tif", "tiff"};
 
 // id, absolute path, caption; `error` set for a malformed catalog line.
 using CatalogItem = moe::CatalogEntry;

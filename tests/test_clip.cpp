@@ -1,10 +1,12 @@
-// CLIP encoders against Hugging Face transformers (fixtures from tools/make_fixtures.py).
+// CLIP encoders against Hugging Face transformers (fixtures from tools/make_fixtures.py and
+// tools/make_format_fixtures.py).
 #include <gtest/gtest.h>
 
 #include <json-glib/json-glib.h>
 
 #include <fstream>
 
+#include "io/json_util.h"
 #include "moe/clip_model.h"
 #include "moe/error.h"
 #include "moe/moe_layer.h"
@@ -90,6 +92,53 @@ TEST(ClipModelLoad, FingerprintIsTheWeightsFingerprint) {
   moe::test::copy_with_one_value_changed(fixture_path("clip_tiny/model.safetensors"),
                                          retrained.file("model.safetensors"), "visual_projection.weight");
   EXPECT_NE(ClipModel::load(retrained.path()).fingerprint(), fp);
+}
+
+// Configs in older transformers' layouts (text_config_dict / vision_config_dict, alone or beside
+// text_config / vision_config), each read as transformers' CLIPConfig reads it (the expected
+// values are its attributes, from tools/make_format_fixtures.py).
+TEST(ClipConfig, ReadsOldTowerDictsAsTransformersDoes) {
+  const std::string dir = fixture_path("formats/clip_config/");
+  moe::json::Document doc = moe::json::Document::from_file(dir + "expected.json");
+  JsonObject* cases = doc.root_object();
+  ASSERT_EQ(json_object_get_size(cases), 3u);
+  for (const std::string name : {"dict_only", "both_disagree", "null_dict"}) {
+    SCOPED_TRACE(name);
+    JsonObject* want = moe::json::get_object_or_null(cases, name.c_str(), "expected.json");
+    ASSERT_NE(want, nullptr);
+    const moe::ClipConfig c = moe::ClipConfig::from_file(dir + name + ".json");
+    EXPECT_EQ(c.projection_dim, moe::json::get_int(want, "projection_dim", name));
+    auto check_encoder = [&](JsonObject* w, const moe::ClipEncoderConfig& e) {
+      EXPECT_EQ(e.hidden_size, moe::json::get_int(w, "hidden_size", name));
+      EXPECT_EQ(e.intermediate_size, moe::json::get_int(w, "intermediate_size", name));
+      EXPECT_EQ(e.num_hidden_layers, moe::json::get_int(w, "num_hidden_layers", name));
+      EXPECT_EQ(e.num_attention_heads, moe::json::get_int(w, "num_attention_heads", name));
+      EXPECT_EQ(moe::activation_name(e.hidden_act), moe::json::get_string(w, "hidden_act", name));
+      EXPECT_FLOAT_EQ(e.layer_norm_eps, static_cast<float>(moe::json::get_double_or(w, "layer_norm_eps", 0, name)));
+    };
+    JsonObject* text = moe::json::get_object_or_null(want, "text", name);
+    ASSERT_NE(text, nullptr);
+    check_encoder(text, c.text);
+    EXPECT_EQ(c.text.vocab_size, moe::json::get_int(text, "vocab_size", name));
+    EXPECT_EQ(c.text.max_position_embeddings, moe::json::get_int(text, "max_position_embeddings", name));
+    EXPECT_EQ(c.text.bos_token_id, moe::json::get_int(text, "bos_token_id", name));
+    EXPECT_EQ(c.text.eos_token_id, moe::json::get_int(text, "eos_token_id", name));
+    EXPECT_EQ(c.text.pad_token_id, moe::json::get_int(text, "pad_token_id", name));
+    JsonObject* vision = moe::json::get_object_or_null(want, "vision", name);
+    ASSERT_NE(vision, nullptr);
+    check_encoder(vision, c.vision);
+    EXPECT_EQ(c.vision.image_size, moe::json::get_int(vision, "image_size", name));
+    EXPECT_EQ(c.vision.patch_size, moe::json::get_int(vision, "patch_size", name));
+    EXPECT_EQ(c.vision.num_channels, moe::json::get_int(vision, "num_channels", name));
+  }
+  // Errors name the form that was read.
+  expect_error(
+      [] {
+        moe::ClipConfig::from_json(R"({"text_config_dict":{"hidden_act":"relu"},"vision_config":{}})", "cfg.json");
+      },
+      {"cfg.json text_config_dict", "'relu'"});
+  expect_error([] { moe::ClipConfig::from_json(R"({"text_config":{}})", "cfg.json"); },
+               {"missing 'vision_config' (or 'vision_config_dict'"});
 }
 
 TEST(ClipModelLoad, ErrorsNameFileTensorAndReason) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "io/json_util.h"
 #include "moe/error.h"
 #include "moe/image.h"
 #include "moe/safetensors.h"
@@ -505,6 +506,55 @@ TEST(DecodeImage, RefusesTruncatedJpeg) {
   const size_t scan = jpeg.size() - 2 - 64;
   for (const size_t size : {jpeg.size() - 2, scan + 32, scan - 4, size_t{20}})
     expect_error([&] { moe::decode_image(jpeg.data(), size, "cut.jpg"); }, {"cut.jpg", "truncated"});
+}
+
+// Files written by PIL (PPM, PGM above the PNM loader's 4 KB reads, lossless and lossy WebP),
+// PNM of maxval below 255 and a 16-bit RGB PNG: the pixels must be PIL's convert("RGB") of each
+// (tools/make_format_fixtures.py).
+TEST(DecodeImage, FormatsMatchPillow) {
+  const std::string dir = fixture_path("formats/images/");
+  auto expected = moe::SafetensorsFile::open(dir + "expected.safetensors");
+  const std::vector<std::string> names = expected.names();
+  for (const char* name : {"rgb64.ppm", "gray64.pgm", "gray-maxval100.pgm", "rgb-maxval31.ppm", "ascii-maxval7.ppm",
+                           "lossless.webp", "lossy.webp", "rgb16.png"})
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+  for (const std::string& name : names) {
+    const moe::Tensor want = expected.get(name);
+    ASSERT_EQ(want.dtype(), moe::DType::U8) << name;
+    const moe::RgbImage img = moe::decode_image_file(dir + name);
+    ASSERT_EQ(img.height, want.dim(0)) << name;
+    ASSERT_EQ(img.width, want.dim(1)) << name;
+    const std::vector<uint8_t> want_pixels(want.data<uint8_t>(), want.data<uint8_t>() + want.numel());
+    EXPECT_EQ(img.pixels, want_pixels) << name;
+  }
+  // The PNM check still sees a file cut short, inside the first 4 KB and after it.
+  const std::vector<uint8_t> ppm = moe::read_image_file(dir + "rgb64.ppm");
+  for (const size_t size : {size_t{3000}, ppm.size() - 100})
+    expect_error([&] { moe::decode_image(ppm.data(), size, "cut.ppm"); }, {"cut.ppm", "truncated", "rows missing"});
+  // And so does the WebP check (the loader itself decodes what there is).
+  for (const char* name : {"lossless.webp", "lossy.webp"}) {
+    const std::vector<uint8_t> webp = moe::read_image_file(dir + name);
+    for (const size_t size : {webp.size() / 2, webp.size() - 1})
+      expect_error([&] { moe::decode_image(webp.data(), size, name); }, {name, "truncated", "RIFF header"});
+  }
+}
+
+// More than 8 bits per sample where PIL's 8-bit result needs bits that gdk-pixbuf drops: 16-bit
+// grayscale PNG, TIFF and PGM (PIL clips each sample to 0..255) and PNM of maxval 256..65535 (PIL
+// rounds each full sample).
+TEST(DecodeImage, RefusesSamplesWiderThan8BitsThatPilReadsOtherwise) {
+  const std::string dir = fixture_path("formats/images/");
+  auto expected = moe::SafetensorsFile::open(dir + "expected.safetensors");
+  moe::json::Document refused(expected.metadata().at("refused"), "refused");
+  JsonArray* files = json_node_get_array(refused.root());
+  ASSERT_EQ(json_array_get_length(files), 4u);
+  for (guint i = 0; i < json_array_get_length(files); ++i) {
+    const std::string name = json_array_get_string_element(files, i);
+    const std::string file = dir + name;
+    expect_error([&] { moe::decode_image_file(file); },
+                 {file, name == "gray16.png" || name == "gray16.tif" ? "16-bit grayscale" : "maxval",
+                  "convert the image to 8 bits per sample"});
+  }
 }
 
 TEST(DecodeImage, FilesAreReadAndMissingOnesNamed) {

@@ -104,6 +104,8 @@ TEST_F(ClipTokenizerTest, MatchesHuggingFaceOnFixtureCases) {
     for (guint j = 0; j < json_array_get_length(arr); ++j)
       want.push_back(static_cast<int32_t>(json_array_get_int_element(arr, j)));
 
+    // ftfy.fix_text's own output: the tokenizer's text repair, checked before the ids it leads to.
+    EXPECT_EQ(moe::ftfy_fix_text(text), moe::json::get_string(c, "fixed", path)) << "case " << i;
     std::vector<int32_t> got = tok_->encode(text, 77);
     EXPECT_EQ(got, want) << "case " << i << ": \"" << text << "\"\n  HF:   " << ids_to_string(want)
                          << "\n  ours: " << ids_to_string(got) << "\n  normalized: \""

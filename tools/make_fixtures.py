@@ -26,9 +26,11 @@ Outputs (all overwritten on every run):
 * ``qwen2_moe_tiny/``          tiny random ``Qwen2MoeForCausalLM``, sharded safetensors
 * ``adapter_tiny/``            the Mixtral layer-1 MoE block in gst-moe adapter format
 * ``moe_io.safetensors``       MoE block inputs, outputs, router logits and routing
-* ``tokenizer_cases.json``     CLIPTokenizer (slow, with ftfy) ids for awkward strings
+* ``tokenizer_cases.json``     CLIPTokenizer (slow, with ftfy) ids and ftfy.fix_text for awkward strings
 
-Every tensor name, shape and dtype is printed in the summary at the end.
+Every tensor name, shape and dtype is printed in the summary at the end. Files in other tools'
+layouts (image formats, older CLIP configs, a Qwen2-MoE config relying on defaults) come from the
+sibling tools/make_format_fixtures.py (tests/fixtures/formats/).
 """
 
 import json
@@ -407,6 +409,12 @@ TOKENIZER_TEXTS = [
     "x" * 300,
     " ".join("word%d" % i for i in range(100)),   # > 77 tokens: truncation
     "The pixelated photograph of an extraordinarily unphotogenic hippopotamus.",
+    # HTML5-only entity names (not in HTML 4), some decoding to two code points
+    "&check; done, &half; cup, &lpar;aside&rpar; &Tab;tab &NewLine;line",
+    "&Jscr;ohn &HilbertSpace;ancock &checkmark; &fjlig;ord &NotEqualTilde; &bne; &models;",
+    # ftfy's all-caps spellings, names it refuses, and names too long for its pattern
+    "P&EACUTE;REZ BUNDESSTRA&SZLIG;E &ntilde; &Ntilde; &NTILDE; &nTILDE; &LT; &AMP;",
+    "&CounterClockwiseContourIntegral; &DoubleLongLeftRightArrow; &lt &copy &Tab &bogus;",
 ]
 
 
@@ -426,7 +434,8 @@ def make_tokenizer_cases():
     cases = []
     for text in TOKENIZER_TEXTS:
         ids = tok(text, truncation=True, max_length=77)["input_ids"]
-        cases.append({"text": text, "ids": ids, "ftfy_changed": ftfy.fix_text(text) != text})
+        fixed = ftfy.fix_text(text)
+        cases.append({"text": text, "ids": ids, "ftfy_changed": fixed != text, "fixed": fixed})
     assert cases[0]["ids"] == [49406, 320, 1125, 539, 320, 2368, 49407], cases[0]["ids"]
     with open(os.path.join(FIX, "tokenizer_cases.json"), "w", encoding="utf-8") as fh:
         fh.write("[\n")

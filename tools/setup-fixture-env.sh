@@ -6,6 +6,8 @@
 # you want to regenerate them:
 #
 #   tools/setup-fixture-env.sh && .venv-fixtures/bin/python tools/make_fixtures.py
+#   .venv-fixtures/bin/python tools/make_format_fixtures.py   # config, image-format and entity fixtures
+#   .venv-fixtures/bin/python tools/gen_html_entities.py      # core/src/text/html5_entities.inc from ftfy
 #
 # What it does (idempotent, safe to re-run):
 #   1. apt-get installs Debian's python3-torch (1.13), python3-venv, python3-pil,

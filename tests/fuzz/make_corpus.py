@@ -112,7 +112,7 @@ GIF = (b"GIF89a\x02\x00\x02\x00\x81\x00\x00"
 
 
 def gdk_pixbuf_images():
-    """JPEG, TIFF and ICO written by gdk-pixbuf; {} when its library is not there."""
+    """JPEG, TIFF, ICO and WebP written by gdk-pixbuf; {} when its library is not there."""
     name = ctypes.util.find_library("gdk_pixbuf-2.0")
     if not name:
         return {}
@@ -129,7 +129,8 @@ def gdk_pixbuf_images():
     for fmt, w, h, alpha, opts, fname in [("jpeg", 8, 8, 0, {"quality": "60"}, "rgb-8x8.jpg"),
                                           ("jpeg", 17, 5, 0, {"quality": "90"}, "rgb-17x5.jpg"),
                                           ("tiff", 3, 2, 0, {}, "rgb-3x2.tiff"),
-                                          ("ico", 16, 16, 1, {}, "rgba-16x16.ico")]:
+                                          ("ico", 16, 16, 1, {}, "rgba-16x16.ico"),
+                                          ("webp", 5, 4, 0, {"quality": "70"}, "rgb-5x4.webp")]:
         pb = lib.gdk_pixbuf_new(0, alpha, 8, w, h)
         stride = lib.gdk_pixbuf_get_rowstride(pb)
         channels = 4 if alpha else 3
@@ -194,6 +195,9 @@ def image_seeds():
         "rgb-2x2.ppm": b"P6\n2 2\n255\n" + bytes(range(12)),
         "rgb-2x1-ascii.ppm": b"P3\n2 1\n255\n255 0 0 0 255 0\n",
         "gray-2x2.pgm": b"P5\n2 2\n255\n\x00\x40\x80\xff",
+        # maxval below 255 (rescaled as PIL does) and above it (refused), with header comments
+        "gray-2x2-maxval100.pgm": b"P5\n# c\n2 2 #c\n100\n\x00\x32\x64\xff",
+        "rgb-1x1-maxval1000.ppm": b"P6 1 1 1000\n\x00\x01\x03\xe8\x02\x00",
         # over the size limit: the PNM loader, asked for a 0x0 result, fails without saying why
         "huge-width.pbm": b"P4\n2442454\n35\n\x00\x00\x00\x00",
         "rgb-3x2.tga": tga(3, 2),
@@ -205,7 +209,7 @@ def image_seeds():
     }
     generated = gdk_pixbuf_images()
     old = os.path.join(CORPUS, "fuzz_image_decode")
-    for fname in ("rgb-8x8.jpg", "rgb-17x5.jpg", "rgb-3x2.tiff", "rgba-16x16.ico"):
+    for fname in ("rgb-8x8.jpg", "rgb-17x5.jpg", "rgb-3x2.tiff", "rgba-16x16.ico", "rgb-5x4.webp"):
         if fname in generated:
             seeds[fname] = generated[fname]
         elif os.path.exists(os.path.join(old, fname)):  # keep the committed one
@@ -213,6 +217,8 @@ def image_seeds():
                 seeds[fname] = f.read()
     if "rgb-8x8.jpg" in seeds:
         seeds["truncated.jpg"] = seeds["rgb-8x8.jpg"][:-40]
+    if "rgb-5x4.webp" in seeds:
+        seeds["truncated.webp"] = seeds["rgb-5x4.webp"][:-10]
     return seeds
 
 
@@ -276,10 +282,13 @@ def clip_config_seeds():
         "float-ints.json": '{"projection_dim": 24.0, "text_config": {"hidden_size": 32.0, "num_attention_heads": 4}, '
                            '"vision_config": {"image_size": 30, "patch_size": 7}}',
         "no-vision.json": '{"model_type": "clip", "text_config": {"hidden_size": 8, "num_attention_heads": 2}}',
+        "legacy-dicts.json": '{"text_config_dict": {"hidden_size": 16, "num_attention_heads": 2}, "text_config": '
+                             '{"hidden_size": 8}, "vision_config_dict": null, "vision_config": {"image_size": 32}}',
         "wrong-type.json": '{"model_type": "siglip", "text_config": {}, "vision_config": {}}',
         "huge.json": '{"text_config": {"hidden_size": 9223372036854775807, "layer_norm_eps": 1e309}, '
                      '"vision_config": {"num_attention_heads": -1}}',
-    }, list(keep) + ["model_type", "projection_dim", "text_config", "vision_config", "clip", "quick_gelu", "gelu"]
+    }, list(keep) + ["model_type", "projection_dim", "text_config", "vision_config", "text_config_dict",
+                         "vision_config_dict", "clip", "quick_gelu", "gelu"]
 
 
 def preprocessor_seeds():
@@ -362,6 +371,7 @@ def tokenizer_text_seeds():
         "specials.txt": "<|startoftext|>Hello <|endoftext|>world<|endoft",
         "html.txt": "fish &amp; chips &lt;3 &eacute;t&eacute; &#233; &#x1F600; &nbsp;",
         "html-after-lt.txt": "<b>bold</b> &amp; not unescaped",
+        "html5.txt": "&check; &fjlig; &NotEqualTilde; &EACUTE; &SZLIG; &nTILDE; &Tab;&NewLine; &zwnj;",
         "mojibake.txt": "cafÃ© crÃ¨me â€œquotedâ€\x9d naÃ¯ve",
         "ligatures.txt": "\ufb01sh \ufb02ower \ufb00 \ufb03",
         "fullwidth.txt": "\uff21\uff22\uff23\uff11\uff12\uff13 \uff76\uff80\uff76\uff85",

@@ -58,6 +58,8 @@ struct ClipConfig {
   int projection_dim = 512;
   std::string source;  // the file it came from, for messages
 
+  // Each tower is read from `text_config_dict` / `vision_config_dict` (older transformers' form)
+  // when present and not null, else from `text_config` / `vision_config`, as CLIPConfig does.
   static ClipConfig from_file(const std::string& config_json_path);
   // `what` names the origin in error messages.
   static ClipConfig from_json(const std::string& json_text, const std::string& what);

@@ -47,6 +47,18 @@ void read_encoder(JsonObject* obj, ClipEncoderConfig& cfg, const std::string& wh
   if (!(cfg.layer_norm_eps > 0.0f)) throw Error(what + ": layer_norm_eps must be positive");
 }
 
+// A tower's settings: `<key>_dict` (the form older transformers wrote) when present, else `<key>`.
+// transformers' CLIPConfig builds the tower from `<key>_dict` alone when it is there (every field
+// it omits takes the class default, whatever `<key>` says), so the other object is not read.
+JsonObject* tower_config(JsonObject* root, const std::string& key, std::string& used_key, const std::string& src) {
+  used_key = key + "_dict";
+  if (JsonObject* legacy = json::get_object_or_null(root, used_key.c_str(), src)) return legacy;
+  used_key = key;
+  JsonObject* current = json::get_object_or_null(root, key.c_str(), src);
+  if (!current) throw Error(src + ": missing '" + key + "' (or '" + key + "_dict'; not a CLIPModel config.json?)");
+  return current;
+}
+
 ClipConfig config_from_document(const json::Document& doc) {
   const std::string& src = doc.what();
   JsonObject* root = doc.root_object();
@@ -67,9 +79,9 @@ ClipConfig config_from_document(const json::Document& doc) {
     throw Error(src + ": model_type is '" + mt + "', expected 'clip' (a Hugging Face CLIPModel config)");
   cfg.projection_dim = bounded_int(root, "projection_dim", cfg.projection_dim, kMaxClipWidth, src);
 
-  JsonObject* text = json::get_object_or_null(root, "text_config", src);
-  if (!text) throw Error(src + ": missing 'text_config' (not a CLIPModel config.json?)");
-  const std::string tw = src + " text_config";
+  std::string text_key;
+  JsonObject* text = tower_config(root, "text_config", text_key, src);
+  const std::string tw = src + " " + text_key;
   read_encoder(text, cfg.text, tw);
   cfg.text.vocab_size = bounded_int(text, "vocab_size", cfg.text.vocab_size, kMaxClipVocabSize, tw);
   cfg.text.max_position_embeddings =
@@ -78,9 +90,9 @@ ClipConfig config_from_document(const json::Document& doc) {
   cfg.text.eos_token_id = token_id(text, "eos_token_id", cfg.text.eos_token_id, tw);
   cfg.text.pad_token_id = token_id(text, "pad_token_id", cfg.text.pad_token_id, tw);
 
-  JsonObject* vision = json::get_object_or_null(root, "vision_config", src);
-  if (!vision) throw Error(src + ": missing 'vision_config' (not a CLIPModel config.json?)");
-  const std::string vw = src + " vision_config";
+  std::string vision_key;
+  JsonObject* vision = tower_config(root, "vision_config", vision_key, src);
+  const std::string vw = src + " " + vision_key;
   read_encoder(vision, cfg.vision, vw);
   cfg.vision.image_size = bounded_int(vision, "image_size", cfg.vision.image_size, kMaxClipImageSize, vw);
   cfg.vision.patch_size = bounded_int(vision, "patch_size", cfg.vision.patch_size, kMaxClipImageSize, vw);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <mutex>
@@ -18,13 +19,18 @@ namespace {
 // What the loader's signals tell while it decodes.
 struct LoadProgress {
   int64_t width = 0, height = 0;
+  bool size_known = false;
   bool too_big = false;
   std::vector<bool> rows_done;  // rows the loader reported as decoded
 };
 
-// Sees the canvas size as soon as the header is parsed, before any pixel memory exists.
+// Sees the canvas size as soon as the header is parsed, before any pixel memory exists. The PNM
+// loader emits it again for every 4 KB it reads: only the first one starts the row count (a later
+// one used to forget the rows decoded so far, and any binary PPM/PGM above 4 KB read as truncated).
 void on_size_prepared(GdkPixbufLoader* loader, gint width, gint height, gpointer data) {
   auto* progress = static_cast<LoadProgress*>(data);
+  if (progress->size_known) return;
+  progress->size_known = true;
   progress->width = width;
   progress->height = height;
   if (width > kMaxDecodedImageSide || height > kMaxDecodedImageSide ||
@@ -56,6 +62,74 @@ bool png_has_iend(const uint8_t* data, size_t size) {
     at += kChunkOverhead + length;
   }
   return false;
+}
+
+// Whether the image is 16-bit grayscale without alpha: a PNG of colour type 0 and bit depth 16, or
+// a TIFF whose first image has one sample per pixel of 16 bits. PIL opens these as 32-bit
+// integers (mode I / I;16) and its convert("RGB"), which transformers applies, clips each sample
+// to 0..255, so that only samples below 256 keep their value; gdk-pixbuf hands back only each
+// sample's high byte (v >> 8), from which those values cannot be recovered. (Every other 16-bit
+// PNG or TIFF layout becomes 8 bits per sample in PIL by its high byte, as in gdk-pixbuf.)
+bool is_16bit_grayscale(const uint8_t* data, size_t size) {
+  static const uint8_t kPngSignature[8] = {0x89, 'P', 'N', 'G', '\r', '\n', 0x1A, '\n'};
+  if (size >= 26 && std::memcmp(data, kPngSignature, 8) == 0 && std::memcmp(data + 12, "IHDR", 4) == 0)
+    return data[24] == 16 && data[25] == 0;  // bit depth, colour type (greyscale)
+  const bool le = size >= 8 && std::memcmp(data, "II*\0", 4) == 0;
+  if (!le && !(size >= 8 && std::memcmp(data, "MM\0*", 4) == 0)) return false;
+  auto u16 = [&](size_t at) { return le ? data[at] | (data[at + 1] << 8) : (data[at] << 8) | data[at + 1]; };
+  auto u32 = [&](size_t at) { return (uint32_t(u16(le ? at + 2 : at)) << 16) | uint32_t(u16(le ? at : at + 2)); };
+  const size_t ifd = u32(4);
+  if (ifd > size - 2) return false;
+  int bits = 1, samples = 1;  // the TIFF defaults
+  const size_t entries = u16(ifd);
+  for (size_t i = 0, at = ifd + 2; i < entries && at + 12 <= size; ++i, at += 12) {
+    const int tag = u16(at);
+    // BitsPerSample (258) of one sample and SamplesPerPixel (277) are SHORTs held in the entry.
+    if (tag == 258 && u32(at + 4) == 1) bits = u16(at + 8);
+    if (tag == 277) samples = u16(at + 8);
+  }
+  return bits == 16 && samples == 1;
+}
+
+// Whether a WebP file holds every byte its RIFF header counts. The WebP loader decodes what it has
+// of a truncated file, reporting every row, where PIL (libwebp's demuxer) refuses it.
+bool webp_is_whole(const uint8_t* data, size_t size) {
+  if (size < 12) return false;
+  const uint32_t riff_size =
+      uint32_t{data[4]} | (uint32_t{data[5]} << 8) | (uint32_t{data[6]} << 16) | (uint32_t{data[7]} << 24);
+  return size - 8 >= riff_size;
+}
+
+// The maxval of a PNM with samples (P2, P3, P5, P6), or 0 (another format, a bitmap, or a header
+// the loader refuses itself). Header tokens are separated by whitespace and '#' comments.
+long pnm_maxval(const uint8_t* data, size_t size) {
+  if (size < 2 || data[0] != 'P' || (data[1] != '2' && data[1] != '3' && data[1] != '5' && data[1] != '6')) return 0;
+  size_t at = 2;
+  long value = 0;
+  for (int token = 0; token < 3; ++token) {  // width, height, maxval
+    while (at < size && (g_ascii_isspace(data[at]) || data[at] == '#')) {
+      if (data[at] == '#')
+        while (at < size && data[at] != '\n' && data[at] != '\r') ++at;
+      else
+        ++at;
+    }
+    const size_t start = at;
+    value = 0;
+    while (at < size && g_ascii_isdigit(data[at]) && value <= 65535) value = value * 10 + (data[at++] - '0');
+    if (at == start) return 0;
+  }
+  return value;
+}
+
+// PIL scales the samples of a PNM whose maxval m is below 255 to round-half-even(v / m * 255)
+// (Python's round); gdk-pixbuf to floor(255 * v / m), which for m < 255 keeps every v apart
+// (and gives 255 for v > m, as PIL does for binary files): map the one onto the other.
+void rescale_pnm_samples_as_pil(long maxval, std::vector<uint8_t>& pixels) {
+  uint8_t pil[256];
+  for (int g = 0; g < 256; ++g) pil[g] = static_cast<uint8_t>(g);
+  for (long v = 0; v <= maxval; ++v)
+    pil[255 * v / maxval] = static_cast<uint8_t>(std::nearbyint(static_cast<double>(v) / maxval * 255.0));
+  for (uint8_t& p : pixels) p = pil[p];
 }
 
 // Why a GIF cannot be decoded safely, or "" (also when it ends early: the loader then reports
@@ -128,6 +202,7 @@ std::string truncation(const std::string& format, const uint8_t* data, size_t si
   if (std::find(progress.rows_done.begin(), progress.rows_done.end(), false) != progress.rows_done.end())
     return "image rows missing";
   if (format == "png" && !png_has_iend(data, size)) return "no IEND chunk";
+  if (format == "webp" && !webp_is_whole(data, size)) return "fewer bytes than its RIFF header counts";
   return "";
 }
 
@@ -174,6 +249,17 @@ class DecoderLogCapture {
 RgbImage decode_image(const uint8_t* data, size_t size, const std::string& what) {
   if (data == nullptr || size == 0) throw Error(what + ": empty image data");
 
+  if (is_16bit_grayscale(data, size))
+    throw Error(what +
+                ": 16-bit grayscale images are not supported: PIL (and so transformers) clips their samples "
+                "to 0..255, which needs each sample's low byte, and the image decoder (gdk-pixbuf) keeps only "
+                "the high byte; convert the image to 8 bits per sample");
+  const long maxval = pnm_maxval(data, size);
+  if (maxval > 255 && maxval <= 65535)
+    throw Error(what + ": PNM images of more than 8 bits per sample (maxval " + std::to_string(maxval) +
+                ") are not supported: PIL's (and so transformers') 8-bit result needs each full sample (it "
+                "rounds colour samples and clips grey ones), and the image decoder (gdk-pixbuf) keeps only 8 "
+                "bits of it; convert the image to 8 bits per sample");
   if (size >= 4 && std::memcmp(data, "GIF8", 4) == 0) {
     const std::string problem = gif_frame_problem(data, size);
     if (!problem.empty()) throw Error(what + ": " + problem);
@@ -246,6 +332,7 @@ RgbImage decode_image(const uint8_t* data, size_t size, const std::string& what)
     }
   }
   g_object_unref(loader);  // owns the pixbuf
+  if (format_name == "pnm" && maxval > 0 && maxval < 255) rescale_pnm_samples_as_pil(maxval, image.pixels);
   return image;
 }
 

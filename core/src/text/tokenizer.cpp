@@ -8,6 +8,7 @@
 #include <glib.h>
 #include <json-glib/json-glib.h>
 
+#include <algorithm>
 #include <array>
 #include <fstream>
 #include <limits>
@@ -91,115 +92,32 @@ constexpr char32_t kCp1252High[32] = {
     0x0090, 0x2018, 0x2019, 0x201C, 0x201D, 0x2022, 0x2013, 0x2014,
     0x02DC, 0x2122, 0x0161, 0x203A, 0x0153, 0x009D, 0x017E, 0x0178,
 };
+// clang-format on
 
-// HTML 4 named entities (plus &apos;), the ones seen in real text. ftfy accepts every HTML5
-// name that ends in ';' (2000+); the rare remainder is left undecoded here.
+// ftfy's named entities (HTML5 names ending in ';' and ftfy's all-caps spellings), generated
+// from ftfy itself by tools/gen_html_entities.py.
 struct NamedEntity {
-  const char* name;
-  char32_t cp;
+  std::string_view name;
+  std::u32string_view text;
 };
+// clang-format off
 constexpr NamedEntity kHtmlEntities[] = {
-    {"quot", 34}, {"amp", 38}, {"apos", 39}, {"lt", 60}, {"gt", 62},
-    {"nbsp", 160}, {"iexcl", 161}, {"cent", 162}, {"pound", 163}, {"curren", 164},
-    {"yen", 165}, {"brvbar", 166}, {"sect", 167}, {"uml", 168}, {"copy", 169},
-    {"ordf", 170}, {"laquo", 171}, {"not", 172}, {"shy", 173}, {"reg", 174},
-    {"macr", 175}, {"deg", 176}, {"plusmn", 177}, {"sup2", 178}, {"sup3", 179},
-    {"acute", 180}, {"micro", 181}, {"para", 182}, {"middot", 183}, {"cedil", 184},
-    {"sup1", 185}, {"ordm", 186}, {"raquo", 187}, {"frac14", 188}, {"frac12", 189},
-    {"frac34", 190}, {"iquest", 191}, {"Agrave", 192}, {"Aacute", 193}, {"Acirc", 194},
-    {"Atilde", 195}, {"Auml", 196}, {"Aring", 197}, {"AElig", 198}, {"Ccedil", 199},
-    {"Egrave", 200}, {"Eacute", 201}, {"Ecirc", 202}, {"Euml", 203}, {"Igrave", 204},
-    {"Iacute", 205}, {"Icirc", 206}, {"Iuml", 207}, {"ETH", 208}, {"Ntilde", 209},
-    {"Ograve", 210}, {"Oacute", 211}, {"Ocirc", 212}, {"Otilde", 213}, {"Ouml", 214},
-    {"times", 215}, {"Oslash", 216}, {"Ugrave", 217}, {"Uacute", 218}, {"Ucirc", 219},
-    {"Uuml", 220}, {"Yacute", 221}, {"THORN", 222}, {"szlig", 223}, {"agrave", 224},
-    {"aacute", 225}, {"acirc", 226}, {"atilde", 227}, {"auml", 228}, {"aring", 229},
-    {"aelig", 230}, {"ccedil", 231}, {"egrave", 232}, {"eacute", 233}, {"ecirc", 234},
-    {"euml", 235}, {"igrave", 236}, {"iacute", 237}, {"icirc", 238}, {"iuml", 239},
-    {"eth", 240}, {"ntilde", 241}, {"ograve", 242}, {"oacute", 243}, {"ocirc", 244},
-    {"otilde", 245}, {"ouml", 246}, {"divide", 247}, {"oslash", 248}, {"ugrave", 249},
-    {"uacute", 250}, {"ucirc", 251}, {"uuml", 252}, {"yacute", 253}, {"thorn", 254},
-    {"yuml", 255}, {"OElig", 338}, {"oelig", 339}, {"Scaron", 352}, {"scaron", 353},
-    {"Yuml", 376}, {"fnof", 402}, {"circ", 710}, {"tilde", 732},
-    {"Alpha", 913}, {"Beta", 914}, {"Gamma", 915}, {"Delta", 916}, {"Epsilon", 917},
-    {"Zeta", 918}, {"Eta", 919}, {"Theta", 920}, {"Iota", 921}, {"Kappa", 922},
-    {"Lambda", 923}, {"Mu", 924}, {"Nu", 925}, {"Xi", 926}, {"Omicron", 927},
-    {"Pi", 928}, {"Rho", 929}, {"Sigma", 931}, {"Tau", 932}, {"Upsilon", 933},
-    {"Phi", 934}, {"Chi", 935}, {"Psi", 936}, {"Omega", 937},
-    {"alpha", 945}, {"beta", 946}, {"gamma", 947}, {"delta", 948}, {"epsilon", 949},
-    {"zeta", 950}, {"eta", 951}, {"theta", 952}, {"iota", 953}, {"kappa", 954},
-    {"lambda", 955}, {"mu", 956}, {"nu", 957}, {"xi", 958}, {"omicron", 959},
-    {"pi", 960}, {"rho", 961}, {"sigmaf", 962}, {"sigma", 963}, {"tau", 964},
-    {"upsilon", 965}, {"phi", 966}, {"chi", 967}, {"psi", 968}, {"omega", 969},
-    {"thetasym", 977}, {"upsih", 978}, {"piv", 982},
-    {"ensp", 8194}, {"emsp", 8195}, {"thinsp", 8201}, {"zwnj", 8204}, {"zwj", 8205},
-    {"lrm", 8206}, {"rlm", 8207}, {"ndash", 8211}, {"mdash", 8212}, {"lsquo", 8216},
-    {"rsquo", 8217}, {"sbquo", 8218}, {"ldquo", 8220}, {"rdquo", 8221}, {"bdquo", 8222},
-    {"dagger", 8224}, {"Dagger", 8225}, {"bull", 8226}, {"hellip", 8230}, {"permil", 8240},
-    {"prime", 8242}, {"Prime", 8243}, {"lsaquo", 8249}, {"rsaquo", 8250}, {"oline", 8254},
-    {"frasl", 8260}, {"euro", 8364}, {"image", 8465}, {"weierp", 8472}, {"real", 8476},
-    {"trade", 8482}, {"alefsym", 8501}, {"larr", 8592}, {"uarr", 8593}, {"rarr", 8594},
-    {"darr", 8595}, {"harr", 8596}, {"crarr", 8629}, {"lArr", 8656}, {"uArr", 8657},
-    {"rArr", 8658}, {"dArr", 8659}, {"hArr", 8660}, {"forall", 8704}, {"part", 8706},
-    {"exist", 8707}, {"empty", 8709}, {"nabla", 8711}, {"isin", 8712}, {"notin", 8713},
-    {"ni", 8715}, {"prod", 8719}, {"sum", 8721}, {"minus", 8722}, {"lowast", 8727},
-    {"radic", 8730}, {"prop", 8733}, {"infin", 8734}, {"ang", 8736}, {"and", 8743},
-    {"or", 8744}, {"cap", 8745}, {"cup", 8746}, {"int", 8747}, {"there4", 8756},
-    {"sim", 8764}, {"cong", 8773}, {"asymp", 8776}, {"ne", 8800}, {"equiv", 8801},
-    {"le", 8804}, {"ge", 8805}, {"sub", 8834}, {"sup", 8835}, {"nsub", 8836},
-    {"sube", 8838}, {"supe", 8839}, {"oplus", 8853}, {"otimes", 8855}, {"perp", 8869},
-    {"sdot", 8901}, {"lceil", 8968}, {"rceil", 8969}, {"lfloor", 8970}, {"rfloor", 8971},
-    // HTML5 moved these two from U+2329/U+232A to the mathematical angle brackets.
-    {"lang", 0x27E8}, {"rang", 0x27E9},
-    {"loz", 9674}, {"spades", 9824}, {"clubs", 9827}, {"hearts", 9829}, {"diams", 9830},
+#include "html5_entities.inc"
 };
 // clang-format on
 
-const std::unordered_map<std::string, char32_t>& html_entity_map() {
-  static const std::unordered_map<std::string, char32_t> map = [] {
-    std::unordered_map<std::string, char32_t> m;
-    for (const auto& e : kHtmlEntities) m.emplace(e.name, e.cp);
-    return m;
-  }();
-  return map;
+// A named entity as ftfy decodes it: `name` (between '&' and ';') exactly as in its table.
+bool decode_named_entity(const std::string& name, U32& out) {
+  const auto* end = std::end(kHtmlEntities);
+  const auto* it = std::lower_bound(std::begin(kHtmlEntities), end, std::string_view(name),
+                                    [](const NamedEntity& e, std::string_view key) { return e.name < key; });
+  if (it == end || it->name != name) return false;
+  out.assign(it->text);
+  return true;
 }
 
 bool is_ascii_alnum(char32_t c) { return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
 bool is_ascii_alpha(char32_t c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z'); }
-
-// Python's str.upper() for one character (ß is the only entity whose upper case is two).
-U32 python_upper_char(char32_t c) {
-  if (c == 0xDF) return U"SS";
-  return U32(1, static_cast<char32_t>(g_unichar_toupper(c)));
-}
-
-// A named entity as ftfy decodes it: the exact (case-sensitive) name, or an all-caps spelling of
-// an all-lowercase name ("&EACUTE;" -> "É"), unless Python's html.unescape would read the
-// all-caps spelling as a different entity (a legacy no-semicolon prefix such as "&LT").
-bool decode_named_entity(const std::string& name, U32& out) {
-  const auto& map = html_entity_map();
-  auto it = map.find(name);
-  if (it != map.end()) {
-    out.assign(1, it->second);
-    return true;
-  }
-  std::string lower;
-  bool all_caps = true;
-  for (char c : name) {
-    if (c >= 'a' && c <= 'z') all_caps = false;
-    lower.push_back((c >= 'A' && c <= 'Z') ? static_cast<char>(c - 'A' + 'a') : c);
-  }
-  if (!all_caps || lower == name) return false;
-  it = map.find(lower);
-  if (it == map.end()) return false;
-  static const char* const kLegacyCaps[] = {"AMP", "COPY", "ETH", "GT", "LT", "QUOT", "REG", "THORN"};
-  for (const char* legacy : kLegacyCaps) {
-    size_t len = std::char_traits<char>::length(legacy);
-    if (name.size() > len && name.compare(0, len, legacy) == 0) return false;
-  }
-  out = python_upper_char(it->second);
-  return true;
-}
 
 // "&#...;" as Python's html.unescape decodes it (the HTML5 rules), which ftfy uses. `body` is
 // the text between "&#" and ";". Returns false when ftfy would leave the reference as is.
