@@ -5,7 +5,9 @@
 //
 //   moe-bench-peer-worker --write-model DIR   writes a synthetic CLIP ViT-B/32 (random weights,
 //                                             bench/clip_writer.h, seed 42) to DIR and exits
-//   moe-bench-peer-worker --model DIR         serves requests on stdin, one per line:
+//   moe-bench-peer-worker --model DIR [--threads N]  serves requests on stdin (N: the CPU
+//                                             backend's intra-op threads, ComputeOptions::threads),
+//                                             one per line:
 //     load NAME images PATH B    raw f32 pixels [B, channels, image_size, image_size] from PATH
 //     load NAME texts PATH B L   raw int32 token ids [B, L] from PATH
 //     run NAME N                 N encode calls (encode_pixels / encode_token_ids: the towers
@@ -15,9 +17,8 @@
 //     quit
 //   Every answer is one line: "ok ..." or "error WHY".
 //
-// Threads are the GEMM library's: the driver sets them in this process's environment
-// (OPENBLAS_NUM_THREADS, OMP_NUM_THREADS, BLIS_NUM_THREADS), the engine's only threads being the
-// library's.
+// Threads: --threads sets the engine's (its GEMMs run on them); the driver also sets
+// OPENBLAS_NUM_THREADS and OMP_NUM_THREADS for what still runs OpenBLAS.
 #include <dlfcn.h>
 
 #include <cstdio>
@@ -77,8 +78,10 @@ std::string mapped_math_libs() {
   return out;
 }
 
-int serve(const std::string& dir) {
-  const ClipModel model = ClipModel::load(dir);
+int serve(const std::string& dir, int threads) {
+  ComputeOptions options;
+  options.threads = threads;  // 0: the cores this process may use
+  const ClipModel model = ClipModel::load(dir, options);
   const ClipConfig& cfg = model.config();
   std::map<std::string, Input> inputs;
   auto encode = [&](const Input& in) {
@@ -151,6 +154,7 @@ int run(int argc, char** argv) {
   Args args(argc, argv, kUsage);
   const std::string write_dir = args.str("write-model", "");
   const std::string model_dir = args.str("model", "");
+  const int threads = std::stoi(args.str("threads", "0"));
   args.finish();
   if (!write_dir.empty()) {
     std::filesystem::create_directories(write_dir);
@@ -158,7 +162,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (model_dir.empty()) args.fail("--write-model DIR or --model DIR");
-  return serve(model_dir);
+  return serve(model_dir, threads);
 }
 
 }  // namespace

@@ -14,6 +14,8 @@ size_t weight_type_size(WeightType type) {
       return 2;
     case WeightType::BF16:
       return 2;
+    case WeightType::Q4:
+      throw Error("weight type q4 has no size per element (4 bits plus its group's scale)");
   }
   throw Error("unknown weight type " + std::to_string(static_cast<int>(type)));
 }
@@ -26,6 +28,8 @@ const char* weight_type_name(WeightType type) {
       return "f16";
     case WeightType::BF16:
       return "bf16";
+    case WeightType::Q4:
+      return "q4";
   }
   return "unknown";
 }
@@ -68,6 +72,7 @@ bool known(WeightType type) {
     case WeightType::F32:
     case WeightType::F16:
     case WeightType::BF16:
+    case WeightType::Q4:
       return true;
   }
   return false;

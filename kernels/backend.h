@@ -7,8 +7,9 @@
 //
 // Contracts (shared by every backend; kernels/cpu/cpu_ops.h is the reference implementation):
 // activations, biases, norms and outputs are row-major contiguous f32; weights are row-major
-// [out, in] ("Linear weights") stored as f32, f16 or bf16 and always accumulated in f32; sizes are
-// element counts; pointers passed to operations point into this backend's memory unless stated.
+// [out, in] ("Linear weights") stored as f32, f16, bf16 or group-wise int4 (Q4Weight) and always
+// accumulated in f32; sizes are element counts; pointers passed to operations point into this
+// backend's memory unless stated.
 //
 // Activations against f16/bf16 weights (linear, grouped_swiglu): the CPU multiplies the f32
 // activations by the widened weights. CUDA rounds the activations (x, and in grouped_swiglu also
@@ -33,7 +34,9 @@
 
 namespace moe::kernels {
 
-enum class WeightType : uint8_t { F32, F16, BF16 };
+// Q4: group-wise 4-bit integers with f16/bf16 scales (W4A16; WeightRef::data points to a Q4Weight).
+enum class WeightType : uint8_t { F32, F16, BF16, Q4 };
+// Bytes per element; Q4 has none (half a byte plus its group's scale): moe::Error.
 size_t weight_type_size(WeightType type);
 const char* weight_type_name(WeightType type);
 
@@ -41,6 +44,24 @@ const char* weight_type_name(WeightType type);
 struct WeightRef {
   const void* data = nullptr;
   WeightType type = WeightType::F32;
+};
+
+// A group-wise 4-bit Linear weight [out, in], in compressed-tensors' "pack-quantized" layout as
+// published (docs/model-formats.md). A WeightRef of type Q4 points to one, in host memory valid
+// for the call; the arrays it points to are in the backend's memory. Row r, column c:
+//   q = bits 4·(c % 8) .. +3 of packed[r·in/8 + c/8], the code plus 8 (0..15);
+//   z = 8 when zero_points is null (symmetric), else bits 4·(r % 8) .. +3 of
+//       zero_points[(r/8)·groups + c/group_size], also plus 8;
+//   w = float(q - z) · scale[r·groups + c/group_size], rounded to the scale's type (as the package
+//       computes it, in that type), groups = in / group_size.
+// The operations widen w to f32 exactly and accumulate in f32. in % group_size == 0 and
+// group_size % 8 == 0.
+struct Q4Weight {
+  const int32_t* packed = nullptr;          // [out, in/8]
+  const void* scales = nullptr;             // [out, groups], scale_type
+  const int32_t* zero_points = nullptr;     // [ceil(out/8), groups] or null
+  WeightType scale_type = WeightType::F16;  // F16 or BF16
+  int32_t group_size = 0;
 };
 
 // One SwiGLU expert: w1 (gate) [inter, d], w3 (up) [inter, d], w2 (down) [d, inter].
@@ -154,6 +175,14 @@ class Backend {
   // ---- operations ---------------------------------------------------------------------------
   // y[m,n] = x[m,k] · w[n,k]ᵀ (+ bias[n] when bias != nullptr).
   virtual void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) = 0;
+  // Optional for callers, for Linear weights that stay unchanged while loaded: after
+  // prepare_linear_weight, the backend may keep its own copy of w [n, k] in the layout its GEMM
+  // reads fastest (CPU: packed for oneDNN's matmul) and use it in linear calls with the same
+  // w.data, n and k. Counted: each prepare is matched by one release with the same arguments,
+  // before the weight's memory is freed or written. linear is the same without them. Default:
+  // nothing is kept.
+  virtual void prepare_linear_weight(WeightRef, int64_t /*n*/, int64_t /*k*/) {}
+  virtual void release_linear_weight(WeightRef, int64_t /*n*/, int64_t /*k*/) {}
   // Per row: (x - mean) / sqrt(var + eps) · gamma + beta (population variance). y may alias x.
   virtual void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
                           float eps) = 0;
@@ -219,6 +248,9 @@ struct CpuBackendOptions {
   // Run copy_from_host_async on a worker thread (a host "device" with a real copy queue), so
   // the expert cache's asynchronous paths run, and are tested, without a GPU.
   bool async_copies = false;
+  // Intra-op threads (linear splits its columns over them; they block, not spin, between calls).
+  // 0: the cores this process may run on (sched_getaffinity).
+  int threads = 0;
 };
 std::unique_ptr<Backend> make_cpu_backend(const CpuBackendOptions& options = {});
 

@@ -22,7 +22,7 @@ inline void non_negative(const std::string& backend, const char* op, std::initia
 
 inline void weight(const std::string& backend, const char* op, const WeightRef& w, const char* what) {
   if (!w.data) fail(backend, op, std::string(what) + " has no data");
-  if (w.type != WeightType::F32 && w.type != WeightType::F16 && w.type != WeightType::BF16)
+  if (w.type != WeightType::F32 && w.type != WeightType::F16 && w.type != WeightType::BF16 && w.type != WeightType::Q4)
     fail(backend, op, std::string(what) + " has an unknown weight type");
 }
 

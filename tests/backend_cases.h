@@ -467,15 +467,21 @@ struct LayerNormInputs {
 
 class LayerNormCase : public TypedCase<LayerNormInputs, std::vector<float>> {
  public:
-  LayerNormCase(int64_t rows, int64_t cols, unsigned seed) : rows_(rows), cols_(cols), seed_(seed) {}
-  std::string name() const override { return "layer_norm_" + dims({rows_, cols_}); }
+  // Rows of N(mean, 2²): a mean away from 0, as in a residual stream; far away (1000) it takes
+  // f32 sums that do not lose the spread to the mean's rounding.
+  LayerNormCase(int64_t rows, int64_t cols, unsigned seed, float mean = 4.0f)
+      : rows_(rows), cols_(cols), seed_(seed), mean_(mean) {}
+  std::string name() const override {
+    const std::string mean = mean_ != 4.0f ? "_mean" + std::to_string(static_cast<int>(mean_)) : "";
+    return "layer_norm_" + dims({rows_, cols_}) + mean;
+  }
   std::vector<OpDesc> ops() const override { return {{Op::LayerNorm, {}, {rows_, cols_}}}; }
 
  protected:
   static constexpr float kEps = 1e-5f;
   LayerNormInputs inputs() const override {
     std::vector<float> x = random_values(rows_ * cols_, seed_, 2.0f);
-    for (float& v : x) v += 4.0f;  // a large mean
+    for (float& v : x) v += mean_;
     return {x, random_values(cols_, seed_ + 1), random_values(cols_, seed_ + 2)};
   }
   std::vector<float> run(Backend& b, const LayerNormInputs& in) const override {
@@ -505,6 +511,7 @@ class LayerNormCase : public TypedCase<LayerNormInputs, std::vector<float>> {
  private:
   int64_t rows_, cols_;
   unsigned seed_;
+  float mean_;
 };
 
 // ---- gelu, quick_gelu, silu_mul, add
@@ -1110,6 +1117,7 @@ inline const std::vector<std::unique_ptr<OpCase>>& op_cases() {
 
     for (auto [rows, cols] : {std::pair<int64_t, int64_t>{3, 37}, {1, 512}, {77, 768}, {1000, 768}, {3, 1000}})
       add(LayerNormCase(rows, cols, 60));
+    add(LayerNormCase(1000, 768, 61, 1000.0f));
 
     for (int64_t n : {int64_t{100}, int64_t{1000 * 3072 + 5}})
       for (Elementwise op : {Elementwise::Gelu, Elementwise::QuickGelu, Elementwise::SiluMulIntoGate,

@@ -129,6 +129,57 @@ TEST(CpuBackend, NameMemoryAndWeightTypes) {
   EXPECT_STREQ(moe::kernels::weight_type_name(WeightType::BF16), "bf16");
 }
 
+// linear on the CPU backend runs oneDNN with its columns split over the backend's threads, on the
+// weight as given or on the copy prepare_linear_weight packed; every thread count, M, column
+// split and bias must give the product (naive double loops), also from several threads at once.
+TEST(CpuBackend, LinearOnPreparedWeightsAtEveryThreadCount) {
+  const auto check = [](moe::kernels::Backend& cpu, const std::vector<float>& x, const std::vector<float>& w,
+                        const float* bias, int64_t m, int64_t n, int64_t k) {
+    std::vector<float> y(static_cast<size_t>(m * n), NAN);
+    cpu.linear(x.data(), {w.data(), WeightType::F32}, bias, y.data(), m, n, k);
+    double worst = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double sum = bias ? bias[j] : 0.0, scale = 1.0;
+        for (int64_t t = 0; t < k; ++t) {
+          sum += static_cast<double>(x[i * k + t]) * w[j * k + t];
+          scale += std::fabs(static_cast<double>(x[i * k + t]) * w[j * k + t]);
+        }
+        worst = std::max(worst, std::fabs(y[i * n + j] - sum) / scale);
+      }
+    return worst;
+  };
+  for (int threads : {1, 2, 3}) {
+    auto cpu = moe::kernels::make_cpu_backend({false, threads});
+    for (int64_t n : {1, 65, 1000})
+      for (int64_t k : {7, 300}) {
+        const std::vector<float> w = random_values(n * k, 1), bias = random_values(n, 2);
+        for (bool prepared : {false, true}) {
+          if (prepared) cpu->prepare_linear_weight({w.data(), WeightType::F32}, n, k);
+          for (int64_t m : {1, 50, 131}) {
+            const std::vector<float> x = random_values(m * k, 3);
+            EXPECT_LT(check(*cpu, x, w, nullptr, m, n, k), 1e-6) << threads << " threads " << m << "x" << n << "x" << k;
+            EXPECT_LT(check(*cpu, x, w, bias.data(), m, n, k), 1e-6) << "with bias";
+          }
+        }
+        cpu->release_linear_weight({w.data(), WeightType::F32}, n, k);
+      }
+    // Concurrent calls on one prepared weight: one gets the pool, the others compute alone.
+    const int64_t m = 50, n = 256, k = 256;
+    const std::vector<float> w = random_values(n * k, 4), x = random_values(m * k, 5);
+    cpu->prepare_linear_weight({w.data(), WeightType::F32}, n, k);
+    std::vector<double> worst(4);
+    std::vector<std::thread> callers;
+    for (size_t t = 0; t < worst.size(); ++t)
+      callers.emplace_back([&, t] {
+        for (int r = 0; r < 3; ++r) worst[t] = std::max(worst[t], check(*cpu, x, w, nullptr, m, n, k));
+      });
+    for (std::thread& c : callers) c.join();
+    for (double e : worst) EXPECT_LT(e, 1e-6) << threads << " threads, concurrent";
+    cpu->release_linear_weight({w.data(), WeightType::F32}, n, k);
+  }
+}
+
 TEST(CpuBackend, MemoryCopies) {
   auto cpu = moe::kernels::make_cpu_backend();
   std::vector<float> src = random_values(1000, 1), back(1000);
@@ -192,7 +243,9 @@ TEST(CpuOps, FloatToHalfRoundsToNearestEvenDownToZero) {
   EXPECT_EQ(moe::float_to_half(1e-40f), 0x0000);  // an f32 subnormal
   for (uint32_t b = 0; b <= 0xffffu; ++b) {
     const auto bits = static_cast<uint16_t>(b);
-    if (!std::isnan(moe::half_to_float(bits))) ASSERT_EQ(moe::float_to_half(moe::half_to_float(bits)), bits) << b;
+    if (!std::isnan(moe::half_to_float(bits))) {
+      ASSERT_EQ(moe::float_to_half(moe::half_to_float(bits)), bits) << b;
+    }
   }
 }
 

@@ -2,8 +2,11 @@
 // loaded from real (tiny, sharded) checkpoints; grouped execution against the naive reference.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <iterator>
 #include <random>
 
+#include "io/json_util.h"
 #include "moe/error.h"
 #include "moe/moe_layer.h"
 #include "test_util.h"
@@ -58,6 +61,52 @@ TEST(MoeConfig, ReadsHuggingFaceConfigs) {
   EXPECT_EQ(q.intermediate_size, 20);
   EXPECT_EQ(q.shared_expert_intermediate_size, 28);
   EXPECT_FALSE(q.norm_topk_prob);
+}
+
+// The experts compute SiLU: a config naming any other activation is refused, every name that
+// transformers' ACT2CLS maps to SiLU accepted (the lists come from transformers itself).
+TEST(MoeConfig, RefusesActivationsOtherThanSilu) {
+  moe::json::Document acts = moe::json::Document::from_file(fixture_path("formats/moe_activations.json"));
+  auto names = [&](const char* key) {
+    std::vector<std::string> out;
+    JsonArray* arr = json_object_get_array_member(acts.root_object(), key);
+    for (guint i = 0; arr != nullptr && i < json_array_get_length(arr); ++i)
+      out.push_back(json_array_get_string_element(arr, i));
+    return out;
+  };
+  ASSERT_FALSE(names("silu").empty());
+  ASSERT_FALSE(names("other").empty());
+  moe::test::TempDir dir;
+  for (const char* model : {"mixtral_tiny", "qwen2_moe_tiny"}) {
+    std::ifstream in(fixture_path(std::string(model) + "/config.json"));
+    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    const std::string key = "\"hidden_act\": \"silu\"";
+    const size_t at = text.find(key);
+    ASSERT_NE(at, std::string::npos) << model;
+    auto with_act = [&](const std::string& act) {
+      std::string edited = text;
+      edited.replace(at, key.size(), "\"hidden_act\": \"" + act + "\"");
+      return dir.write(std::string(model) + "-" + act + ".json", edited);
+    };
+    for (const std::string& act : names("silu")) EXPECT_NO_THROW(moe::MoeConfig::from_hf_config(with_act(act))) << act;
+    for (const std::string& act : names("other")) {
+      const std::string path = with_act(act);
+      expect_error([&] { moe::MoeConfig::from_hf_config(path); }, {path, "hidden_act '" + act + "'", "not supported"});
+    }
+  }
+}
+
+// A Qwen2-MoE config without shared_expert_intermediate_size: transformers builds the shared expert
+// at its default size, the checkpoint holds it, and the block's output includes it.
+TEST(MoeLayer, Qwen2MoeWithoutSharedSizeTakesTransformersDefault) {
+  const std::string dir = fixture_path("formats/qwen2_moe_no_shared_size");
+  auto io = moe::SafetensorsFile::open(dir + "/io.safetensors");
+  MoeLayer layer = MoeLayer::load_hf_layer(dir, io.metadata().at("prefix"));
+  EXPECT_EQ(layer.config().shared_expert_intermediate_size,
+            std::stoi(io.metadata().at("shared_expert_intermediate_size")));
+  const Tensor x = io.get("input");
+  EXPECT_LT(max_abs_error(layer.router_logits(x), io.get("router_logits")), kTol);
+  EXPECT_LT(moe::test::max_rel_error(layer.run_experts(x, layer.route(x)), io.get("output")), 1e-5);
 }
 
 TEST(MoeLayer, MatchesMixtralSparseMoeBlock) { check_against_hf("mixtral", "mixtral_tiny"); }

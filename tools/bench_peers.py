@@ -393,7 +393,7 @@ def main():
     workers = {}
     for t in threads:
         cmds = {
-            "gst-moe": [a.engine_worker, "--model", model_dir],
+            "gst-moe": [a.engine_worker, "--model", model_dir, "--threads", str(t)],
             "pytorch": me + ["--worker", "torch", "--model", model_dir, "--threads", str(t)],
             "onnxruntime": me + ["--worker", "ort", "--model", model_dir, "--onnx-dir", onnx_dir, "--threads", str(t)],
         }

@@ -7,7 +7,9 @@ packages=(
   # build
   meson ninja-build pkg-config g++ python3
   # engine
-  libglib2.0-dev libjson-glib-dev libopenblas-dev libfaiss-dev liblapack-dev libgdk-pixbuf-2.0-dev
+  libglib2.0-dev libjson-glib-dev libopenblas-dev libdnnl-dev libfaiss-dev liblapack-dev libgdk-pixbuf-2.0-dev
+  # the image decoder's WebP loader (gdk-pixbuf itself has none)
+  webp-pixbuf-loader
   # GStreamer plugin and ZeroMQ
   libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-tools gstreamer1.0-plugins-base
   gstreamer1.0-plugins-good libzmq3-dev cppzmq-dev
@@ -15,7 +17,7 @@ packages=(
   libgtest-dev python3-zmq python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
   # fuzzing (tools/run-fuzz.sh): clang 14 with its sanitizer and libFuzzer runtimes (the clang
   # package gives the clang/clang++ names; FuzzedDataProvider.h comes with libclang-common-14-dev)
-  clang clang-14 libclang-rt-14-dev
+  clang clang-14 libclang-rt-14-dev libomp-dev
   # the format check (tools/check-format.sh)
   clang-format-14
   # the AddressSanitizer + UndefinedBehaviorSanitizer build (gcc's runtimes)

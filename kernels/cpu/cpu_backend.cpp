@@ -1,5 +1,6 @@
 // The CPU backend: host memory, operations run synchronously on the calling thread over the
-// reference functions in cpu_ops. It runs every operation at every size and weight type, so it
+// reference functions in cpu_ops, except linear, which runs cpu_gemm (oneDNN) on the backend's
+// thread pool. It runs every operation at every size and weight type, so it
 // keeps Backend::why_unsupported's default (supports() is true for every well-formed desc). With
 // CpuBackendOptions::async_copies, copy_from_host_async runs on a worker thread (a FIFO copy
 // queue), so code written for a GPU's copy stream runs, and is tested, on a machine without one.
@@ -15,7 +16,9 @@
 #include <thread>
 
 #include "backend.h"
+#include "cpu_gemm.h"
 #include "cpu_ops.h"
+#include "cpu_thread_pool.h"
 #include "moe/error.h"
 #include "op_checks.h"
 
@@ -94,7 +97,8 @@ class CpuEvent final : public Event {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(const CpuBackendOptions& options) {
+  explicit CpuBackend(const CpuBackendOptions& options)
+      : pool_(options.threads > 0 ? options.threads : cpu::usable_cores()), gemm_(pool_) {
     if (options.async_copies) copies_ = std::make_unique<CopyQueue>();
   }
   ~CpuBackend() override { copies_.reset(); }  // drains the copy queue
@@ -161,8 +165,13 @@ class CpuBackend final : public Backend {
   void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) override {
     checks::linear(name(), w, m, n, k);
     if (m == 0 || n == 0) return;
-    cpu::linear(x, w, bias, y, m, n, k);
+    gemm_.linear(x, w, bias, y, m, n, k);
   }
+  void prepare_linear_weight(WeightRef w, int64_t n, int64_t k) override {
+    checks::linear(name(), w, 1, n, k);
+    gemm_.prepare(w, n, k);
+  }
+  void release_linear_weight(WeightRef w, int64_t n, int64_t k) override { gemm_.release(w, n, k); }
   void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
                   float eps) override {
     checks::non_negative(name(), "layer_norm", {rows, cols});
@@ -237,6 +246,8 @@ class CpuBackend final : public Backend {
     return *e;
   }
 
+  cpu::ThreadPool pool_;
+  cpu::Gemm gemm_;  // after pool_, which it runs on
   std::unique_ptr<CopyQueue> copies_;
 };
 

@@ -42,7 +42,8 @@ void add_inplace(float* y, const float* x, int64_t n);
 // Multi-head scaled dot-product attention over one sequence.
 // q, k, v: [seq, heads·head_dim] with row stride `ld` (so one packed qkv buffer can be used);
 // out: [seq, heads·head_dim] contiguous. scale = head_dim^-0.5. With `causal`, position i
-// attends to positions ≤ i only. `scratch` holds at least seq·seq floats.
+// attends to positions ≤ i only. `scratch` holds at least seq·seq floats; one head's keys and
+// values are copied into buffers allocated here.
 void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t seq, int64_t heads,
                int64_t head_dim, bool causal, float* scratch);
 

@@ -24,6 +24,8 @@ cudaDataType_t data_type(WeightType type) {
       return CUDA_R_16F;
     case WeightType::BF16:
       return CUDA_R_16BF;
+    case WeightType::Q4:
+      break;  // refused before any GEMM (cuda_backend.cu, kNoQ4Kernel)
   }
   return CUDA_R_32F;
 }

@@ -25,6 +25,14 @@ struct ComputeOptions {
   // every accumulation stay f32; the MoE router and shared-expert gate stay f32 (see
   // docs/architecture.md, "Precision").
   kernels::WeightType precision = kernels::WeightType::F32;
+  // Intra-op threads of the CPU backend (its GEMMs split over them); 0: the cores this process
+  // may run on (sched_getaffinity). The CPU backend is shared by the process, so the count is
+  // fixed by the first open while it is held; a later open asking another count is logged and
+  // keeps it. The first time the CPU backend packs or multiplies a weight, the process logs
+  // (g_info, log domain "moe") which GEMM kernels run and on how many threads, e.g.
+  //   cpu: linear: oneDNN 2.6.3 matmul brg:avx512_core (CPU ISA avx512_core_bf16), f32 weights
+  //   prepared at load are packed for it, N split over 2 threads
+  int threads = 0;
 };
 
 // "f32"/"fp32", "f16"/"fp16", "bf16" (any case). Throws moe::Error naming the value otherwise.
@@ -45,6 +53,8 @@ std::string resolve_device(const std::string& device, std::string* reason = null
 // and stores the same line in `chosen_reason` when given. Throws moe::Error naming the device and
 // the reason when it is unusable ("cuda:N" without a GPU, an unknown name).
 std::shared_ptr<kernels::Backend> open_backend(const std::string& device, std::string* chosen_reason = nullptr);
+// The same for options.device, creating a CPU backend with options.threads.
+std::shared_ptr<kernels::Backend> open_backend(const ComputeOptions& options, std::string* chosen_reason = nullptr);
 
 // The mutex every user of `backend` (returned by open_backend) holds around each call on it when
 // its memory is not host memory; nullptr for host-memory backends (calls may run concurrently).

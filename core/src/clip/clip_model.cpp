@@ -55,13 +55,13 @@ struct Encoder {
         std::memcpy(qkv_w.data<float>() + j * H * H, w.data<float>(), H * H * sizeof(float));
         std::memcpy(qkv_b.data<float>() + j * H, b.data<float>(), H * sizeof(float));
       }
-      L.qkv_w = be.weight(qkv_w);
+      L.qkv_w = be.linear_weight(qkv_w);
       L.qkv_b = be.f32(qkv_b);
-      L.out_w = be.weight(ckpt.get_f32(p + "self_attn.out_proj.weight", {H, H}));
+      L.out_w = be.linear_weight(ckpt.get_f32(p + "self_attn.out_proj.weight", {H, H}));
       L.out_b = be.f32(ckpt.get_f32(p + "self_attn.out_proj.bias", {H}));
-      L.fc1_w = be.weight(ckpt.get_f32(p + "mlp.fc1.weight", {I, H}));
+      L.fc1_w = be.linear_weight(ckpt.get_f32(p + "mlp.fc1.weight", {I, H}));
       L.fc1_b = be.f32(ckpt.get_f32(p + "mlp.fc1.bias", {I}));
-      L.fc2_w = be.weight(ckpt.get_f32(p + "mlp.fc2.weight", {H, I}));
+      L.fc2_w = be.linear_weight(ckpt.get_f32(p + "mlp.fc2.weight", {H, I}));
       L.fc2_b = be.f32(ckpt.get_f32(p + "mlp.fc2.bias", {H}));
       layers.push_back(std::move(L));
     }
@@ -127,11 +127,11 @@ struct ClipModel::Impl {
     text_encoder.load(ck, "text_model.", t, be);
     final_ln_w = be.f32(ck.get_f32("text_model.final_layer_norm.weight", {t.hidden_size}));
     final_ln_b = be.f32(ck.get_f32("text_model.final_layer_norm.bias", {t.hidden_size}));
-    text_projection = be.weight(ck.get_f32("text_projection.weight", {P, t.hidden_size}));
+    text_projection = be.linear_weight(ck.get_f32("text_projection.weight", {P, t.hidden_size}));
 
     const int64_t H = v.hidden_size, pp = static_cast<int64_t>(v.num_channels) * v.patch_size * v.patch_size;
     const Tensor class_embedding = ck.get_f32("vision_model.embeddings.class_embedding", {H});
-    patch_weight = be.weight(
+    patch_weight = be.linear_weight(
         ck.get_f32("vision_model.embeddings.patch_embedding.weight", {H, v.num_channels, v.patch_size, v.patch_size})
             .reshape({H, pp}));
     const Tensor pos = ck.get_f32("vision_model.embeddings.position_embedding.weight", {v.num_positions(), H});
@@ -145,7 +145,7 @@ struct ClipModel::Impl {
     vision_encoder.load(ck, "vision_model.", v, be);
     post_ln_w = be.f32(ck.get_f32("vision_model.post_layernorm.weight", {H}));
     post_ln_b = be.f32(ck.get_f32("vision_model.post_layernorm.bias", {H}));
-    visual_projection = be.weight(ck.get_f32("visual_projection.weight", {P, H}));
+    visual_projection = be.linear_weight(ck.get_f32("visual_projection.weight", {P, H}));
   }
 
   // Index of the pooled (end) token, as transformers' CLIPTextTransformer picks it.

@@ -45,6 +45,8 @@ void convert_into(const float* src, int64_t n, WeightType type, unsigned char* d
         std::memcpy(dst + i * 2, &b, 2);
       }
       return;
+    case WeightType::Q4:
+      throw Error("HostExpertStore: 4-bit experts are staged as the checkpoint packed them, not converted from f32");
   }
   throw Error("HostExpertStore: unknown weight type");
 }

@@ -8,6 +8,7 @@
 #include "runtime/compute_util.h"
 #include "io/json_util.h"
 #include "moe/error.h"
+#include "moe/quantized_weights.h"
 
 namespace moe {
 
@@ -27,6 +28,19 @@ int positive(JsonObject* obj, const char* key, const std::string& what) {
 struct Expert {
   Tensor w1, w3, w2;  // gate [I,D], up [I,D], down [D,I]
 };
+
+// An expert's matrices as stored in a pack-quantized checkpoint (moe/quantized_weights.h).
+struct PackedExpert {
+  PackedInt4Weight w1, w3, w2;
+};
+
+// `module`'s weight as host f32, and its packed form when the checkpoint stores it packed.
+Tensor expert_matrix(const Checkpoint& ck, const std::string& module, const Shape& shape,
+                     std::vector<PackedInt4Weight>& packed) {
+  if (!is_packed_int4(ck, module)) return ck.get_f32(module + ".weight", shape);
+  packed.push_back(load_packed_int4(ck, module, shape));
+  return packed.back().dequantize();
+}
 
 }  // namespace
 
@@ -67,6 +81,11 @@ MoeConfig MoeConfig::from_hf_config(const std::string& path) {
   c.source = path;
   c.hidden_size = positive(o, "hidden_size", path);
   c.top_k = positive(o, "num_experts_per_tok", path);
+  // The experts compute SwiGLU; transformers applies ACT2FN[hidden_act] (default "silu", and
+  // "swish" is the same SiLU there), so any other activation would give other numbers.
+  const std::string act = json::get_string_or(o, "hidden_act", "silu", path);
+  if (act != "silu" && act != "swish")
+    throw Error(path + ": hidden_act '" + act + "' is not supported (the experts compute SiLU: 'silu' or 'swish')");
   if (mt == "mixtral") {
     c.routing = RoutingKind::Mixtral;
     c.num_experts = positive(o, "num_local_experts", path);
@@ -77,8 +96,9 @@ MoeConfig MoeConfig::from_hf_config(const std::string& path) {
     c.num_experts = positive(o, "num_experts", path);
     c.intermediate_size = positive(o, "moe_intermediate_size", path);
     c.norm_topk_prob = json::get_bool_or(o, "norm_topk_prob", false, path);
+    // Absent: transformers' Qwen2MoeConfig default, whose shared expert the checkpoint then holds.
     c.shared_expert_intermediate_size =
-        static_cast<int>(json::get_int_or(o, "shared_expert_intermediate_size", 0, path));
+        static_cast<int>(json::get_int_or(o, "shared_expert_intermediate_size", 5632, path));
   }
   c.validate();
   return c;
@@ -117,13 +137,34 @@ struct MoeLayer::Impl {
   Expert dev_shared;
   std::vector<Expert> dev_experts;  // keeps the memory behind expert_refs
   std::vector<kernels::ExpertWeights> expert_refs;
+  // 4-bit experts (all or none): the checkpoint's packed tensors (host views) and their
+  // descriptors, which expert_refs point to (sized once: the addresses stay put).
+  std::vector<PackedExpert> packed_experts;
+  std::vector<kernels::Q4Weight> q4_refs;
 
   void upload() {
     dev_gate = be.f32(gate);
-    for (const Expert& e : experts) {
-      Expert d{be.weight(e.w1), be.weight(e.w3), be.weight(e.w2)};
-      expert_refs.push_back({weight_ref(d.w1), weight_ref(d.w3), weight_ref(d.w2)});
-      dev_experts.push_back(std::move(d));
+    if (!packed_experts.empty()) {
+      // The CPU backend reads the packed bytes in place; other backends say why they cannot.
+      std::string why;
+      if (!be.backend->supports({kernels::Op::GroupedSwiglu,
+                                 {kernels::WeightType::Q4},
+                                 {1, cfg.num_experts, cfg.hidden_size, cfg.intermediate_size}},
+                                &why))
+        throw Error(cfg.source + ": 4-bit experts on " + be.backend->name() + ": " + why);
+      q4_refs.reserve(3 * packed_experts.size());
+      for (const PackedExpert& p : packed_experts) {
+        for (const PackedInt4Weight* w : {&p.w1, &p.w3, &p.w2}) q4_refs.push_back(w->ref());
+        const kernels::Q4Weight* q = &q4_refs[q4_refs.size() - 3];
+        expert_refs.push_back(
+            {{q, kernels::WeightType::Q4}, {q + 1, kernels::WeightType::Q4}, {q + 2, kernels::WeightType::Q4}});
+      }
+    } else {
+      for (const Expert& e : experts) {
+        Expert d{be.weight(e.w1), be.weight(e.w3), be.weight(e.w2)};
+        expert_refs.push_back({weight_ref(d.w1), weight_ref(d.w3), weight_ref(d.w2)});
+        dev_experts.push_back(std::move(d));
+      }
     }
     if (has_shared) {
       dev_shared = {be.weight(shared.w1), be.weight(shared.w3), be.weight(shared.w2)};
@@ -230,31 +271,42 @@ MoeLayer MoeLayer::load(const MoeConfig& config, const Checkpoint& ck, const std
   m.be = ModelBackend::open(options);
   const int64_t D = config.hidden_size, I = config.intermediate_size, E = config.num_experts;
   m.gate = ck.get_f32(prefix + "gate.weight", {E, D});
-  const bool mixtral_names = ck.contains(prefix + "experts.0.w1.weight");
-  const bool qwen_names = ck.contains(prefix + "experts.0.gate_proj.weight");
+  const auto stored = [&](const std::string& module) {
+    return ck.contains(module + ".weight") || is_packed_int4(ck, module);
+  };
+  const bool mixtral_names = stored(prefix + "experts.0.w1");
+  const bool qwen_names = stored(prefix + "experts.0.gate_proj");
   if (!mixtral_names && !qwen_names)
     throw Error(ck.path() + ": no expert weights under prefix '" + prefix +
                 "' (looked for experts.0.w1.weight and experts.0.gate_proj.weight)");
   const char* n1 = mixtral_names ? "w1" : "gate_proj";
   const char* n3 = mixtral_names ? "w3" : "up_proj";
   const char* n2 = mixtral_names ? "w2" : "down_proj";
+  std::vector<PackedInt4Weight> packed;
   for (int64_t e = 0; e < E; ++e) {
     const std::string p = prefix + "experts." + std::to_string(e) + ".";
     Expert ex;
-    ex.w1 = ck.get_f32(p + n1 + ".weight", {I, D});
-    ex.w3 = ck.get_f32(p + n3 + ".weight", {I, D});
-    ex.w2 = ck.get_f32(p + n2 + ".weight", {D, I});
+    ex.w1 = expert_matrix(ck, p + n1, {I, D}, packed);
+    ex.w3 = expert_matrix(ck, p + n3, {I, D}, packed);
+    ex.w2 = expert_matrix(ck, p + n2, {D, I}, packed);
     m.experts.push_back(std::move(ex));
   }
-  if (ck.contains(prefix + "experts." + std::to_string(E) + "." + n1 + ".weight"))
+  if (!packed.empty() && packed.size() != static_cast<size_t>(3 * E))
+    throw Error(ck.path() + ": under '" + prefix + "' some expert matrices are 4-bit and others are not");
+  for (size_t i = 0; i < packed.size(); i += 3)
+    m.packed_experts.push_back({std::move(packed[i]), std::move(packed[i + 1]), std::move(packed[i + 2])});
+  if (stored(prefix + "experts." + std::to_string(E) + "." + n1))
     throw Error(ck.path() + ": checkpoint has more experts under '" + prefix +
                 "' than num_experts=" + std::to_string(E));
   if (config.shared_expert_intermediate_size > 0) {
     const int64_t S = config.shared_expert_intermediate_size;
     m.has_shared = true;
-    m.shared.w1 = ck.get_f32(prefix + "shared_expert.gate_proj.weight", {S, D});
-    m.shared.w3 = ck.get_f32(prefix + "shared_expert.up_proj.weight", {S, D});
-    m.shared.w2 = ck.get_f32(prefix + "shared_expert.down_proj.weight", {D, S});
+    // A 4-bit shared expert runs dequantised (f32 host weights, in the layer's precision): it is
+    // one expert of the layer's, computed for every row.
+    std::vector<PackedInt4Weight> shared_packed;
+    m.shared.w1 = expert_matrix(ck, prefix + "shared_expert.gate_proj", {S, D}, shared_packed);
+    m.shared.w3 = expert_matrix(ck, prefix + "shared_expert.up_proj", {S, D}, shared_packed);
+    m.shared.w2 = expert_matrix(ck, prefix + "shared_expert.down_proj", {D, S}, shared_packed);
     m.shared_gate = ck.get_f32(prefix + "shared_expert_gate.weight", {1, D});
   }
   m.upload();
@@ -264,6 +316,8 @@ MoeLayer MoeLayer::load(const MoeConfig& config, const Checkpoint& ck, const std
 MoeLayer MoeLayer::load_hf_layer(const std::string& checkpoint_dir, const std::string& prefix,
                                  const ComputeOptions& options) {
   const MoeConfig cfg = MoeConfig::from_hf_config(checkpoint_dir + "/config.json");
+  // Refuses quantisation schemes other than W4A16 pack-quantized before any tensor is read.
+  Int4QuantConfig::from_hf_config(checkpoint_dir + "/config.json");
   return load(cfg, Checkpoint::open(checkpoint_dir), prefix, options);
 }
 
@@ -381,6 +435,8 @@ MoeAdapter::MoeAdapter(MoeLayer layer, std::string fingerprint)
 
 MoeAdapter MoeAdapter::load(const std::string& dir, const ComputeOptions& options) {
   const MoeConfig cfg = MoeConfig::from_adapter_config(dir + "/adapter_config.json");
+  // Refuses quantisation schemes other than W4A16 pack-quantized (tools/moe-quantize.py).
+  Int4QuantConfig::from_hf_config(dir + "/adapter_config.json");
   const Checkpoint weights = Checkpoint::open(dir + "/adapter.safetensors");
   return MoeAdapter(MoeLayer::load(cfg, weights, "", options), weights.fingerprint());
 }

@@ -77,6 +77,7 @@ Resolved resolve(const std::string& requested) {
 struct SharedBackend {
   std::unique_ptr<kernels::Backend> backend;
   std::shared_ptr<std::mutex> mutex;  // null for host-memory backends
+  int threads = 0;                    // ComputeOptions::threads it was created with
 };
 
 std::mutex registry_mutex;
@@ -102,6 +103,15 @@ std::string resolve_device(const std::string& device, std::string* reason) {
 }
 
 std::shared_ptr<kernels::Backend> open_backend(const std::string& device, std::string* chosen_reason) {
+  ComputeOptions options;
+  options.device = device;
+  return open_backend(options, chosen_reason);
+}
+
+std::shared_ptr<kernels::Backend> open_backend(const ComputeOptions& options, std::string* chosen_reason) {
+  const std::string& device = options.device;
+  if (options.threads < 0)
+    throw Error("threads " + std::to_string(options.threads) + ": must be 0 (the cores this process may use) or more");
   const Resolved r = resolve(device);
   std::shared_ptr<SharedBackend> shared;
   {
@@ -110,14 +120,23 @@ std::shared_ptr<kernels::Backend> open_backend(const std::string& device, std::s
     shared = slot.lock();
     if (!shared) {
       auto made = std::make_shared<SharedBackend>();
+      kernels::CpuBackendOptions cpu;
+      cpu.threads = options.threads;
       try {
-        made->backend = r.cuda < 0 ? kernels::make_cpu_backend() : kernels::make_cuda_backend(r.cuda);
+        made->backend = r.cuda < 0 ? kernels::make_cpu_backend(cpu) : kernels::make_cuda_backend(r.cuda);
       } catch (const Error& e) {
         throw Error("device '" + device + "': " + e.what());
       }
       if (!made->backend->is_host_memory()) made->mutex = std::make_shared<std::mutex>();
+      made->threads = options.threads;
       slot = made;
       shared = std::move(made);
+    } else if (r.cuda < 0 && options.threads != 0 && options.threads != shared->threads) {
+      const std::string kept =
+          shared->threads == 0 ? "the cores this process may use" : std::to_string(shared->threads) + " threads";
+      g_log(kLogDomain, G_LOG_LEVEL_MESSAGE,
+            "threads %d: the CPU backend is in use with %s; it keeps them until its last user closes it",
+            options.threads, kept.c_str());
     }
   }
   const std::string line =

@@ -17,13 +17,15 @@ DType dtype_of(kernels::WeightType type) {
       return DType::F16;
     case kernels::WeightType::BF16:
       return DType::BF16;
+    case kernels::WeightType::Q4:
+      throw Error("q4 is not a precision weights are converted to: 4-bit experts come packed from the checkpoint");
   }
   throw Error("unknown weight type " + std::to_string(static_cast<int>(type)));
 }
 
 ModelBackend ModelBackend::open(const ComputeOptions& options) {
   ModelBackend m;
-  m.backend = open_backend(options.device);
+  m.backend = open_backend(options);
   m.mutex = backend_mutex(*m.backend);
   m.precision = options.precision;
   const std::string name = m.backend->name();
@@ -100,6 +102,25 @@ Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
     deallocate_noexcept(*keep, p);
   });
   return Tensor::view(type, host.shape(), dst, std::move(owner), b.is_host_memory() ? Placement{} : placement);
+}
+
+Tensor ModelBackend::linear_weight(const Tensor& host) const {
+  const Tensor t = weight(host);
+  if (t.rank() != 2) throw Error("linear_weight: " + t.describe() + " is not [out, in]");
+  const kernels::WeightRef w = weight_ref(t);
+  const int64_t n = t.dim(0), k = t.dim(1);
+  {
+    auto lock = lock_if(mutex);
+    backend->prepare_linear_weight(w, n, k);
+  }
+  std::shared_ptr<const void> prepared(new Tensor(t), [keep = backend, guard = mutex, w, n, k](const void* p) {
+    try_release(keep->name() + ": releasing a prepared weight", [&] {
+      auto held = lock_if(guard);
+      keep->release_linear_weight(w, n, k);
+    });
+    delete static_cast<const Tensor*>(p);
+  });
+  return Tensor::view(t.dtype(), t.shape(), const_cast<void*>(t.raw_data()), std::move(prepared), t.placement());
 }
 
 void add_scaled_swiglu(kernels::Backend& b, const float* x, int64_t N, int64_t D, int64_t S,

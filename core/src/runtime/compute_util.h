@@ -52,6 +52,10 @@ struct ModelBackend {
   Tensor to_backend(const Tensor& host, DType type) const;
   // A Linear weight in the model's precision; vectors (norms, biases) and f32-only weights in f32.
   Tensor weight(const Tensor& host) const { return to_backend(host, dtype_of(precision)); }
+  // weight(host) for a Linear weight [out, in] that stays unchanged while loaded and that only
+  // linear reads: prepared for the backend's GEMM (Backend::prepare_linear_weight; CPU: packed
+  // once for oneDNN) until the returned tensor is released.
+  Tensor linear_weight(const Tensor& host) const;
   Tensor f32(const Tensor& host) const { return to_backend(host, DType::F32); }
 };
 

@@ -1,0 +1,350 @@
+// INT4 (W4A16) experts: compressed-tensors "pack-quantized" checkpoints written by the package
+// itself (tools/make_int4_fixtures.py), their dequantisation against the package's bit for bit,
+// and the CPU kernels (every instruction set this CPU runs) against the dequantised f32 weights.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu_int4.h"
+#include "cpu_ops.h"
+#include "moe/moe_layer.h"
+#include "moe/quantized_weights.h"
+#include "test_util.h"
+
+namespace {
+
+using moe::Checkpoint;
+using moe::DType;
+using moe::Int4QuantConfig;
+using moe::PackedInt4Weight;
+using moe::SafetensorsFile;
+using moe::Tensor;
+using moe::kernels::ExpertWeights;
+using moe::kernels::Q4Weight;
+using moe::kernels::WeightRef;
+using moe::kernels::WeightType;
+using moe::kernels::cpu::Int4Isa;
+using moe::test::expect_error;
+using moe::test::fixture_path;
+
+struct Case {
+  const char* dir;
+  const char* prefix;
+  const char* projections[3];  // w1 (gate), w3 (up), w2 (down) names
+  int group_size;
+  bool symmetric;
+  DType scale_dtype;
+};
+const Case kCases[] = {
+    {"int4/mixtral_sym_g32", "model.layers.0.block_sparse_moe.", {"w1", "w3", "w2"}, 32, true, DType::F16},
+    {"int4/qwen2_moe_asym_g64", "model.layers.0.mlp.", {"gate_proj", "up_proj", "down_proj"}, 64, false, DType::BF16},
+};
+constexpr int64_t kExperts = 4, kHidden = 64, kInter = 128;
+
+std::vector<Int4Isa> isas() {
+  std::vector<Int4Isa> out = {Int4Isa::Scalar};
+  if (moe::kernels::cpu::int4_best_isa() >= Int4Isa::Avx2) out.push_back(Int4Isa::Avx2);
+  if (moe::kernels::cpu::int4_best_isa() >= Int4Isa::Avx512) out.push_back(Int4Isa::Avx512);
+  return out;
+}
+
+// "<prefix>experts.3.w1.weight" -> "<prefix>experts.3.w1"
+std::string module_of(const std::string& weight_name) { return weight_name.substr(0, weight_name.size() - 7); }
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && a.dtype() == DType::F32 && b.dtype() == DType::F32 &&
+         std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
+}
+
+// y = x · wᵀ in double over the dequantised weight; also Σ |x|·|w| per output, the scale of f32's
+// rounding error in any summation order.
+void reference_linear(const std::vector<float>& x, const Tensor& w, int64_t m, std::vector<double>& y,
+                      std::vector<double>& magnitude) {
+  const int64_t n = w.dim(0), k = w.dim(1);
+  y.assign(static_cast<size_t>(m * n), 0.0);
+  magnitude.assign(y.size(), 0.0);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t c = 0; c < k; ++c) {
+        const double p = static_cast<double>(x[i * k + c]) * w.data<float>()[j * k + c];
+        y[i * n + j] += p;
+        magnitude[i * n + j] += std::fabs(p);
+      }
+}
+
+std::vector<float> random_floats(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist;
+  std::vector<float> v(n);
+  for (float& f : v) f = dist(rng);
+  return v;
+}
+
+// A random Q4 weight [n, k] held in vectors (for group sizes and shapes the fixtures lack).
+struct RandomQ4 {
+  std::vector<int32_t> packed, zeros;
+  std::vector<uint16_t> scales;
+  Q4Weight ref;
+  RandomQ4(int64_t n, int64_t k, int group, bool symmetric, bool bf16, unsigned seed) {
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<uint32_t> bits;
+    std::uniform_real_distribution<float> scale(1e-3f, 0.1f);
+    packed.resize(static_cast<size_t>(n * k / 8));
+    for (int32_t& p : packed) p = static_cast<int32_t>(bits(rng));
+    const int64_t groups = k / group;
+    scales.resize(static_cast<size_t>(n * groups));
+    for (uint16_t& s : scales) s = bf16 ? moe::float_to_bf16(scale(rng)) : moe::float_to_half(scale(rng));
+    if (!symmetric) {
+      zeros.resize(static_cast<size_t>((n + 7) / 8 * groups));
+      for (int32_t& z : zeros) z = static_cast<int32_t>(bits(rng));
+    }
+    ref.packed = packed.data();
+    ref.scales = scales.data();
+    ref.zero_points = symmetric ? nullptr : zeros.data();
+    ref.scale_type = bf16 ? WeightType::BF16 : WeightType::F16;
+    ref.group_size = group;
+  }
+  // The same weight through the loader's type (host views over these vectors).
+  PackedInt4Weight as_packed(int64_t n, int64_t k) {
+    PackedInt4Weight w;
+    w.out = n;
+    w.in = k;
+    w.group_size = ref.group_size;
+    w.packed = Tensor::view(DType::I32, {n, k / 8}, packed.data(), nullptr);
+    w.scales = Tensor::view(ref.scale_type == WeightType::BF16 ? DType::BF16 : DType::F16, {n, k / ref.group_size},
+                            scales.data(), nullptr);
+    w.zero_points = ref.zero_points ? Tensor::view(DType::I32, {(n + 7) / 8, k / ref.group_size}, zeros.data(), nullptr)
+                                    : Tensor::zeros(DType::I32, {0});
+    return w;
+  }
+};
+
+TEST(Int4Format, ReadsTheQuantizationConfigTheCompressorWrote) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.dir);
+    const auto cfg = Int4QuantConfig::from_hf_config(fixture_path(std::string(c.dir) + "/config.json"));
+    ASSERT_TRUE(cfg.has_value());
+    EXPECT_EQ(cfg->group_sizes, std::vector<int>{c.group_size});
+    EXPECT_EQ(cfg->ignore, std::vector<std::string>{"re:.*gate$"});
+  }
+  // The unquantised fixtures have no quantization_config.
+  EXPECT_FALSE(Int4QuantConfig::from_hf_config(fixture_path("mixtral_tiny/config.json")).has_value());
+}
+
+TEST(Int4Format, RefusesOtherSchemes) {
+  moe::test::TempDir dir;
+  const auto config = [&](const std::string& q) {
+    return dir.write("config.json", "{\"model_type\": \"mixtral\", \"quantization_config\": " + q + "}");
+  };
+  const std::string weights4 =
+      "\"weights\": {\"num_bits\": 4, \"type\": \"int\", \"strategy\": \"group\", \"group_size\": 128}";
+  expect_error([&] { Int4QuantConfig::from_hf_config(config("{\"quant_method\": \"gptq\"}")); },
+               {"config.json quantization_config", "quant_method 'gptq'"});
+  expect_error(
+      [&] {
+        Int4QuantConfig::from_hf_config(
+            config("{\"quant_method\": \"compressed-tensors\", \"format\": \"float-quantized\"}"));
+      },
+      {"format 'float-quantized'", "pack-quantized"});
+  expect_error(
+      [&] {
+        Int4QuantConfig::from_hf_config(config(
+            "{\"quant_method\": \"compressed-tensors\", \"format\": \"pack-quantized\", \"config_groups\": {\"g\": {" +
+            weights4 + ", \"input_activations\": {\"num_bits\": 8}}}}"));
+      },
+      {"config_groups.g", "'input_activations' is set", "W4A16"});
+  expect_error(
+      [&] {
+        Int4QuantConfig::from_hf_config(config(
+            "{\"quant_method\": \"compressed-tensors\", \"format\": \"pack-quantized\", \"config_groups\": {\"g\": "
+            "{\"weights\": {\"num_bits\": 8, \"type\": \"int\", \"strategy\": \"group\", \"group_size\": 128}}}}"));
+      },
+      {"config_groups.g.weights", "num_bits must be 4"});
+  expect_error(
+      [&] {
+        Int4QuantConfig::from_hf_config(config(
+            "{\"quant_method\": \"compressed-tensors\", \"format\": \"pack-quantized\", \"config_groups\": {\"g\": "
+            "{\"weights\": {\"num_bits\": 4, \"type\": \"int\", \"strategy\": \"group\", \"group_size\": 12}}}}"));
+      },
+      {"group_size 12 is not a positive multiple of 8"});
+}
+
+// The expected weights are the package's own dequantize() of the same tensors (in the scale's
+// dtype); ours, widened to f32, must have the same bits.
+TEST(Int4Format, DequantisesBitForBitAsThePackage) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.dir);
+    const Checkpoint weights = Checkpoint::open(fixture_path(c.dir));
+    const SafetensorsFile expected = SafetensorsFile::open(fixture_path(std::string(c.dir) + "/expected.safetensors"));
+    ASSERT_FALSE(expected.names().empty());
+    for (const std::string& name : expected.names()) {
+      SCOPED_TRACE(name);
+      const Tensor want = expected.get(name);
+      ASSERT_EQ(want.dtype(), c.scale_dtype);
+      ASSERT_TRUE(moe::is_packed_int4(weights, module_of(name)));
+      const PackedInt4Weight w = moe::load_packed_int4(weights, module_of(name), want.shape());
+      EXPECT_EQ(w.group_size, c.group_size);
+      EXPECT_EQ(w.symmetric(), c.symmetric);
+      EXPECT_EQ(w.scales.dtype(), c.scale_dtype);
+      // Views into the file, as published.
+      EXPECT_EQ(w.packed.raw_data(), weights.get(name.substr(0, name.size() - 7) + ".weight_packed").raw_data());
+      const Tensor got = w.dequantize();
+      EXPECT_TRUE(same_bits(got, want.to_f32())) << "max |diff| " << moe::test::max_abs_error(got, want);
+      for (Int4Isa isa : isas()) {
+        SCOPED_TRACE(moe::kernels::cpu::int4_isa_name(isa));
+        Tensor kernel = Tensor::zeros(DType::F32, want.shape());
+        moe::kernels::cpu::dequantize_q4(w.ref(), w.out, w.in, kernel.data<float>(), isa);
+        EXPECT_TRUE(same_bits(kernel, got));
+      }
+    }
+    // Unquantised tensors are not packed: the router and the shared-expert gate.
+    EXPECT_FALSE(moe::is_packed_int4(weights, std::string(c.prefix) + "gate"));
+  }
+}
+
+TEST(Int4Format, LoaderErrorsNameTheTensor) {
+  const Checkpoint weights = Checkpoint::open(fixture_path("int4/mixtral_sym_g32"));
+  const std::string module = "model.layers.0.block_sparse_moe.experts.1.w2";
+  expect_error(
+      [&] {
+        moe::load_packed_int4(weights, module, {kInter, kHidden});
+      },
+      {"model.safetensors", module + ".weight_shape", "says [64, 128], expected [128,64]"});
+  expect_error(
+      [&] {
+        moe::load_packed_int4(weights, "model.layers.0.block_sparse_moe.experts.9.w2", {64, 128});
+      },
+      {"experts.9.w2.weight_packed"});
+}
+
+// The kernels' dequantisation over group sizes the fixtures lack (8 and 16: the scalar and AVX2
+// fallbacks inside a wider instruction set; 128) and both scale types, against the loader's.
+TEST(Int4Kernels, DequantiseMatchesTheLoaderForEveryGroupSize) {
+  unsigned seed = 1;
+  for (int group : {8, 16, 32, 64, 128})
+    for (bool symmetric : {true, false})
+      for (bool bf16 : {false, true}) {
+        SCOPED_TRACE("group " + std::to_string(group) + (symmetric ? " sym" : " asym") + (bf16 ? " bf16" : " f16"));
+        const int64_t n = 13, k = 256;
+        RandomQ4 q(n, k, group, symmetric, bf16, seed++);
+        const Tensor want = q.as_packed(n, k).dequantize();
+        for (Int4Isa isa : isas()) {
+          SCOPED_TRACE(moe::kernels::cpu::int4_isa_name(isa));
+          Tensor got = Tensor::zeros(DType::F32, {n, k});
+          moe::kernels::cpu::dequantize_q4(q.ref, n, k, got.data<float>(), isa);
+          EXPECT_TRUE(same_bits(got, want));
+        }
+      }
+}
+
+// linear_q4 on both paths (direct for m ≤ kInt4DirectMaxRows, dequantise + GEMM above), every
+// instruction set, odd row counts (partial register blocks), with and without bias.
+TEST(Int4Kernels, LinearMatchesTheDequantisedWeights) {
+  const int64_t direct = moe::kernels::cpu::kInt4DirectMaxRows;
+  unsigned seed = 100;
+  for (int group : {16, 32, 128})
+    for (bool symmetric : {true, false}) {
+      const int64_t n = 24, k = 256;
+      RandomQ4 q(n, k, group, symmetric, !symmetric, seed++);
+      const Tensor w = q.as_packed(n, k).dequantize();
+      const std::vector<float> bias = random_floats(static_cast<size_t>(n), seed++);
+      for (int64_t m : {int64_t{1}, int64_t{3}, int64_t{8}, int64_t{9}, direct, direct + 1, int64_t{70}}) {
+        const std::vector<float> x = random_floats(static_cast<size_t>(m * k), seed++);
+        std::vector<double> ref, magnitude;
+        reference_linear(x, w, m, ref, magnitude);
+        for (Int4Isa isa : isas())
+          for (bool with_bias : {false, true}) {
+            SCOPED_TRACE("group " + std::to_string(group) + " m " + std::to_string(m) + " " +
+                         moe::kernels::cpu::int4_isa_name(isa) + (with_bias ? " bias" : ""));
+            std::vector<float> y(static_cast<size_t>(m * n), NAN);
+            moe::kernels::cpu::linear_q4(x.data(), q.ref, with_bias ? bias.data() : nullptr, y.data(), m, n, k, isa);
+            for (int64_t i = 0; i < m * n; ++i) {
+              const double want = ref[i] + (with_bias ? bias[i % n] : 0.0);
+              ASSERT_NEAR(y[i], want, 1e-5 * (magnitude[i] + 1.0)) << "at " << i;
+            }
+          }
+      }
+    }
+}
+
+// The grouped SwiGLU over the package's experts equals the f32 reference kernel over their
+// dequantised weights (the backend's grouped_swiglu contract), an expert without rows included.
+TEST(Int4Kernels, GroupedSwigluMatchesTheF32ReferenceOnThePackagesExperts) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.dir);
+    const Checkpoint weights = Checkpoint::open(fixture_path(c.dir));
+    std::vector<PackedInt4Weight> packed;
+    std::vector<Tensor> dense;
+    for (int64_t e = 0; e < kExperts; ++e)
+      for (int j = 0; j < 3; ++j) {
+        const std::string module = std::string(c.prefix) + "experts." + std::to_string(e) + "." + c.projections[j];
+        packed.push_back(
+            moe::load_packed_int4(weights, module, j < 2 ? moe::Shape{kInter, kHidden} : moe::Shape{kHidden, kInter}));
+        dense.push_back(packed.back().dequantize());
+      }
+    std::vector<Q4Weight> refs;
+    for (const PackedInt4Weight& p : packed) refs.push_back(p.ref());
+    const std::vector<int64_t> offsets = {0, 5, 5, 6, 40};  // expert 1 has no rows; 34 > the direct limit
+    std::vector<ExpertWeights> q4(kExperts), f32(kExperts);
+    for (int64_t e = 0; e < kExperts; ++e) {
+      if (e == 1) continue;
+      q4[e] = {{&refs[e * 3], WeightType::Q4}, {&refs[e * 3 + 1], WeightType::Q4}, {&refs[e * 3 + 2], WeightType::Q4}};
+      f32[e] = {{dense[e * 3].raw_data(), WeightType::F32},
+                {dense[e * 3 + 1].raw_data(), WeightType::F32},
+                {dense[e * 3 + 2].raw_data(), WeightType::F32}};
+    }
+    const std::vector<float> x = random_floats(static_cast<size_t>(offsets.back() * kHidden), 7);
+    std::vector<float> want(x.size());
+    moe::kernels::cpu::grouped_swiglu(x.data(), offsets, f32, kHidden, kInter, want.data());
+    double scale = 0.0;
+    for (float v : want) scale = std::max(scale, static_cast<double>(std::fabs(v)));
+    // The CPU backend's grouped_swiglu reads the Q4 experts through linear (cpu_int4.h).
+    const auto backend = moe::kernels::make_cpu_backend();
+    std::vector<float> got(x.size(), NAN);
+    backend->grouped_swiglu(x.data(), offsets, q4, kHidden, kInter, got.data());
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5 * scale) << "at " << i;
+    // Experts may mix weight types (a dense matrix among 4-bit ones).
+    std::vector<ExpertWeights> mixed = q4;
+    mixed[2].w3 = f32[2].w3;
+    std::fill(got.begin(), got.end(), NAN);
+    backend->grouped_swiglu(x.data(), offsets, mixed, kHidden, kInter, got.data());
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_NEAR(got[i], want[i], 1e-5 * scale) << "mixed, at " << i;
+  }
+}
+
+TEST(Int4Kernels, RefusesGroupSizesThatDoNotDivideTheRow) {
+  RandomQ4 q(4, 96, 64, true, false, 3);
+  std::vector<float> x(96), y(4);
+  expect_error([&] { moe::kernels::cpu::linear_q4(x.data(), q.ref, nullptr, y.data(), 1, 4, 96); },
+               {"cpu: linear", "group size 64", "divides k = 96"});
+}
+
+}  // namespace
+
+// ---- the engine's MoE layer on the package's checkpoints (needs Q4 in the CPU backend) --------
+
+namespace {
+
+// A layer loaded from a pack-quantized checkpoint runs the 4-bit experts on the CPU backend and
+// matches the per-row reference over the dequantised weights (expert_weight); experts stay packed.
+TEST(Int4Layer, LoadsPackedExpertsByPrefixAndMatchesTheReference) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.dir);
+    const moe::MoeLayer layer = moe::MoeLayer::load_hf_layer(fixture_path(c.dir), c.prefix);
+    const Checkpoint weights = Checkpoint::open(fixture_path(c.dir));
+    const std::string module = std::string(c.prefix) + "experts.2." + c.projections[0];
+    EXPECT_TRUE(same_bits(layer.expert_weight(2, moe::ExpertMatrix::W1),
+                          moe::load_packed_int4(weights, module, {kInter, kHidden}).dequantize()));
+    const std::vector<float> xv = random_floats(static_cast<size_t>(37 * kHidden), 11);
+    const Tensor x = Tensor::from_vector(xv, {37, kHidden});
+    const moe::Routing routing = layer.route(x);
+    const Tensor got = layer.run_experts(x, routing), want = layer.run_experts_reference(x, routing);
+    EXPECT_LT(moe::test::max_rel_error(got, want), 1e-5);
+  }
+}
+
+}  // namespace
