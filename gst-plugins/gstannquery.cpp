@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "gstmoemeta.h"
+#include "gstmoemetrics.h"
 #include "gstmoeresult.h"
 #include "moe/ann_index.h"
 #include "moe/error.h"
@@ -383,6 +384,7 @@ static gstmoe::BatchRecords models_of(const gstmoe::BatchRecords& batch) {
 static void add_error_buffer(GstBufferList* list, gstmoe::FailedRequest failed, const gstmoe::BatchRecords& batch,
                              GstBuffer* in) {
   GstBuffer* out = json_buffer(gstmoe::error_document(failed), in);
+  gstmoe::metrics::count_error(failed);
   gstmoe::BatchRecords single = models_of(batch);
   single.failed.push_back(std::move(failed));
   gst_buffer_add_moe_batch_meta(out, single);
@@ -479,7 +481,9 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
       const moe::AnnItem& item = s.index->item(hits[i][j].item);
       results.push_back({hits[i][j].item, item.uri, item.caption, hits[i][j].score});
     }
-    GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, g_get_monotonic_time()), in);
+    const int64_t now = g_get_monotonic_time();
+    GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, now), in);
+    gstmoe::metrics::count_result(row, now);
     gstmoe::BatchRecords single = models_of(batch);
     single.rows.push_back(std::move(row));
     gst_buffer_add_moe_batch_meta(out, single);
@@ -619,6 +623,8 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
   self->batches += 1;
   self->search_ms += search_ms;
   GST_OBJECT_UNLOCK(self);
+  gstmoe::metrics::count_search(search_ms);
+  gstmoe::metrics::count_indexed(added);
 
   GstFlowReturn ret = GST_FLOW_OK;
   if (gst_buffer_list_length(list) == 0)

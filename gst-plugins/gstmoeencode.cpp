@@ -78,6 +78,7 @@
 #include <vector>
 
 #include "gstmoemeta.h"
+#include "gstmoemetrics.h"
 #include "moe/batcher.h"
 #include "moe/compute.h"
 #include "moe/error.h"
@@ -87,11 +88,13 @@
 GST_DEBUG_CATEGORY_STATIC(gst_moe_encode_debug);
 #define GST_CAT_DEFAULT gst_moe_encode_debug
 
-enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_STATS };
+enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_THREADS, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_STATS };
 
 #define DEFAULT_MODEL nullptr
 #define DEFAULT_DEVICE "cpu"
 #define DEFAULT_PRECISION GST_MOE_PRECISION_FP32
+#define DEFAULT_THREADS 0  // the cores this process may use
+#define MAX_THREADS 1024
 #define DEFAULT_MAX_BATCH 8
 #define MIN_MAX_BATCH 1
 #define MAX_MAX_BATCH 4096
@@ -179,11 +182,12 @@ struct _GstMoeEncode {
   GstPad* sinkpad;
   GstPad* srcpad;
 
-  // Properties, under the object lock. model, device and precision are read by open() and refused
+  // Properties, under the object lock. model, device, precision and threads are read by open() and refused
   // in other states than NULL; max-batch and max-latency go to the running batcher at once.
   gchar* model;  // nullptr: unset
   gchar* device;
   GstMoePrecision precision;
+  guint threads;
   guint max_batch;
   guint64 max_latency;
 
@@ -243,6 +247,7 @@ static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GV
     case PROP_MODEL:
     case PROP_DEVICE:
     case PROP_PRECISION:
+    case PROP_THREADS:
       // GStreamer does not enforce the flags: without this, the property would name another
       // model than the one loaded until the element goes back to NULL.
       if (GST_STATE(self) != GST_STATE_NULL) {
@@ -255,6 +260,8 @@ static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GV
         const gchar* device = g_value_get_string(value);
         g_free(self->device);
         self->device = g_strdup(device ? device : DEFAULT_DEVICE);
+      } else if (prop_id == PROP_THREADS) {
+        self->threads = g_value_get_uint(value);
       } else {
         self->precision = static_cast<GstMoePrecision>(g_value_get_enum(value));
       }
@@ -317,6 +324,9 @@ static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* 
     case PROP_PRECISION:
       g_value_set_enum(value, self->precision);
       break;
+    case PROP_THREADS:
+      g_value_set_uint(value, self->threads);
+      break;
     case PROP_MAX_BATCH:
       g_value_set_uint(value, self->max_batch);
       break;
@@ -342,6 +352,7 @@ static gboolean gst_moe_encode_open(GstMoeEncode* self) {
   const std::string path = self->model ? self->model : "";
   moe::ComputeOptions options;
   options.device = self->device;
+  options.threads = static_cast<int>(self->threads);
   const GstMoePrecision precision = self->precision;
   GST_OBJECT_UNLOCK(self);
   options.precision = gstmoe::weight_type(precision);
@@ -361,6 +372,7 @@ static gboolean gst_moe_encode_open(GstMoeEncode* self) {
     return FALSE;
   }
   auto loaded = std::make_unique<EncodeModel>();
+  const int64_t load_start = g_get_monotonic_time();
   try {
     loaded->clip = moe::shared_clip_model(path, options);
   } catch (const std::exception& e) {  // moe::Error names the file (or the device) and the reason
@@ -373,6 +385,7 @@ static gboolean gst_moe_encode_open(GstMoeEncode* self) {
                         ("model directory '%s' does not exist", path.c_str()));
     return FALSE;
   }
+  gstmoe::metrics::observe_model_load("encoder", load_start);
   gchar* base = g_path_get_basename(path.c_str());
   loaded->name = base;
   g_free(base);
@@ -690,6 +703,7 @@ static GstBuffer* encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<
       moe::run_isolating_failures(images, width, [&](const auto& v) { return model.encode_images(v).embeds; });
   const int64_t end = g_get_monotonic_time();
   const double encode_ms = gstmoe::elapsed_ms(start, end);
+  gstmoe::metrics::count_encoded_batch(batch.size(), encode_ms);
 
   gstmoe::BatchRecords records;
   records.encoder = st->encoder_name;
@@ -1041,6 +1055,14 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
                         "activations and accumulation stay f32; can only be changed in the NULL state",
                         GST_TYPE_MOE_PRECISION, DEFAULT_PRECISION, rw_null));
   g_object_class_install_property(
+      gobject_class, PROP_THREADS,
+      g_param_spec_uint("threads", "CPU threads",
+                        "Threads the CPU backend splits each matrix product over (0: the cores this process may "
+                        "use). The CPU backend is shared by the whole process: the first element to load a model "
+                        "on it sets the count, later different counts are logged and ignored; can only be changed "
+                        "in the NULL state",
+                        0, MAX_THREADS, DEFAULT_THREADS, rw_null));
+  g_object_class_install_property(
       gobject_class, PROP_MAX_BATCH,
       g_param_spec_uint("max-batch", "Maximum batch",
                         "Most requests encoded together. A request that finds the encoder idle is encoded at once; "
@@ -1090,6 +1112,7 @@ static void gst_moe_encode_init(GstMoeEncode* self) {
   self->model = g_strdup(DEFAULT_MODEL);
   self->device = g_strdup(DEFAULT_DEVICE);
   self->precision = DEFAULT_PRECISION;
+  self->threads = DEFAULT_THREADS;
   self->max_batch = DEFAULT_MAX_BATCH;
   self->max_latency = DEFAULT_MAX_LATENCY;
   self->batcher_stats = new moe::BatcherStats();

@@ -59,6 +59,7 @@
 #include <utility>
 
 #include "gstmoeadapter.h"
+#include "gstmoemetrics.h"
 #include "moe/compute.h"
 #include "moe/expert_executor.h"
 
@@ -274,8 +275,10 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
     }
   }
 
+  const int64_t load_start = g_get_monotonic_time();
   std::shared_ptr<const moe::MoeAdapter> adapter = gstmoe::adapter::load(GST_ELEMENT(self), dir);
   if (!adapter) return FALSE;
+  gstmoe::metrics::observe_model_load("adapter", load_start);
   const moe::MoeConfig& cfg = adapter->layer().config();
 
   std::shared_ptr<LazyExecutor> executor;
@@ -337,6 +340,7 @@ static bool gst_moe_expert_build_executor(GstMoeExpert* self, LazyExecutor& exec
   if (executor.failed) return false;
   if (executor.closed || executor.built) return true;
   std::shared_ptr<moe::ExpertExecutor> built;
+  const int64_t build_start = g_get_monotonic_time();
   try {
     built = std::make_shared<moe::ExpertExecutor>(executor.adapter->layer(), executor.device, executor.options);
   } catch (const std::exception& e) {
@@ -344,6 +348,7 @@ static bool gst_moe_expert_build_executor(GstMoeExpert* self, LazyExecutor& exec
     executor.failed = true;
     return false;
   }
+  gstmoe::metrics::observe_model_load("experts", build_start);
   for (const moe::ExpertDeviceStats& d : built->stats())
     GST_INFO_OBJECT(self, "%s: %zu experts, cache of %d slots (%zu bytes)", d.device.c_str(), d.experts.size(), d.slots,
                     d.budget_bytes);
@@ -508,6 +513,7 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
 
   for (gstmoe::RequestRecord& r : records.rows) r.timings_ms.emplace_back("expert", ms);
   self->stats->add_batch(rows, routing);
+  gstmoe::metrics::count_expert_run(executor, ms);
   if (prefetched) {
     GST_OBJECT_LOCK(self);
     ++self->batches_prefetched;

@@ -63,6 +63,7 @@
 #include <vector>
 
 #include "gstmoeadapter.h"
+#include "gstmoemetrics.h"
 #include "moe/error.h"
 #include "moe/expert_executor.h"
 #include "moe/routing_policy.h"
@@ -465,6 +466,7 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   moe::Routing routing;
   const int64_t t0 = g_get_monotonic_time();
   moe::Router& router = *st->router;
+  const moe::ExpertLoad load_before = router.load();
   try {
     if (router.policy().is_plain_top_k()) {
       routing = st->adapter->route(x, st->top_k);
@@ -489,6 +491,7 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
     r.timings_ms.emplace_back("route", ms);
   }
   self->stats->add_batch(rows, routing);
+  gstmoe::metrics::count_routing(routing, load_before, router.load(), ms);
   GST_OBJECT_LOCK(self);
   self->expert_bias->assign(router.bias().begin(), router.bias().end());
   const moe::ExpertLoad& load = router.load();

@@ -16,7 +16,8 @@
  * `curve-secret-key-file` and `curve-allowed-keys` admit only the listed CURVE subscribers.
  *
  * The `stats` property counts the messages and bytes sent since the element started, and gives
- * the last sequence number and the stream id.
+ * the last sequence number and the stream id. `metrics-address` serves the plugin's Prometheus
+ * metrics while it runs (docs/metrics.md).
  *
  * ## Example launch lines
  * |[
@@ -46,6 +47,7 @@
 #include <string>
 
 #include "gstmoemeta.h"
+#include "gstmoemetrics.h"
 #include "gstmoezmq.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_zmq_publish_debug);
@@ -60,6 +62,7 @@ enum {
   PROP_DRAIN_TIMEOUT,
   PROP_CURVE_SECRET_KEY_FILE,
   PROP_CURVE_ALLOWED_KEYS,
+  PROP_METRICS_ADDRESS,
   PROP_STATS
 };
 
@@ -80,7 +83,8 @@ namespace {
 // event) uses it without a lock.
 struct ZmqPublishState {
   gstmoe::ZmqSocket zmq;
-  std::string topic;  // `topic` as it was at start
+  std::string topic;                                 // `topic` as it was at start
+  std::shared_ptr<gstmoe::metrics::Server> metrics;  // while metrics-address is set
 };
 
 }  // namespace
@@ -96,6 +100,7 @@ struct _GstZmqPublish {
   guint drain_timeout_ms;
   gchar* curve_secret_key_file;
   gchar* curve_allowed_keys;
+  gchar* metrics_address;
 
   // Behind `stats`, under the object lock: reset at start, kept after stop. `stream` is written
   // at start only.
@@ -145,6 +150,10 @@ static void gst_zmq_publish_set_property(GObject* object, guint prop_id, const G
       g_free(self->curve_allowed_keys);
       self->curve_allowed_keys = g_value_dup_string(value);
       break;
+    case PROP_METRICS_ADDRESS:
+      g_free(self->metrics_address);
+      self->metrics_address = g_value_dup_string(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -177,6 +186,9 @@ static void gst_zmq_publish_get_property(GObject* object, guint prop_id, GValue*
     case PROP_CURVE_ALLOWED_KEYS:
       g_value_set_string(value, self->curve_allowed_keys);
       break;
+    case PROP_METRICS_ADDRESS:
+      g_value_set_string(value, self->metrics_address);
+      break;
     case PROP_STATS:
       g_value_take_boxed(value, gst_structure_new("zmq-publish-stats", "sent", G_TYPE_UINT64, self->sent, "bytes",
                                                   G_TYPE_UINT64, self->bytes, "seq", G_TYPE_UINT64, self->seq, "stream",
@@ -198,6 +210,7 @@ static gboolean gst_zmq_publish_start(GstBaseSink* sink) {
   const std::string curve_secret_key_file = self->curve_secret_key_file ? self->curve_secret_key_file : "";
   const std::string curve_allowed_keys = self->curve_allowed_keys ? self->curve_allowed_keys : "";
   const std::string topic = self->topic ? self->topic : "";
+  const std::string metrics_address = self->metrics_address ? self->metrics_address : "";
   self->sent = self->bytes = self->seq = 0;
   g_snprintf(self->stream, sizeof self->stream, "%08x%08x", g_random_int(), g_random_int());
   GST_OBJECT_UNLOCK(self);
@@ -209,6 +222,8 @@ static gboolean gst_zmq_publish_start(GstBaseSink* sink) {
     GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("%s", e.what()), (nullptr));
     return FALSE;
   }
+  std::shared_ptr<gstmoe::metrics::Server> metrics;
+  if (!gstmoe::metrics::serve(GST_ELEMENT(self), metrics_address, &metrics)) return FALSE;
   // Lossy PUB (no ZMQ_XPUB_NODROP): a message that a subscriber's full queue cannot take is lost
   // for that subscriber alone. With NODROP, libzmq refuses the message for every subscriber while
   // any one queue is full, so one subscriber that stops reading would silence them all.
@@ -216,7 +231,7 @@ static gboolean gst_zmq_publish_start(GstBaseSink* sink) {
   try {
     state = new ZmqPublishState{gstmoe::ZmqSocket(zmq::socket_type::pub, endpoint, bind, curve,
                                                   [hwm](zmq::socket_t& s) { s.set(zmq::sockopt::sndhwm, hwm); }),
-                                topic};
+                                topic, std::move(metrics)};
   } catch (const std::exception& e) {
     GST_ELEMENT_ERROR(self, RESOURCE, OPEN_WRITE, ("%s", e.what()), (nullptr));
     return FALSE;
@@ -283,6 +298,7 @@ static bool build_message(const guint8* payload, gsize size, guint64 seq, const 
 static GstFlowReturn gst_zmq_publish_render(GstBaseSink* sink, GstBuffer* buffer) {
   GstZmqPublish* self = GST_ZMQ_PUBLISH(sink);
   ZmqPublishState* st = self->state;
+  const int64_t start = g_get_monotonic_time();
   GstMapInfo map;
   if (!gst_buffer_map(buffer, &map, GST_MAP_READ)) {
     GST_ELEMENT_ERROR(self, RESOURCE, READ, ("Could not map the buffer to publish."), (nullptr));
@@ -320,6 +336,7 @@ static GstFlowReturn gst_zmq_publish_render(GstBaseSink* sink, GstBuffer* buffer
     return GST_FLOW_ERROR;
   }
 
+  gstmoe::metrics::count_publish(accepted, size, gstmoe::elapsed_ms(start, g_get_monotonic_time()));
   GST_OBJECT_LOCK(self);
   if (numbered) self->seq = seq;
   if (accepted) {
@@ -336,6 +353,7 @@ static void gst_zmq_publish_finalize(GObject* object) {
   g_free(self->topic);
   g_free(self->curve_secret_key_file);
   g_free(self->curve_allowed_keys);
+  g_free(self->metrics_address);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -380,6 +398,7 @@ static void gst_zmq_publish_class_init(GstZmqPublishClass* klass) {
                         "0: discard them. Stopping without EOS never waits",
                         0, MAX_DRAIN_TIMEOUT_MS, DEFAULT_DRAIN_TIMEOUT_MS, gstmoe::kPropertyMutablePlaying));
   gstmoe::install_curve_properties(gobject_class, PROP_CURVE_SECRET_KEY_FILE, PROP_CURVE_ALLOWED_KEYS);
+  gstmoe::metrics::install_address_property(gobject_class, PROP_METRICS_ADDRESS);
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(
@@ -421,6 +440,7 @@ static void gst_zmq_publish_init(GstZmqPublish* self) {
   self->topic = g_strdup(DEFAULT_TOPIC);
   self->send_hwm = DEFAULT_SEND_HWM;
   self->drain_timeout_ms = DEFAULT_DRAIN_TIMEOUT_MS;
+  self->metrics_address = g_strdup("");
   // A result stream is delivered as it is produced, never held back to the clock.
   gst_base_sink_set_sync(GST_BASE_SINK(self), FALSE);
 }

@@ -17,6 +17,7 @@
  * `curve-allowed-keys` admit only the listed CURVE clients.
  *
  * The `stats` property counts the requests received and rejected since the element started.
+ * `metrics-address` serves the plugin's Prometheus metrics while it runs (docs/metrics.md).
  *
  * ## Example launch lines
  * |[
@@ -52,6 +53,7 @@
 #include <zmq_addon.hpp>
 
 #include "gstmoemeta.h"
+#include "gstmoemetrics.h"
 #include "gstmoezmq.h"
 #include "moe/error.h"
 #include "moe/query_request.h"
@@ -72,6 +74,7 @@ enum {
   PROP_NUM_REQUESTS,
   PROP_CURVE_SECRET_KEY_FILE,
   PROP_CURVE_ALLOWED_KEYS,
+  PROP_METRICS_ADDRESS,
   PROP_STATS
 };
 
@@ -108,6 +111,7 @@ struct ZmqQueryState {
   gstmoe::ZmqSocket zmq;
   bool router;             // socket-type at start
   std::string image_root;  // image-root at start, canonical (realpath); empty: image paths are refused
+  std::shared_ptr<gstmoe::metrics::Server> metrics;  // while metrics-address is set
 };
 
 }  // namespace
@@ -127,6 +131,7 @@ struct _GstZmqQuery {
   gint64 num_requests;
   gchar* curve_secret_key_file;
   gchar* curve_allowed_keys;
+  gchar* metrics_address;
 
   // Behind `stats`, under the object lock: reset at start, kept after stop.
   guint64 received;
@@ -271,6 +276,10 @@ static void gst_zmq_query_set_property(GObject* object, guint prop_id, const GVa
       g_free(self->curve_allowed_keys);
       self->curve_allowed_keys = g_value_dup_string(value);
       break;
+    case PROP_METRICS_ADDRESS:
+      g_free(self->metrics_address);
+      self->metrics_address = g_value_dup_string(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -315,6 +324,9 @@ static void gst_zmq_query_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_CURVE_ALLOWED_KEYS:
       g_value_set_string(value, self->curve_allowed_keys);
       break;
+    case PROP_METRICS_ADDRESS:
+      g_value_set_string(value, self->metrics_address);
+      break;
     case PROP_STATS:
       g_value_take_boxed(value, gst_structure_new("zmq-query-stats", "received", G_TYPE_UINT64, self->received,
                                                   "rejected", G_TYPE_UINT64, self->rejected, nullptr));
@@ -338,6 +350,7 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
   const std::string curve_secret_key_file = self->curve_secret_key_file ? self->curve_secret_key_file : "";
   const std::string curve_allowed_keys = self->curve_allowed_keys ? self->curve_allowed_keys : "";
   const bool router = self->socket_type == GST_ZMQ_QUERY_SOCKET_ROUTER;
+  const std::string metrics_address = self->metrics_address ? self->metrics_address : "";
   self->received = self->rejected = 0;
   GST_OBJECT_UNLOCK(self);
   g_atomic_int_set(&self->flushing, 0);
@@ -371,6 +384,8 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
     GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("%s", e.what()), (nullptr));
     return FALSE;
   }
+  std::shared_ptr<gstmoe::metrics::Server> metrics;
+  if (!gstmoe::metrics::serve(GST_ELEMENT(self), metrics_address, &metrics)) return FALSE;
   // ZeroMQ's "no limit" is -1.
   const int64_t max_msgsize = max_message == 0 ? -1 : static_cast<int64_t>(max_message);
   ZmqQueryState* state = nullptr;
@@ -381,7 +396,7 @@ static gboolean gst_zmq_query_start(GstBaseSrc* src) {
                             s.set(zmq::sockopt::rcvhwm, hwm);
                             s.set(zmq::sockopt::maxmsgsize, max_msgsize);
                           }),
-        router, root_path};
+        router, root_path, std::move(metrics)};
   } catch (const std::exception& e) {
     GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()), (nullptr));
     return FALSE;
@@ -522,6 +537,7 @@ static void gst_zmq_query_finalize(GObject* object) {
   g_free(self->image_root);
   g_free(self->curve_secret_key_file);
   g_free(self->curve_allowed_keys);
+  g_free(self->metrics_address);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -599,6 +615,7 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
                          "End the stream (EOS) after this many requests, valid or not; -1: never", -1, G_MAXINT64,
                          DEFAULT_NUM_REQUESTS, gstmoe::kPropertyMutableReady));
   gstmoe::install_curve_properties(gobject_class, PROP_CURVE_SECRET_KEY_FILE, PROP_CURVE_ALLOWED_KEYS);
+  gstmoe::metrics::install_address_property(gobject_class, PROP_METRICS_ADDRESS);
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec("zmq-query-stats: received (requests, valid or not), rejected (invalid requests, "
@@ -639,6 +656,7 @@ static void gst_zmq_query_init(GstZmqQuery* self) {
   self->max_text_bytes = DEFAULT_MAX_TEXT_BYTES;
   self->image_root = g_strdup(DEFAULT_IMAGE_ROOT);
   self->num_requests = DEFAULT_NUM_REQUESTS;
+  self->metrics_address = g_strdup("");
   GstBaseSrc* src = GST_BASE_SRC(self);
   gst_base_src_set_live(src, TRUE);
   gst_base_src_set_format(src, GST_FORMAT_TIME);

@@ -13,6 +13,8 @@
 # secret certificate (server.key_secret of zmq.auth.create_certificates), DIR_OR_FILE the clients'
 # public certificates (*.key) or a list of their public keys; only those clients may send requests
 # or receive results (docs/zmq-schema.md#access-control-curve). Without them: plain ZeroMQ.
+# METRICS_ADDRESS=127.0.0.1:9464 serves Prometheus metrics at http://127.0.0.1:9464/metrics
+# (docs/metrics.md).
 # DEVICE, EXPERT_DEVICE and PRECISION choose where and how the models compute (pipelines/env.sh),
 # e.g. DEVICE=auto EXPERT_DEVICE=all PRECISION=fp16 on a GPU machine.
 set -euo pipefail
@@ -24,6 +26,7 @@ NUM_REQUESTS=${NUM_REQUESTS:--1}
 IMAGE_ROOT=${IMAGE_ROOT:-}
 CURVE_KEY=${CURVE_KEY:-}
 CURVE_ALLOWED=${CURVE_ALLOWED:-}
+METRICS_ADDRESS=${METRICS_ADDRESS:-}
 # The same key pair and allow-list on both sockets; an element refuses to start with only one set.
 curve=()
 if [ -n "$CURVE_KEY" ]; then curve+=(curve-secret-key-file="$CURVE_KEY"); fi
@@ -39,7 +42,7 @@ if [ -n "$CURVE_ALLOWED" ]; then curve+=(curve-allowed-keys="$CURVE_ALLOWED"); f
 # ann-query     searches the index (a flat one GPU-resident when DEVICE is a GPU): one JSON result
 #               (or error) document per request
 # zmq-publish   PUB socket; never blocks on slow or absent subscribers (one that falls behind loses
-#               its own messages and sees the gap in "seq")
+#               its own messages and sees the gap in "seq"); serves /metrics when METRICS_ADDRESS is set
 exec gst-launch-1.0 -e \
   zmq-query endpoint="$QUERY_ENDPOINT" num-requests="$NUM_REQUESTS" ${IMAGE_ROOT:+image-root="$IMAGE_ROOT"} "${curve[@]}" \
   ! queue \
@@ -47,4 +50,4 @@ exec gst-launch-1.0 -e \
   ! moe-route model="$ADAPTER" \
   ! moe-expert model="$ADAPTER" device="$EXPERT_DEVICE" precision="$PRECISION" \
   ! ann-query index="$INDEX" k=10 device="$DEVICE" \
-  ! zmq-publish endpoint="$RESULT_ENDPOINT" "${curve[@]}"
+  ! zmq-publish endpoint="$RESULT_ENDPOINT" "${curve[@]}" ${METRICS_ADDRESS:+metrics-address="$METRICS_ADDRESS"}

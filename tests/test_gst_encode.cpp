@@ -841,16 +841,17 @@ class WarningCapture {
 
 // GStreamer does not enforce the mutability flags: moe-encode refuses the change itself, so the
 // property never names another model than the one that runs.
-TEST(MoeEncode, ModelDeviceAndPrecisionAreRefusedOutsideNull) {
+TEST(MoeEncode, ModelDevicePrecisionAndThreadsAreRefusedOutsideNull) {
   GstHarness* h = encode_harness(8, kHour, "text/x-raw, format=(string)utf8");
   {
     WarningCapture warnings;
     g_object_set(h->element, "model", "/another/clip", "device", "auto", nullptr);
     gst_util_set_object_arg(G_OBJECT(h->element), "precision", "bf16");
+    g_object_set(h->element, "threads", 3u, nullptr);
     const std::vector<std::string> messages = warnings.messages();
-    ASSERT_EQ(messages.size(), 3u);
-    const char* names[] = {"'model'", "'device'", "'precision'"};
-    for (size_t i = 0; i < 3; ++i) {
+    ASSERT_EQ(messages.size(), 4u);
+    const char* names[] = {"'model'", "'device'", "'precision'", "'threads'"};
+    for (size_t i = 0; i < 4; ++i) {
       EXPECT_NE(messages[i].find(names[i]), std::string::npos) << messages[i];
       EXPECT_NE(messages[i].find("only possible in the NULL state"), std::string::npos) << messages[i];
     }
@@ -858,10 +859,12 @@ TEST(MoeEncode, ModelDeviceAndPrecisionAreRefusedOutsideNull) {
   gchar* dir = nullptr;
   gchar* device = nullptr;
   gint precision = -1;
-  g_object_get(h->element, "model", &dir, "device", &device, "precision", &precision, nullptr);
+  guint threads = 99;
+  g_object_get(h->element, "model", &dir, "device", &device, "precision", &precision, "threads", &threads, nullptr);
   EXPECT_STREQ(dir, kModelDir.c_str());
   EXPECT_STREQ(device, "cpu");
   EXPECT_EQ(precision, GST_MOE_PRECISION_FP32);
+  EXPECT_EQ(threads, 0u);
   g_free(dir);
   g_free(device);
 

@@ -14,6 +14,9 @@ root=$(pwd)
 
 tools/install-deps.sh
 [ -d /usr/local/cuda/bin ] && export PATH="/usr/local/cuda/bin:$PATH"
+# prometheus and promtool for the metrics tests, unpacked from Debian's package, not installed
+# (installing it starts a system service); without them those tests skip, saying so.
+if prom_bin=$(tools/unpack-prometheus.sh); then export PATH="$prom_bin:$PATH"; fi
 
 jobs=${MOE_BUILD_JOBS:-2}
 # Where ccache is installed (meson then uses it), objects compiled in another clone of the tree

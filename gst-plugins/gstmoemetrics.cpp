@@ -1,0 +1,377 @@
+#include "gstmoemetrics.h"
+
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/gauge.h>
+#include <prometheus/histogram.h>
+#include <prometheus/registry.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <iterator>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "moe/expert_executor.h"
+#include "moe/moe_layer.h"
+#include "moe/routing_policy.h"
+
+GST_DEBUG_CATEGORY_STATIC(moe_metrics_debug);
+#define GST_CAT_DEFAULT moe_metrics_debug
+
+namespace gstmoe::metrics {
+
+namespace {
+
+using prometheus::Counter;
+using prometheus::Family;
+using prometheus::Gauge;
+using prometheus::Histogram;
+
+constexpr double kSecondsPerMs = 1e-3;
+
+void init_debug_category() {
+  static const bool initialized = [] {
+    GST_DEBUG_CATEGORY_INIT(moe_metrics_debug, "moe-metrics", 0, "Prometheus metrics of the gst-moe elements");
+    return true;
+  }();
+  (void)initialized;
+}
+
+// From 0.5 ms (a routed batch) to 10 s (a large image batch on a loaded CPU).
+const Histogram::BucketBoundaries& latency_buckets() {
+  static const Histogram::BucketBoundaries buckets{0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                                                   0.1,    0.25,  0.5,    1.0,   2.5,  5.0,   10.0};
+  return buckets;
+}
+
+// Powers of two up to moe-encode's largest max-batch.
+const Histogram::BucketBoundaries& batch_buckets() {
+  static const Histogram::BucketBoundaries buckets{1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024};
+  return buckets;
+}
+
+// Model loads: from a cache hit (≈0) to a large model read from a slow disk.
+const Histogram::BucketBoundaries& load_buckets() {
+  static const Histogram::BucketBoundaries buckets{0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0};
+  return buckets;
+}
+
+// The stages of RequestRecord::timings_ms and zmq-publish's: created at once so that a dashboard
+// shows every stage (at zero) before its first request.
+constexpr const char* kStages[] = {"queue", "encode", "route", "expert", "search", "publish"};
+
+// The resident set of this process, read at each scrape: prometheus-cpp has no process collector.
+class ProcessCollector : public prometheus::Collectable {
+ public:
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::MetricFamily family{"gstmoe_process_resident_memory_bytes",
+                                    "Resident memory of the process (host RAM, from /proc/self/statm)",
+                                    prometheus::MetricType::Gauge,
+                                    {}};
+    unsigned long size_pages = 0, resident_pages = 0;
+    FILE* statm = std::fopen("/proc/self/statm", "r");
+    const bool read = statm && std::fscanf(statm, "%lu %lu", &size_pages, &resident_pages) == 2;
+    if (statm) std::fclose(statm);
+    if (!read) return {};  // no /proc: the metric is absent rather than wrong
+    prometheus::ClientMetric metric;
+    metric.gauge.value = static_cast<double>(resident_pages) * static_cast<double>(sysconf(_SC_PAGESIZE));
+    family.metric.push_back(metric);
+    return {family};
+  }
+};
+
+struct PluginMetrics {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::shared_ptr<ProcessCollector> process = std::make_shared<ProcessCollector>();
+
+  Family<Counter>& requests = prometheus::BuildCounter()
+                                  .Name("gstmoe_requests_total")
+                                  .Help(
+                                      "Requests answered by ann-query, by outcome: result (a result document), "
+                                      "error (an error document), indexed (a row added to an index being built)")
+                                  .Register(*registry);
+  Counter& results = requests.Add({{"outcome", "result"}});
+  Counter& errors = requests.Add({{"outcome", "error"}});
+  Counter& indexed = requests.Add({{"outcome", "indexed"}});
+  Family<Counter>& request_errors =
+      prometheus::BuildCounter()
+          .Name("gstmoe_request_errors_total")
+          .Help(
+              "Error documents, by the element that failed the request (stage: zmq-query, moe-encode, ann-query, ...)")
+          .Register(*registry);
+  Histogram& request_duration =
+      prometheus::BuildHistogram()
+          .Name("gstmoe_request_duration_seconds")
+          .Help("From a request's arrival (zmq-query, appsrc) to its result document leaving ann-query")
+          .Register(*registry)
+          .Add({}, latency_buckets());
+  Family<Histogram>& stage_duration =
+      prometheus::BuildHistogram()
+          .Name("gstmoe_stage_duration_seconds")
+          .Help(
+              "Time a request spent in each stage: queue (waiting for its batch), encode, route, expert, search "
+              "(its batch's time in the element), publish (zmq-publish sending its document)")
+          .Register(*registry);
+  Family<Counter>& busy = prometheus::BuildCounter()
+                              .Name("gstmoe_stage_busy_seconds_total")
+                              .Help(
+                                  "Time each element spent computing batches (each batch once): encode, route, "
+                                  "expert, search; divided by the elapsed time, the stage's utilisation")
+                              .Register(*registry);
+  Histogram& batch_requests = prometheus::BuildHistogram()
+                                  .Name("gstmoe_batch_requests")
+                                  .Help("Requests per batch taken by moe-encode")
+                                  .Register(*registry)
+                                  .Add({}, batch_buckets());
+  Family<Counter>& expert_rows = prometheus::BuildCounter()
+                                     .Name("gstmoe_expert_rows_total")
+                                     .Help("Rows routed to each expert by moe-route (expert: 0 .. experts-1)")
+                                     .Register(*registry);
+  Family<Gauge>& expert_share = prometheus::BuildGauge()
+                                    .Name("gstmoe_expert_load_share")
+                                    .Help("Each expert's share of the rows routed since the process started (0..1)")
+                                    .Register(*registry);
+  Counter& overflowed = prometheus::BuildCounter()
+                            .Name("gstmoe_route_overflowed_total")
+                            .Help("Routing slots that found their expert at capacity (rerouted or dropped)")
+                            .Register(*registry)
+                            .Add({});
+  Counter& dropped = prometheus::BuildCounter()
+                         .Name("gstmoe_route_dropped_total")
+                         .Help("Routing slots dropped at capacity (moe-route overflow=drop, or no expert with room)")
+                         .Register(*registry)
+                         .Add({});
+  Family<Counter>& cache_hits = prometheus::BuildCounter()
+                                    .Name("gstmoe_expert_cache_hits_total")
+                                    .Help("Experts a batch needed that already had a slot on the device")
+                                    .Register(*registry);
+  Family<Counter>& cache_misses = prometheus::BuildCounter()
+                                      .Name("gstmoe_expert_cache_misses_total")
+                                      .Help("Experts a batch needed that had to be copied to the device")
+                                      .Register(*registry);
+  Family<Counter>& cache_copied = prometheus::BuildCounter()
+                                      .Name("gstmoe_expert_cache_copied_bytes_total")
+                                      .Help("Bytes of expert weights copied to the device (preloads and misses)")
+                                      .Register(*registry);
+  Family<Counter>& cache_evictions = prometheus::BuildCounter()
+                                         .Name("gstmoe_expert_cache_evictions_total")
+                                         .Help("Experts dropped from the device cache to make room")
+                                         .Register(*registry);
+  Family<Counter>& cache_wait = prometheus::BuildCounter()
+                                    .Name("gstmoe_expert_cache_wait_seconds_total")
+                                    .Help(
+                                        "Host time spent waiting for expert copies still running (the full stall on "
+                                        "the CPU backend; on CUDA the compute stream waits instead, so ~0)")
+                                    .Register(*registry);
+  Family<Gauge>& cache_resident = prometheus::BuildGauge()
+                                      .Name("gstmoe_expert_cache_resident_bytes")
+                                      .Help("Device memory held by the experts resident in the cache")
+                                      .Register(*registry);
+  Counter& published = prometheus::BuildCounter()
+                           .Name("gstmoe_publish_messages_total")
+                           .Help("Messages zmq-publish handed to its socket")
+                           .Register(*registry)
+                           .Add({});
+  Counter& published_bytes = prometheus::BuildCounter()
+                                 .Name("gstmoe_publish_bytes_total")
+                                 .Help("Bytes of the messages zmq-publish handed to its socket")
+                                 .Register(*registry)
+                                 .Add({});
+  Counter& publish_dropped =
+      prometheus::BuildCounter()
+          .Name("gstmoe_publish_dropped_total")
+          .Help("Messages the PUB socket refused (a subscriber's full queue is not seen here: it shows as a seq gap)")
+          .Register(*registry)
+          .Add({});
+  Family<Histogram>& model_load = prometheus::BuildHistogram()
+                                      .Name("gstmoe_model_load_seconds")
+                                      .Help(
+                                          "Model loads: encoder (moe-encode), adapter (moe-route, moe-expert), "
+                                          "experts (moe-expert's executor placing them on its devices)")
+                                      .Register(*registry);
+
+  std::mutex lock;                    // guards what follows
+  std::vector<double> expert_totals;  // rows per expert since the process started
+  // The cache counters each live executor had at its last report, per device.
+  std::map<std::weak_ptr<moe::ExpertExecutor>, std::vector<moe::CacheStats>, std::owner_less<>> cache_seen;
+  std::map<std::string, std::weak_ptr<Server>> servers;  // by address
+
+  std::vector<Histogram*> stage_histograms;  // of kStages, in order
+
+  PluginMetrics() {
+    for (const char* stage : kStages)
+      stage_histograms.push_back(&stage_duration.Add({{"stage", stage}}, latency_buckets()));
+    for (const char* model : {"encoder", "adapter", "experts"}) model_load.Add({{"model", model}}, load_buckets());
+  }
+
+  // The histogram of `stage`; Family::Add builds a histogram before it finds the existing one.
+  Histogram& stage(const std::string& name) {
+    for (size_t i = 0; i < stage_histograms.size(); ++i)
+      if (name == kStages[i]) return *stage_histograms[i];
+    return stage_duration.Add({{"stage", name}}, latency_buckets());
+  }
+};
+
+// Created at the first report or server and never destroyed: streaming threads may still report
+// while the process exits.
+PluginMetrics& plugin_metrics() {
+  static PluginMetrics* r = new PluginMetrics();
+  return *r;
+}
+
+}  // namespace
+
+class Server {
+ public:
+  explicit Server(const std::string& address) : exposer_(address) {
+    exposer_.RegisterCollectable(plugin_metrics().registry);
+    exposer_.RegisterCollectable(plugin_metrics().process);
+  }
+
+ private:
+  prometheus::Exposer exposer_;
+};
+
+void install_address_property(GObjectClass* klass, guint prop_id) {
+  g_object_class_install_property(
+      klass, prop_id,
+      g_param_spec_string("metrics-address", "Metrics address",
+                          "HOST:PORT on which to serve the plugin's Prometheus metrics at /metrics while the element "
+                          "runs (e.g. 127.0.0.1:9464; 0.0.0.0:9464 serves every interface). Empty: no server. "
+                          "Elements naming the same address share one server; the figures are the whole process's "
+                          "(docs/metrics.md)",
+                          "", gstmoe::kPropertyMutableReady));
+}
+
+bool serve(GstElement* element, const std::string& address, std::shared_ptr<Server>* server) {
+  init_debug_category();
+  server->reset();
+  if (address.empty()) return true;
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == address.size()) {
+    GST_ELEMENT_ERROR(element, RESOURCE, SETTINGS,
+                      ("metrics-address '%s' is not HOST:PORT (e.g. 127.0.0.1:9464)", address.c_str()), (nullptr));
+    return false;
+  }
+  PluginMetrics& r = plugin_metrics();
+  std::lock_guard<std::mutex> lock(r.lock);
+  std::weak_ptr<Server>& shared = r.servers[address];
+  *server = shared.lock();
+  if (*server) return true;
+  try {
+    *server = std::make_shared<Server>(address);
+  } catch (const std::exception& e) {  // civetweb says no more than "problem binding to port"
+    GST_ELEMENT_ERROR(element, RESOURCE, OPEN_READ_WRITE,
+                      ("Cannot serve metrics on metrics-address '%s': the address is in use or not an address of "
+                       "this machine",
+                       address.c_str()),
+                      ("%s", e.what()));
+    return false;
+  }
+  shared = *server;
+  GST_INFO_OBJECT(element, "serving Prometheus metrics at http://%s/metrics", address.c_str());
+  return true;
+}
+
+void count_result(const RequestRecord& request, int64_t now_mono_us) {
+  PluginMetrics& r = plugin_metrics();
+  r.results.Increment();
+  for (const auto& [stage, ms] : request.timings_ms) r.stage(stage).Observe(ms * kSecondsPerMs);
+  if (request.arrival_mono_us != 0)
+    r.request_duration.Observe(elapsed_ms(request.arrival_mono_us, now_mono_us) * kSecondsPerMs);
+}
+
+void count_error(const FailedRequest& failed) {
+  PluginMetrics& r = plugin_metrics();
+  r.errors.Increment();
+  r.request_errors.Add({{"stage", failed.stage}}).Increment();
+}
+
+void count_indexed(size_t rows) { plugin_metrics().indexed.Increment(static_cast<double>(rows)); }
+
+void count_search(double search_ms) {
+  plugin_metrics().busy.Add({{"stage", "search"}}).Increment(search_ms * kSecondsPerMs);
+}
+
+void count_encoded_batch(size_t requests, double encode_ms) {
+  PluginMetrics& r = plugin_metrics();
+  r.batch_requests.Observe(static_cast<double>(requests));
+  r.busy.Add({{"stage", "encode"}}).Increment(encode_ms * kSecondsPerMs);
+}
+
+void count_routing(const moe::Routing& routing, const moe::ExpertLoad& before, const moe::ExpertLoad& after,
+                   double route_ms) {
+  PluginMetrics& r = plugin_metrics();
+  r.busy.Add({{"stage", "route"}}).Increment(route_ms * kSecondsPerMs);
+  int64_t overflowed = 0;
+  for (size_t e = 0; e < after.overflowed.size(); ++e)
+    overflowed += after.overflowed[e] - (e < before.overflowed.size() ? before.overflowed[e] : 0);
+  r.overflowed.Increment(static_cast<double>(overflowed));
+  r.dropped.Increment(static_cast<double>(after.dropped - before.dropped));
+
+  std::vector<double> rows;
+  for (const int32_t e : routing.expert_ids) {
+    if (e == moe::Routing::kUnusedSlot) continue;
+    if (static_cast<size_t>(e) >= rows.size()) rows.resize(static_cast<size_t>(e) + 1, 0.0);
+    rows[static_cast<size_t>(e)] += 1.0;
+  }
+  std::lock_guard<std::mutex> lock(r.lock);
+  if (r.expert_totals.size() < rows.size()) r.expert_totals.resize(rows.size(), 0.0);
+  double total = 0;
+  for (size_t e = 0; e < r.expert_totals.size(); ++e) {
+    if (e < rows.size() && rows[e] > 0) {
+      r.expert_rows.Add({{"expert", std::to_string(e)}}).Increment(rows[e]);
+      r.expert_totals[e] += rows[e];
+    }
+    total += r.expert_totals[e];
+  }
+  if (total == 0) return;
+  for (size_t e = 0; e < r.expert_totals.size(); ++e)
+    r.expert_share.Add({{"expert", std::to_string(e)}}).Set(r.expert_totals[e] / total);
+}
+
+void count_expert_run(const std::shared_ptr<moe::ExpertExecutor>& executor, double expert_ms) {
+  PluginMetrics& r = plugin_metrics();
+  r.busy.Add({{"stage", "expert"}}).Increment(expert_ms * kSecondsPerMs);
+  if (!executor) return;
+  const std::vector<moe::ExpertDeviceStats> devices = executor->stats();
+  std::lock_guard<std::mutex> lock(r.lock);
+  for (auto it = r.cache_seen.begin(); it != r.cache_seen.end();)  // executors of stopped elements
+    it = it->first.expired() ? r.cache_seen.erase(it) : std::next(it);
+  std::vector<moe::CacheStats>& seen = r.cache_seen[executor];
+  seen.resize(devices.size());
+  for (size_t i = 0; i < devices.size(); ++i) {
+    const moe::CacheStats& now = devices[i].cache;
+    const moe::CacheStats& was = seen[i];
+    const prometheus::Labels device{{"device", devices[i].device}};
+    r.cache_hits.Add(device).Increment(static_cast<double>(now.hits - was.hits));
+    r.cache_misses.Add(device).Increment(static_cast<double>(now.misses - was.misses));
+    r.cache_copied.Add(device).Increment(static_cast<double>(now.bytes_copied - was.bytes_copied));
+    r.cache_evictions.Add(device).Increment(static_cast<double>(now.evictions - was.evictions));
+    r.cache_wait.Add(device).Increment(static_cast<double>(now.exposed_wait_ns - was.exposed_wait_ns) * 1e-9);
+    r.cache_resident.Add(device).Set(static_cast<double>(now.resident) * static_cast<double>(devices[i].slot_bytes));
+    seen[i] = now;
+  }
+}
+
+void count_publish(bool accepted, size_t bytes, double publish_ms) {
+  PluginMetrics& r = plugin_metrics();
+  r.stage("publish").Observe(publish_ms * kSecondsPerMs);
+  if (!accepted) {
+    r.publish_dropped.Increment();
+    return;
+  }
+  r.published.Increment();
+  r.published_bytes.Increment(static_cast<double>(bytes));
+}
+
+void observe_model_load(const char* model, int64_t started_mono_us) {
+  const double seconds = elapsed_ms(started_mono_us, g_get_monotonic_time()) * kSecondsPerMs;
+  plugin_metrics().model_load.Add({{"model", model}}, load_buckets()).Observe(seconds);
+}
+
+}  // namespace gstmoe::metrics

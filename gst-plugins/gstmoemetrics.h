@@ -1,0 +1,56 @@
+/* gst-moe: the plugin's Prometheus metrics (docs/metrics.md).
+ *
+ * One registry per process, which every element reports into with the calls below (cheap and
+ * thread-safe: atomic counters, short locks), and which is served at http://ADDRESS/metrics while
+ * an element whose `metrics-address` is set is running. Elements naming the same address share
+ * one server. The figures are process-wide: two pipelines in one process add up.
+ */
+#pragma once
+
+#include <gst/gst.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "gstmoemeta.h"
+
+namespace moe {
+struct Routing;
+struct ExpertLoad;
+class ExpertExecutor;
+}  // namespace moe
+
+namespace gstmoe::metrics {
+
+// The `metrics-address` string property (HOST:PORT; empty: no server), mutable up to READY.
+void install_address_property(GObjectClass* klass, guint prop_id);
+
+// A running /metrics server; it stops when the last element holding it lets go.
+class Server;
+
+// Starts, or joins, the server for `address` and stores it in `server` (left null when `address`
+// is empty). False after posting an element error naming the address and the reason (no port,
+// address in use, cannot bind).
+bool serve(GstElement* element, const std::string& address, std::shared_ptr<Server>* server);
+
+// The reports. Stage names are the meta's timing stages (queue, encode, route, expert, search)
+// and "publish"; error stages are the elements' names (FailedRequest::stage).
+void count_result(const RequestRecord& request, int64_t now_mono_us);  // a result document left ann-query
+void count_error(const FailedRequest& failed);                         // an error document left ann-query
+void count_indexed(size_t rows);                                       // rows added to an index being built
+void count_search(double search_ms);                                   // one batch searched
+void count_encoded_batch(size_t requests, double encode_ms);           // one batch taken by moe-encode
+// One batch routed by moe-route: rows per expert, and the overflows and drops between the router's
+// load figures `before` and `after` the batch.
+void count_routing(const moe::Routing& routing, const moe::ExpertLoad& before, const moe::ExpertLoad& after,
+                   double route_ms);
+// One batch run by moe-expert, with its executor (null on the plain CPU path) for the cache counters.
+void count_expert_run(const std::shared_ptr<moe::ExpertExecutor>& executor, double expert_ms);
+void count_publish(bool accepted, size_t bytes, double publish_ms);  // one message given to zmq-publish's socket
+// A model loaded (or taken from the process-wide cache) since `started_mono_us`: model is "encoder",
+// "adapter" or "experts" (an expert executor placing the experts on its devices).
+void observe_model_load(const char* model, int64_t started_mono_us);
+
+}  // namespace gstmoe::metrics
