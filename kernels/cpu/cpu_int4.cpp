@@ -4,9 +4,12 @@
 // which -Wuninitialized reports at every inlined use; the vector helpers here have internal
 // linkage, so -Wpsabi's note on passing AVX vectors in a file compiled without -mavx does not apply.
 #pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -344,9 +347,15 @@ void linear_dequantized(Int4Isa isa, const Layout& L, const float* x, float* y, 
   }
 }
 
+// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+bool cpu_has_f16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+}
+
 Int4Isa detect_isa() {
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && cpu_has_f16c();
   if (avx2 && __builtin_cpu_supports("avx512f")) return Int4Isa::Avx512;
   if (avx2) return Int4Isa::Avx2;
   return Int4Isa::Scalar;

@@ -1,12 +1,14 @@
 // Fuzz target: an adapter's adapter_config.json, through MoeConfig::from_adapter_config (what
 // MoeAdapter::load reads), and the same bytes as a Hugging Face Mixtral / Qwen2-MoE config.json
-// through MoeConfig::from_hf_config (what MoeLayer::load_hf_layer reads). An accepted config must
-// pass its own validation.
+// through MoeConfig::from_hf_config (what MoeLayer::load_hf_layer reads), and its
+// quantization_config through Int4QuantConfig::from_hf_config (both loaders read it). An accepted
+// config must pass its own validation; an accepted quantisation has valid group sizes.
 #include <cstddef>
 #include <cstdint>
 
 #include "fuzz_util.h"
 #include "moe/moe_layer.h"
+#include "moe/quantized_weights.h"
 
 extern "C" int LLVMFuzzerInitialize(int*, char***) {
   moe_fuzz::init_glib();
@@ -37,6 +39,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   try {
     check(moe::MoeConfig::from_hf_config(path));
+  } catch (const moe::Error&) {
+  }
+  try {
+    if (const auto q = moe::Int4QuantConfig::from_hf_config(path))
+      for (int g : q->group_sizes) MOE_FUZZ_CHECK(g > 0 && g % 8 == 0);
   } catch (const moe::Error&) {
   }
   return 0;
