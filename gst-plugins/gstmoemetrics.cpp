@@ -2,17 +2,26 @@
 
 #include <prometheus/collectable.h>
 #include <prometheus/counter.h>
-#include <prometheus/exposer.h>
 #include <prometheus/gauge.h>
 #include <prometheus/histogram.h>
 #include <prometheus/registry.h>
+#include <prometheus/text_serializer.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "moe/expert_executor.h"
@@ -225,15 +234,112 @@ PluginMetrics& plugin_metrics() {
 
 }  // namespace
 
+// The /metrics endpoint: prometheus-cpp's own text exposition of the registry, over a minimal
+// HTTP/1.1 server on one thread. Not prometheus-cpp's civetweb exposer: civetweb starts its
+// threads with a 100 KB stack, which cannot hold the static TLS of the CUDA libraries the engine
+// loads in a CUDA build (cuBLASLt alone has 92 KB), so it failed to start there. Scrapes are
+// served one at a time; a request is read up to 8 KiB or 2 s (a slow client delays the next
+// scrape by that much at most), and only GET /metrics (or /) is answered.
 class Server {
  public:
-  explicit Server(const std::string& address) : exposer_(address) {
-    exposer_.RegisterCollectable(plugin_metrics().registry);
-    exposer_.RegisterCollectable(plugin_metrics().process);
+  explicit Server(const std::string& address) {
+    const size_t colon = address.rfind(':');
+    std::string host = address.substr(0, colon);
+    if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    addrinfo hints{};
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+    addrinfo* found = nullptr;
+    if (const int rc = getaddrinfo(host.c_str(), address.c_str() + colon + 1, &hints, &found); rc != 0)
+      throw std::runtime_error(std::string("cannot resolve it: ") + gai_strerror(rc));
+    std::string why;
+    for (addrinfo* a = found; a != nullptr && listen_fd_ < 0; a = a->ai_next) {
+      const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+      if (fd < 0) continue;
+      const int one = 1;
+      setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+      if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && listen(fd, 16) == 0) {
+        listen_fd_ = fd;
+      } else {
+        why = errno == EADDRINUSE      ? "the address is in use"
+              : errno == EADDRNOTAVAIL ? "not an address of this machine"
+                                       : std::strerror(errno);
+        close(fd);
+      }
+    }
+    freeaddrinfo(found);
+    if (listen_fd_ < 0) throw std::runtime_error(why.empty() ? "no usable address" : why);
+    wake_fd_ = eventfd(0, EFD_CLOEXEC);
+    if (wake_fd_ < 0) {
+      close(listen_fd_);
+      throw std::runtime_error(std::string("eventfd: ") + std::strerror(errno));
+    }
+    thread_ = std::thread([this] { loop(); });
   }
+  ~Server() {
+    const uint64_t one = 1;
+    if (write(wake_fd_, &one, sizeof one) < 0) {
+    }  // the loop also wakes on its 1 s poll timeout
+    thread_.join();
+    close(listen_fd_);
+    close(wake_fd_);
+  }
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
 
  private:
-  prometheus::Exposer exposer_;
+  void loop() {
+    for (;;) {
+      pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+      if (poll(fds, 2, 1000) < 0 && errno != EINTR) return;
+      if (fds[1].revents != 0) return;
+      if ((fds[0].revents & POLLIN) == 0) continue;
+      const int conn = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (conn < 0) continue;
+      answer(conn);
+      close(conn);
+    }
+  }
+
+  static void answer(int conn) {
+    constexpr size_t kMaxRequest = 8192;
+    std::string request;
+    char buf[1024];
+    while (request.size() < kMaxRequest && request.find("\r\n\r\n") == std::string::npos) {
+      pollfd p{conn, POLLIN, 0};
+      if (poll(&p, 1, 2000) <= 0) return;
+      const ssize_t n = recv(conn, buf, sizeof buf, 0);
+      if (n <= 0) return;
+      request.append(buf, static_cast<size_t>(n));
+    }
+    const bool get = request.rfind("GET ", 0) == 0;
+    const std::string target = get ? request.substr(4, request.find(' ', 4) - 4) : "";
+    std::string status = "200 OK", type = "text/plain; version=0.0.4; charset=utf-8", body;
+    if (!get) {
+      status = "405 Method Not Allowed";
+      body = "only GET /metrics\n";
+    } else if (target != "/metrics" && target != "/") {
+      status = "404 Not Found";
+      body = "the metrics are at /metrics\n";
+    } else {
+      std::vector<prometheus::MetricFamily> families = plugin_metrics().registry->Collect();
+      for (prometheus::MetricFamily& f : plugin_metrics().process->Collect()) families.push_back(std::move(f));
+      body = prometheus::TextSerializer().Serialize(families);
+    }
+    const std::string response = "HTTP/1.1 " + status + "\r\nContent-Type: " + type +
+                                 "\r\nContent-Length: " + std::to_string(body.size()) +
+                                 "\r\nConnection: close\r\n\r\n" + body;
+    for (size_t sent = 0; sent < response.size();) {
+      const ssize_t n = send(conn, response.data() + sent, response.size() - sent, MSG_NOSIGNAL);
+      if (n <= 0) return;
+      sent += static_cast<size_t>(n);
+    }
+  }
+
+  int listen_fd_ = -1;
+  int wake_fd_ = -1;
+  std::thread thread_;
 };
 
 void install_address_property(GObjectClass* klass, guint prop_id) {
@@ -264,12 +370,9 @@ bool serve(GstElement* element, const std::string& address, std::shared_ptr<Serv
   if (*server) return true;
   try {
     *server = std::make_shared<Server>(address);
-  } catch (const std::exception& e) {  // civetweb says no more than "problem binding to port"
+  } catch (const std::exception& e) {
     GST_ELEMENT_ERROR(element, RESOURCE, OPEN_READ_WRITE,
-                      ("Cannot serve metrics on metrics-address '%s': the address is in use or not an address of "
-                       "this machine",
-                       address.c_str()),
-                      ("%s", e.what()));
+                      ("Cannot serve metrics on metrics-address '%s': %s", address.c_str(), e.what()), (nullptr));
     return false;
   }
   shared = *server;

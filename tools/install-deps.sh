@@ -13,7 +13,7 @@ packages=(
   # GStreamer plugin and ZeroMQ
   libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-tools gstreamer1.0-plugins-base
   gstreamer1.0-plugins-good libzmq3-dev cppzmq-dev
-  # the elements' Prometheus metrics (client library and its pull exposer)
+  # the elements' Prometheus metrics (the client library: registry and text format)
   prometheus-cpp-dev
   # tests and examples
   libgtest-dev python3-zmq python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
