@@ -74,10 +74,12 @@ def main():
             continue  # someone else's result
         print(f'\n{doc["id"]}: {req.get("text") or shown[doc["id"]]}')
         if doc["type"] == "error":
-            print(f'  error in {doc["error"]["stage"]}: {doc["error"]["reason"]}')
+            error = doc["error"]
+            print(f'  error in {error["stage"]}: {error["reason"]} [{error.get("code", "?")}]')
             continue
         for r in doc["results"]:
-            print(f'  {r["rank"]:2d}. {r["score"]:.3f}  {r["caption"] or r["uri"]}')
+            extra = " ".join(f"{k}={v}" for k, v in r.get("fields", {}).items())  # the catalog line's own
+            print(f'  {r["rank"]:2d}. {r["score"]:.3f}  {r.get("id") or ""}  {r["caption"] or r["uri"]}  {extra}'.rstrip())
         print("  experts: " + ", ".join(f'#{e["expert"]} ({e["weight"]:.2f})' for e in doc["experts"]))
     if pending:
         print(f"\nno answer within {args.timeout}s for: {', '.join(pending)}", file=sys.stderr)

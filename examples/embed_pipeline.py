@@ -93,10 +93,10 @@ def main():
             if doc.get("type") == "result":
                 print(f"{doc['id']}: {doc.get('query', '')!r}")
                 for hit in doc["results"]:
-                    print(f"  {hit['rank']}. {hit['score']:.3f}  {hit['caption']}  {hit['uri']}")
+                    print(f"  {hit['rank']}. {hit['score']:.3f}  {hit.get('id') or ''}  {hit['caption']}  {hit['uri']}")
             else:
                 error = doc["error"]
-                print(f"{doc['id']}: error in {error['stage']}: {error['reason']}")
+                print(f"{doc['id']}: error in {error['stage']}: {error['reason']} [{error.get('code', '?')}]")
     error = first_error(pipeline)
     pipeline.set_state(Gst.State.NULL)
     if error:

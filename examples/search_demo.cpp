@@ -82,7 +82,8 @@ void print_table(const std::vector<Query>& queries) {
     JsonObject* doc = json_node_get_object(q.result);
     if (g_strcmp0(str_or(doc, "type", ""), "error") == 0) {
       JsonObject* e = json_object_get_object_member(doc, "error");
-      std::printf("  error in %s: %s\n", str_or(e, "stage", "?"), str_or(e, "reason", "?"));
+      std::printf("  error in %s: %s [%s]\n", str_or(e, "stage", "?"), str_or(e, "reason", "?"),
+                  str_or(e, "code", "?"));
       continue;
     }
     std::printf("  experts: %s\n  %-4s %-7s %s\n", experts_text(doc).c_str(), "rank", "score", "caption");

@@ -111,14 +111,17 @@ int main(int argc, char** argv) {
         std::printf("%s:", id);
         for (guint i = 0; i < json_array_get_length(results); ++i) {
           JsonObject* r = json_array_get_object_element(results, i);
-          std::printf("  %s (%.3f)", json_object_get_string_member_with_default(r, "caption", ""),
+          // The catalog's id where the document has one (schema 1), else the caption.
+          const char* name = json_object_get_string_member_with_default(r, "id", nullptr);
+          std::printf("  %s (%.3f)", name ? name : json_object_get_string_member_with_default(r, "caption", ""),
                       json_object_get_double_member(r, "score"));
         }
         std::printf("\n");
       } else if (g_strcmp0(type, "error") == 0) {
         JsonObject* e = json_object_get_object_member(doc, "error");
-        std::printf("%s: error in %s: %s\n", id, json_object_get_string_member(e, "stage"),
-                    json_object_get_string_member(e, "reason"));
+        std::printf("%s: error in %s: %s [%s]\n", id, json_object_get_string_member(e, "stage"),
+                    json_object_get_string_member(e, "reason"),
+                    json_object_get_string_member_with_default(e, "code", "?"));
       } else {
         std::printf("%.*s\n", static_cast<int>(msg.size()), static_cast<const char*>(msg.data()));
       }

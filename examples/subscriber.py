@@ -71,11 +71,12 @@ def main():
         if not isinstance(doc, dict):
             print(json.dumps(doc))
         elif doc.get("type") == "result":
-            hits = ", ".join(f'{r["caption"] or r["uri"]} ({r["score"]:.3f})' for r in doc["results"])
+            hits = ", ".join(f'{r.get("id") or r["caption"] or r["uri"]} ({r["score"]:.3f})' for r in doc["results"])
             experts = " ".join(f'#{e["expert"]}:{e["weight"]:.2f}' for e in doc["experts"])
             print(f'{doc["id"]}: {doc["query"] or doc["uri"]} -> {hits}  [experts {experts}]')
         elif doc.get("type") == "error":
-            print(f'{doc["id"]}: error in {doc["error"]["stage"]}: {doc["error"]["reason"]}')
+            error = doc["error"]
+            print(f'{doc["id"]}: error in {error["stage"]}: {error["reason"]} [{error.get("code", "?")}]')
         else:
             print(json.dumps(doc))
         sys.stdout.flush()

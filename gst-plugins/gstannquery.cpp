@@ -9,12 +9,15 @@
  * INDEX.items.jsonl) when it starts, searches every row of each tensor batch in one call (on the
  * CPU with FAISS, or GPU-resident with `device`) and sends one application/json result document
  * per request with its k nearest catalog items (cosine similarity; `k`, or the request's own
- * "k"). A request that failed upstream gets an error document, and so does a request encoded by
- * another encoder or adapter than the ones the index records (their fingerprints).
+ * "k"; each hit with the item's catalog id and fields, its uri served under `uri-base` when set). A
+ * request that failed upstream gets an error document, and so does a request encoded by another
+ * encoder or adapter than the ones the index records (their fingerprints).
  *
- * With mode=build it adds every row to a new index (the request's id, uri and text become the
- * item), of `index-type` flat or hnsw, and at end of stream writes INDEX and INDEX.items.jsonl,
- * recording the encoder and adapter of its rows, then sends one index-built document. Rows from
+ * With mode=build it adds every row to a new index (the request's id, uri, text and catalog fields
+ * become the item; a row whose id is already in the index gets a duplicate_id error document
+ * naming both uris instead), of `index-type` flat or hnsw, and at end of stream writes INDEX and
+ * INDEX.items.jsonl, recording the encoder and adapter of its rows, then sends one index-built
+ * document. Rows from
  * other models than the first rows' stop the build. docs/zmq-schema.md describes the documents.
  *
  * The `stats` property counts, since the element started, the requests received, the result and
@@ -54,6 +57,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -78,6 +82,7 @@ enum {
   PROP_EF_CONSTRUCTION,
   PROP_EF_SEARCH,
   PROP_DEVICE,
+  PROP_URI_BASE,
   PROP_STATS,
 };
 
@@ -101,12 +106,16 @@ struct AnnQueryState {
   moe::AnnBuildOptions build;                    // build mode
   std::optional<moe::AnnIndex> index;            // search: loaded; build: created at the first caps
   std::string index_name;                        // basename of index_path, for the result documents
+  std::string uri_base;                          // search mode: `uri-base`, "" to serve uris as built
+  std::string uri_folder;                        // search mode: the items' common uri folder, uri_base replaces it
   int width = 0;                                 // negotiated tensor width; 0 before caps
   int64_t build_failed = 0;                      // build mode: error documents sent
   std::optional<moe::AnnProvenance> built_from;  // build mode: the models of the first rows
   bool build_refused = false;                    // build mode: rows from other models came; not written
   bool mismatch_logged = false;                  // search mode: the first refused batch was logged
   bool unchecked_logged = false;                 // search mode: the first batch of unknown origin was logged
+  // Build mode: id -> uri of the items added, to refuse a second item with one of their ids.
+  std::unordered_map<std::string, std::string> built_uris;
 };
 
 }  // namespace
@@ -126,6 +135,7 @@ struct _GstAnnQuery {
   guint ef_construction;
   guint ef_search;
   gchar* device;
+  gchar* uri_base;
 
   // Behind `stats`, under the object lock: reset at start, kept after stop.
   guint64 requests;   // rows and failed requests received
@@ -212,6 +222,10 @@ static void gst_ann_query_set_property(GObject* object, guint prop_id, const GVa
       self->device = g_strdup(device ? device : DEFAULT_DEVICE);
       break;
     }
+    case PROP_URI_BASE:
+      g_free(self->uri_base);
+      self->uri_base = g_value_dup_string(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -247,6 +261,9 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_DEVICE:
       g_value_set_string(value, self->device);
       break;
+    case PROP_URI_BASE:
+      g_value_set_string(value, self->uri_base);
+      break;
     case PROP_STATS:
       g_value_take_boxed(
           value, gst_structure_new("ann-query-stats", "requests", G_TYPE_UINT64, self->requests, "results",
@@ -275,6 +292,7 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
   s->build.hnsw_m = static_cast<int>(self->hnsw_m);
   s->build.ef_construction = static_cast<int>(self->ef_construction);
   const std::string device = self->device;
+  s->uri_base = self->uri_base ? self->uri_base : "";
   GST_OBJECT_UNLOCK(self);
 
   if (s->index_path.empty()) {
@@ -319,6 +337,14 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
                       s->index_path.c_str());
     if (s->index->size() == 0)
       GST_WARNING_OBJECT(self, "index '%s' is empty: results will be empty", s->index_path.c_str());
+    if (!s->uri_base.empty()) {
+      s->uri_folder = s->index->uri_folder();
+      if (s->uri_folder.empty())
+        GST_WARNING_OBJECT(self, "uri-base '%s' is not used: the uris of '%s' share no folder", s->uri_base.c_str(),
+                           s->index_path.c_str());
+      else
+        GST_INFO_OBJECT(self, "serving uris under %s as %s", s->uri_folder.c_str(), s->uri_base.c_str());
+    }
   } else {
     // Fail now rather than at EOS, after the whole catalog was encoded.
     gchar* dir = g_path_get_dirname(s->index_path.c_str());
@@ -391,9 +417,10 @@ static void add_error_buffer(GstBufferList* list, gstmoe::FailedRequest failed, 
   gst_buffer_list_add(list, out);
 }
 
-// Moves every row of `batch` to its failed list with `reason`.
-static void fail_rows(gstmoe::BatchRecords& batch, const std::string& reason) {
-  for (gstmoe::RequestRecord& row : batch.rows) batch.failed.push_back({std::move(row), STAGE_NAME, reason});
+// Moves every row of `batch` to its failed list with `reason` and `code`.
+static void fail_rows(gstmoe::BatchRecords& batch, const std::string& reason,
+                      const char* code = moe::error_code::kInternal) {
+  for (gstmoe::RequestRecord& row : batch.rows) batch.failed.push_back({std::move(row), STAGE_NAME, reason, code});
   batch.rows.clear();
 }
 
@@ -479,7 +506,8 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
     const size_t n = std::min(hits[i].size(), static_cast<size_t>(ks[i]));
     for (size_t j = 0; j < n; ++j) {
       const moe::AnnItem& item = s.index->item(hits[i][j].item);
-      results.push_back({hits[i][j].item, item.uri, item.caption, hits[i][j].score});
+      results.push_back({hits[i][j].item, item.id, moe::rebase_uri(item.uri, s.uri_folder, s.uri_base), item.caption,
+                         item.fields, hits[i][j].score});
     }
     const int64_t now = g_get_monotonic_time();
     GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, now), in);
@@ -495,15 +523,31 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
 
 /* ---- build mode ------------------------------------------------------------------------ */
 
-// Adds every row of `batch` to the index being built (the request's text is the caption).
+// Adds every row of `batch` to the index being built (the request's text is the caption). A row
+// whose id an earlier row has fails, naming both uris: an id names one item.
 // Returns how many were added.
 static size_t collect_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchRecords& batch, const float* vectors) {
   if (batch.rows.empty()) return 0;
+  std::vector<gstmoe::RequestRecord> rows;
   std::vector<moe::AnnItem> items;
-  items.reserve(batch.rows.size());
-  for (const gstmoe::RequestRecord& row : batch.rows) items.push_back({row.id, row.uri, row.text});
+  std::vector<float> unique_vectors;
+  for (size_t i = 0; i < batch.rows.size(); ++i) {
+    gstmoe::RequestRecord& row = batch.rows[i];
+    const auto [first, added] = s.built_uris.emplace(row.id, row.uri);
+    if (!added) {
+      const std::string reason = "duplicate id '" + row.id + "': " + row.uri + " has the id of " + first->second +
+                                 ", already in the index; give one of them its own \"id\" in the catalog";
+      batch.failed.push_back({std::move(row), STAGE_NAME, reason, moe::error_code::kDuplicateId});
+      continue;
+    }
+    items.push_back({row.id, row.uri, row.text, row.fields});
+    unique_vectors.insert(unique_vectors.end(), vectors + i * static_cast<size_t>(s.width),
+                          vectors + (i + 1) * static_cast<size_t>(s.width));
+    rows.push_back(std::move(row));
+  }
+  batch.rows = std::move(rows);
   try {
-    s.index->add(vectors, static_cast<int64_t>(items.size()), items);
+    s.index->add(unique_vectors.data(), static_cast<int64_t>(items.size()), items);
     batch.rows.clear();
     return items.size();
   } catch (const moe::Error& e) {
@@ -593,7 +637,7 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
     const std::string refusal = search_refusal(self, s, batch);
     if (!refusal.empty()) {
       refused_rows = batch.rows.size();
-      fail_rows(batch, refusal);
+      fail_rows(batch, refusal, moe::error_code::kModelMismatch);
     }
     search_ms = search_rows(self, s, batch, vectors, in, list);
   } else {
@@ -715,6 +759,7 @@ static void gst_ann_query_finalize(GObject* object) {
   GstAnnQuery* self = GST_ANN_QUERY(object);
   g_free(self->index_path);
   g_free(self->device);
+  g_free(self->uri_base);
   gst_ann_query_stop(self);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
@@ -772,6 +817,14 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
                           "device exists, else FAISS on the CPU). A device that cannot be used fails the start, "
                           "saying why",
                           DEFAULT_DEVICE, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_URI_BASE,
+      g_param_spec_string("uri-base", "URI base",
+                          "Where clients fetch the catalog items (mode=search): each hit's uri is served with the "
+                          "folder all the index's item uris share (file:///home/me/catalog/) replaced by this "
+                          "(https://cdn.example/catalog/), keeping the rest of the path. NULL or empty (the "
+                          "default): uris as the index was built with them",
+                          nullptr, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(

@@ -48,6 +48,7 @@
 #include "gstmoemeta.h"
 #include "moe/catalog.h"
 #include "moe/error.h"
+#include "moe/query_request.h"
 #include "moe/image_decode.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_moe_catalog_src_debug);
@@ -284,6 +285,7 @@ static GstFlowReturn gst_moe_catalog_src_create(GstPushSrc* src, GstBuffer** out
   request.id = item.id;
   request.modality = gstmoe::Modality::Image;
   request.text = item.caption;
+  request.fields = item.fields;  // the catalog line's other members travel into the index
   if (!item.path.empty()) request.uri = take_string(g_filename_to_uri(item.path.c_str(), nullptr, nullptr));
   request.arrival_wall_us = g_get_real_time();
   request.arrival_mono_us = g_get_monotonic_time();
@@ -302,7 +304,9 @@ static GstFlowReturn gst_moe_catalog_src_create(GstPushSrc* src, GstBuffer** out
   if (!error.empty()) {
     GST_WARNING_OBJECT(self, "item %" G_GUINT64_FORMAT " skipped: %s", index, error.c_str());
     buf = gst_buffer_new();
-    records.failed.push_back({std::move(request), kStage, error});
+    records.failed.push_back(
+        {std::move(request), kStage, error,
+         item.error.empty() ? moe::error_code::kImageUnavailable : moe::error_code::kInvalidRequest});
   }
   GST_OBJECT_LOCK(self);
   if (error.empty())

@@ -122,11 +122,12 @@ struct EncodeModel {
 // One entry of the queue: a request, already turned into what the engine takes, or one that
 // failed (here on arrival, or upstream) and only travels on to be answered.
 struct Pending {
-  gstmoe::RequestRecord record;            // record.text is what text requests encode
-  moe::RgbImage image;                     // image requests
-  std::string error;                       // set when it failed: it then only travels as a failure
-  std::string failed_stage = kStage;       // where it failed: here, or the upstream stage named in the meta
-  GstClockTime pts = GST_CLOCK_TIME_NONE;  // its buffer's; a batch takes its first entry's
+  gstmoe::RequestRecord record;       // record.text is what text requests encode
+  moe::RgbImage image;                // image requests
+  std::string error;                  // set when it failed: it then only travels as a failure
+  std::string failed_stage = kStage;  // where it failed: here, or the upstream stage named in the meta
+  const char* error_code = moe::error_code::kInternal;  // its error document's code
+  GstClockTime pts = GST_CLOCK_TIME_NONE;               // its buffer's; a batch takes its first entry's
 };
 
 // What one run works with: created by start() from the loaded model and the batch limits,
@@ -575,6 +576,7 @@ static void set_text(Pending* p, const std::string& text) {
   p->error = "text request '" + p->record.id + "' " +
              (*end == '\0' ? "holds a NUL byte at offset " + offset + " (push the text without its terminator)"
                            : "is not valid UTF-8 (invalid byte at offset " + offset + ")");
+  p->error_code = moe::error_code::kInvalidRequest;
   // The error document quotes the query: keep it valid UTF-8 (U+FFFD for bad bytes).
   gchar* valid = g_utf8_make_valid(text.data(), static_cast<gssize>(text.size()));
   p->record.text = valid;
@@ -593,6 +595,7 @@ static void set_encoded_image(Pending* p, GstBuffer* buf) {
     p->image = moe::decode_image(map.data, map.size, what);
   } catch (const std::exception& e) {  // moe::Error, or out of memory: a bad request either way
     p->error = e.what();
+    p->error_code = moe::error_code::kImageUndecodable;
   }
   gst_buffer_unmap(buf, &map);
 }
@@ -623,6 +626,7 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st
       p.record = f.request;
       p.error = f.reason;
       p.failed_stage = f.stage;
+      p.error_code = f.code;
       add(std::move(p));
     }
   }
@@ -719,7 +723,7 @@ static GstBuffer* encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<
                 "' cannot be encoded: " + rows.errors[slot[i]];
     if (!p.error.empty()) {
       if (p.failed_stage == kStage) ++failed_here;
-      records.failed.push_back({std::move(p.record), std::move(p.failed_stage), std::move(p.error)});
+      records.failed.push_back({std::move(p.record), std::move(p.failed_stage), std::move(p.error), p.error_code});
       continue;
     }
     p.record.timings_ms.emplace_back("queue", gstmoe::elapsed_ms(p.record.arrival_mono_us, start));

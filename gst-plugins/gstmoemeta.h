@@ -22,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "moe/query_request.h"
+
 #define GST_MOE_REQUEST_CAPS "application/x-moe-request"
 #define GST_MOE_TENSOR_MEDIA_TYPE "application/x-moe-tensor"
 #define GST_MOE_TENSOR_CAPS GST_MOE_TENSOR_MEDIA_TYPE ", dtype=(string)f32, width=(int)[1,65536]"
@@ -38,6 +40,7 @@ struct RequestRecord {
   Modality modality = Modality::Text;
   std::string text;                   // the query text (text requests) or the caption (catalog images)
   std::string uri;                    // the image's uri (image requests)
+  std::string fields;                 // catalog images: the catalog line's other members, a JSON object's text
   int64_t arrival_wall_us = 0;        // g_get_real_time() when it entered (for reports)
   int64_t arrival_mono_us = 0;        // g_get_monotonic_time() when it entered (for timings)
   int k = 0;                          // results wanted; 0: ann-query's k
@@ -49,8 +52,9 @@ struct RequestRecord {
 // A request that could not be processed; it travels to the result stream as an error record.
 struct FailedRequest {
   RequestRecord request;
-  std::string stage;   // element that failed it: "zmq-query", "moe-encode", ...
-  std::string reason;  // human-readable, names the thing and the reason
+  std::string stage;                              // element that failed it: "zmq-query", "moe-encode", ...
+  std::string reason;                             // human-readable, names the thing and the reason
+  const char* code = moe::error_code::kInternal;  // machine-readable, set where it failed
 };
 
 struct BatchRecords {

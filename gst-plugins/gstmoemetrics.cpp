@@ -110,7 +110,8 @@ struct PluginMetrics {
       prometheus::BuildCounter()
           .Name("gstmoe_request_errors_total")
           .Help(
-              "Error documents, by the element that failed the request (stage: zmq-query, moe-encode, ann-query, ...)")
+              "Error documents, by the element that failed the request (stage: zmq-query, moe-encode, ann-query, "
+              "...) and its error code (docs/zmq-schema.md: a closed set)")
           .Register(*registry);
   Histogram& request_duration =
       prometheus::BuildHistogram()
@@ -391,7 +392,7 @@ void count_result(const RequestRecord& request, int64_t now_mono_us) {
 void count_error(const FailedRequest& failed) {
   PluginMetrics& r = plugin_metrics();
   r.errors.Increment();
-  r.request_errors.Add({{"stage", failed.stage}}).Increment();
+  r.request_errors.Add({{"stage", failed.stage}, {"code", failed.code}}).Increment();
 }
 
 void count_indexed(size_t rows) { plugin_metrics().indexed.Increment(static_cast<double>(rows)); }

@@ -116,9 +116,29 @@ std::string generate(JsonBuilder* b) {
   return out;
 }
 
-// The members every request document starts with: type, id, modality, query, uri.
-void request_members(JsonBuilder* b, const char* type, const RequestRecord& r) {
+// The members every document starts with: schema, type.
+void document_members(JsonBuilder* b, const char* type) {
+  member_int(b, "schema", kResultSchema);
   member_string(b, "type", type);
+}
+
+// A catalog item's fields as an object member: {} when it has none (or they do not parse, which
+// the item table's reader rules out).
+void member_fields(JsonBuilder* b, const std::string& fields) {
+  json_builder_set_member_name(b, "fields");
+  JsonNode* node = fields.empty() ? nullptr : json_from_string(fields.c_str(), nullptr);
+  if (node && JSON_NODE_HOLDS_OBJECT(node)) {
+    json_builder_add_value(b, node);
+    return;
+  }
+  if (node) json_node_unref(node);
+  json_builder_begin_object(b);
+  json_builder_end_object(b);
+}
+
+// The members every request document starts with: schema, type, id, modality, query, uri.
+void request_members(JsonBuilder* b, const char* type, const RequestRecord& r) {
+  document_members(b, type);
   member_string_or_null(b, "id", r.id);
   member_string(b, "modality", modality_name(r.modality));
   // Echoes are clipped: an answer goes to every subscriber, whatever a request carried.
@@ -160,9 +180,11 @@ std::string result_document(const RequestRecord& r, int k, const std::vector<Res
     json_builder_begin_object(b);
     member_int(b, "rank", static_cast<int64_t>(i) + 1);
     member_int(b, "item", hits[i].item);
+    member_string_or_null(b, "id", hits[i].id);
     member_string_or_null(b, "uri", hits[i].uri);
     member_string_or_null(b, "caption", hits[i].caption);
     member_number(b, "score", hits[i].score, 6);
+    member_fields(b, hits[i].fields);
     json_builder_end_object(b);
   }
   json_builder_end_array(b);
@@ -213,6 +235,7 @@ std::string error_document(const FailedRequest& failed) {
   json_builder_set_member_name(b, "error");
   json_builder_begin_object(b);
   member_string(b, "stage", failed.stage);
+  member_string(b, "code", failed.code != nullptr ? failed.code : moe::error_code::kInternal);
   member_string(b, "reason", failed.reason);
   json_builder_end_object(b);
   arrival_member(b, failed.request);
@@ -224,7 +247,7 @@ std::string index_built_document(const std::string& index_path, int64_t items, i
                                  int64_t failed) {
   JsonBuilder* b = json_builder_new();
   json_builder_begin_object(b);
-  member_string(b, "type", "index-built");
+  document_members(b, "index-built");
   member_string(b, "index", index_path);
   member_int(b, "items", items);
   member_int(b, "dim", dim);

@@ -6,6 +6,9 @@
  *   error        one per failed request: the stage that failed it and why
  *   index-built  one per build run (ann-query mode=build), at EOS
  *
+ * Every document starts with "schema" (kResultSchema), then "type"; error documents carry the
+ * failure's machine-readable error.code (moe::error_code) beside its reason.
+ *
  * Documents are compact (one line, no trailing newline), UTF-8. Empty strings that stand for
  * "none" (an id the client did not send, the query of an image request, the uri of a text
  * request, an absent model) are written as null. */
@@ -19,11 +22,17 @@
 
 namespace gstmoe {
 
+// The documents' schema version ("schema"): raised only for a change that breaks a reader of the
+// previous one (a field removed, renamed or retyped); added fields keep it.
+constexpr int kResultSchema = 1;
+
 // One hit of a search, resolved to its catalog item.
 struct ResultHit {
   int64_t item = 0;     // row in the index
-  std::string uri;      // the item's uri ("" -> null)
+  std::string id;       // the catalog's id of the item ("" -> null)
+  std::string uri;      // the item's uri, rebased by ann-query uri-base ("" -> null)
   std::string caption;  // the item's caption ("" -> null)
+  std::string fields;   // the catalog line's other members, a JSON object's text ("" -> {})
   double score = 0.0;   // cosine similarity
 };
 

@@ -195,9 +195,10 @@ GstBuffer* parse_request(const zmq::message_t& message, const moe::QueryLimits& 
     return gst_buffer_new_memdup(request.text.data(), request.text.size());
   if (!request.image.empty()) {
     if (!image_root)
-      throw moe::Error(
+      throw moe::RequestRefused(
           "image paths are not served: zmq-query has no image-root (the operator sets image-root=DIR to serve "
-          "the image files under DIR); send the image itself as image_base64");
+          "the image files under DIR); send the image itself as image_base64",
+          moe::error_code::kImageUnavailable);
     return gstmoe::bytes_buffer(moe::read_query_image_file(request.image, image_root, limits.max_image_bytes));
   }
   record.uri = "base64:" + std::to_string(request.image_bytes.size()) + " bytes";
@@ -205,8 +206,8 @@ GstBuffer* parse_request(const zmq::message_t& message, const moe::QueryLimits& 
 }
 
 // The reply a ROUTER client gets: {"id": ..., "status": "accepted"} or
-// {"id": ..., "status": "rejected", "error": "..."}; id is null when the request had none.
-std::string reply_json(const std::string& id, const std::string* error) {
+// {"id": ..., "status": "rejected", "error": "...", "code": "..."}; id is null when the request had none.
+std::string reply_json(const std::string& id, const gstmoe::FailedRequest* rejected) {
   JsonBuilder* builder = json_builder_new();
   json_builder_begin_object(builder);
   json_builder_set_member_name(builder, "id");
@@ -215,10 +216,12 @@ std::string reply_json(const std::string& id, const std::string* error) {
   else
     json_builder_add_string_value(builder, id.c_str());
   json_builder_set_member_name(builder, "status");
-  json_builder_add_string_value(builder, error ? "rejected" : "accepted");
-  if (error) {
+  json_builder_add_string_value(builder, rejected ? "rejected" : "accepted");
+  if (rejected) {
     json_builder_set_member_name(builder, "error");
-    json_builder_add_string_value(builder, error->c_str());
+    json_builder_add_string_value(builder, rejected->reason.c_str());
+    json_builder_set_member_name(builder, "code");
+    json_builder_add_string_value(builder, rejected->code);
   }
   json_builder_end_object(builder);
   JsonNode* root = json_builder_get_root(builder);
@@ -504,14 +507,17 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   std::string reason;
   try {
     if (frames.size() != envelope + 1)
-      throw moe::Error("request has " + std::to_string(frames.size() - envelope) +
-                       " frames; expected one frame holding the JSON request");
+      throw moe::RequestRefused("request has " + std::to_string(frames.size() - envelope) +
+                                    " frames; expected one frame holding the JSON request",
+                                moe::error_code::kInvalidRequest);
     buffer = parse_request(frames[envelope], limits, st->image_root.empty() ? nullptr : st->image_root.c_str(), record);
     records.rows.push_back(record);
   } catch (const moe::Error& e) {
     reason = e.what();
     buffer = gst_buffer_new();
-    records.failed.push_back(gstmoe::FailedRequest{record, kStage, reason});
+    const auto* refused = dynamic_cast<const moe::RequestRefused*>(&e);
+    records.failed.push_back(
+        gstmoe::FailedRequest{record, kStage, reason, refused ? refused->code : moe::error_code::kInternal});
   }
   gst_buffer_add_moe_batch_meta(buffer, records);
 
@@ -526,7 +532,7 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
     GST_INFO_OBJECT(self, "request '%s' rejected: %s", record.id.c_str(), reason.c_str());
 
   if (st->router)
-    gst_zmq_query_reply(self, frames, envelope, reply_json(record.id, reason.empty() ? nullptr : &reason));
+    gst_zmq_query_reply(self, frames, envelope, reply_json(record.id, reason.empty() ? nullptr : &records.failed[0]));
   *out = buffer;
   return GST_FLOW_OK;
 }

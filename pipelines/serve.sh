@@ -13,6 +13,8 @@
 # secret certificate (server.key_secret of zmq.auth.create_certificates), DIR_OR_FILE the clients'
 # public certificates (*.key) or a list of their public keys; only those clients may send requests
 # or receive results (docs/zmq-schema.md#access-control-curve). Without them: plain ZeroMQ.
+# URI_BASE=https://cdn.example/catalog serves each hit's uri under that base instead of the
+# file:// path the index was built from (ann-query uri-base, docs/zmq-schema.md).
 # METRICS_ADDRESS=127.0.0.1:9464 serves Prometheus metrics at http://127.0.0.1:9464/metrics
 # (docs/metrics.md).
 # DEVICE, EXPERT_DEVICE and PRECISION choose where and how the models compute (pipelines/env.sh),
@@ -27,6 +29,7 @@ IMAGE_ROOT=${IMAGE_ROOT:-}
 CURVE_KEY=${CURVE_KEY:-}
 CURVE_ALLOWED=${CURVE_ALLOWED:-}
 METRICS_ADDRESS=${METRICS_ADDRESS:-}
+URI_BASE=${URI_BASE:-}
 # The same key pair and allow-list on both sockets; an element refuses to start with only one set.
 curve=()
 if [ -n "$CURVE_KEY" ]; then curve+=(curve-secret-key-file="$CURVE_KEY"); fi
@@ -49,5 +52,5 @@ exec gst-launch-1.0 -e \
   ! moe-encode model="$MODEL" max-batch=16 max-latency=5000000 device="$DEVICE" precision="$PRECISION" \
   ! moe-route model="$ADAPTER" \
   ! moe-expert model="$ADAPTER" device="$EXPERT_DEVICE" precision="$PRECISION" \
-  ! ann-query index="$INDEX" k=10 device="$DEVICE" \
+  ! ann-query index="$INDEX" k=10 device="$DEVICE" ${URI_BASE:+uri-base="$URI_BASE"} \
   ! zmq-publish endpoint="$RESULT_ENDPOINT" "${curve[@]}" ${METRICS_ADDRESS:+metrics-address="$METRICS_ADDRESS"}

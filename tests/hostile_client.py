@@ -285,6 +285,20 @@ def main():
         tap(not wrong, "each hostile request gets the answer that names its cause", "\n".join(wrong))
         echoes = [len(json.dumps(d)) for d in sub.docs]
         tap(max(echoes) < 8192, "no answer echoes an oversized request", f"largest answer {max(echoes)} bytes")
+        huge = (by_id.get("huge-text") or {}).get("query") or ""
+        tap(huge.startswith("aaa") and len(huge.encode()) <= 1024 + 3,
+            "a refused text is echoed, clipped to 1 KiB", f"query {huge[:80]!r}... ({len(huge)} characters)")
+        codes = {"invalid_request", "text_too_long", "image_too_large", "image_unavailable", "image_undecodable",
+                 "model_mismatch", "duplicate_id", "internal"}
+        uncoded = [d for d in sub.docs if d.get("schema") != 1 or
+                   (d.get("type") == "error" and (d.get("error") or {}).get("code") not in codes)]
+        tap(not uncoded, "every answer has schema 1, every error a documented code",
+            json.dumps(uncoded[:5])[:2000])
+        expected_codes = {"huge-text": "text_too_long", "k-zero": "invalid_request", "dotdot": "image_unavailable",
+                          "jpeg-b64": "image_undecodable", "jpeg-file": "image_undecodable"}
+        got_codes = {rid: ((by_id.get(rid) or {}).get("error") or {}).get("code") for rid in expected_codes}
+        tap(got_codes == expected_codes, "codes name the cause, where the request failed",
+            f"expected {expected_codes}, got {got_codes}")
         gaps = sub.gaps()
         has_seq = any("seq" in d for d in sub.docs)
         tap(has_seq and not gaps, "the healthy subscriber's stream has no gap (seq), next to one that never reads",

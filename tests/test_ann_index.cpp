@@ -16,6 +16,7 @@
 
 #include "backend.h"
 #include "moe/ann_index.h"
+#include "moe/catalog.h"
 #include "moe/error.h"
 #include "test_util.h"
 
@@ -340,6 +341,85 @@ TEST_P(AnnIndexFiles, MalformedProvenanceIsNamed) {
   not_object.replace(at, not_object.find('}', at) + 1 - at, "\"clip\"");
   write_text(items_path, not_object);
   expect_error([&] { AnnIndex::load(path); }, {items_path, "'provenance' is not an object"});
+}
+
+// A catalog line's own members beyond path, id and caption reach the item table and come back.
+TEST_P(AnnIndexFiles, CatalogFieldsRoundTripAndTablesWithoutThemLoad) {
+  const std::string path = dir_.file("catalog.faiss");
+  const std::string items_path = path + ".items.jsonl";
+  AnnIndex index = AnnIndex::create(kDim, {GetParam()});
+  auto items = numbered_items(kCount);
+  items[2].fields = R"({"price":12.5,"sku":"A-1","tags":["red","mug"],"stock":{"eu":3}})";
+  index.add(base_.data(), kCount, items);
+  index.save(path);
+  const std::string table = read_text(items_path);
+  // Written only where there are fields.
+  EXPECT_NE(table.find(R"("caption":"caption 2","fields":{"price":12.5,"sku":"A-1")"), std::string::npos) << table;
+  EXPECT_EQ(table.find("\"fields\""), table.rfind("\"fields\""));
+
+  const AnnIndex loaded = AnnIndex::load(path);
+  EXPECT_EQ(loaded.item(2).fields, items[2].fields);
+  EXPECT_EQ(loaded.item(3).fields, "");
+
+  // A table written before fields existed (no member anywhere) loads, every item without fields.
+  std::string old = table;
+  const size_t at = old.find(",\"fields\":");
+  old.erase(at, old.find('\n', at) - 1 - at);
+  write_text(items_path, old);
+  EXPECT_EQ(AnnIndex::load(path).item(2).fields, "");
+
+  std::string not_object = table;
+  not_object.replace(not_object.find("{\"price\""),
+                     std::string(R"({"price":12.5,"sku":"A-1","tags":["red","mug"],"stock":{"eu":3}})").size(), "5");
+  write_text(items_path, not_object);
+  expect_error([&] { AnnIndex::load(path); }, {items_path, "line 4", "'fields' is not an object"});
+
+  AnnIndex broken = AnnIndex::create(kDim, {GetParam()});
+  items[2].fields = "[1]";
+  broken.add(base_.data(), kCount, items);
+  expect_error([&] { broken.save(dir_.file("broken.faiss")); }, {"fields of item 2", "not a JSON object"});
+}
+
+TEST(Catalog, LinesKeepTheirOtherMembersAsFields) {
+  const moe::CatalogEntry sku = moe::parse_catalog_line(
+      R"({"path":"mug.png","id":"SKU-001","price":12.5,"caption":"red mug","stock":{"eu":3},"tags":["a"]})", "/cat",
+      "catalog line 1");
+  EXPECT_EQ(sku.error, "");
+  EXPECT_EQ(sku.id, "SKU-001");
+  EXPECT_EQ(sku.path, "/cat/mug.png");
+  EXPECT_EQ(sku.caption, "red mug");
+  EXPECT_EQ(sku.fields, R"({"price":12.5,"stock":{"eu":3},"tags":["a"]})");
+  const moe::CatalogEntry plain = moe::parse_catalog_line(R"({"path":"cup.png"})", "/cat", "catalog line 2");
+  EXPECT_EQ(plain.id, "cup");
+  EXPECT_EQ(plain.fields, "");
+}
+
+TEST(AnnIndex, UrisAreRebasedFromTheFolderTheyShare) {
+  AnnIndex index = AnnIndex::create(4, {});
+  const std::vector<float> vectors = random_unit_vectors(4, 4, 3);
+  index.add(vectors.data(), 4,
+            {{"a", "file:///home/me/cat/a.png", ""},
+             {"b", "file:///home/me/cat/sub/b%20c.png", ""},
+             {"c", "", ""},
+             {"d", "file:///home/me/cat/d.png", ""}});
+  const std::string folder = index.uri_folder();
+  EXPECT_EQ(folder, "file:///home/me/cat/");
+  EXPECT_EQ(moe::rebase_uri(index.item(1).uri, folder, "https://cdn.example/c"), "https://cdn.example/c/sub/b%20c.png");
+  EXPECT_EQ(moe::rebase_uri(index.item(0).uri, folder, "https://cdn.example/c/"), "https://cdn.example/c/a.png");
+  EXPECT_EQ(moe::rebase_uri(index.item(0).uri, folder, ""), index.item(0).uri);
+  EXPECT_EQ(moe::rebase_uri("file:///elsewhere/x.png", folder, "https://cdn.example/c"), "file:///elsewhere/x.png");
+  EXPECT_EQ(moe::rebase_uri("file:///x.png", "", "https://cdn.example/c"), "file:///x.png");
+
+  // A shared prefix that ends inside a name is cut back to its folder; no uris, no folder.
+  AnnIndex siblings = AnnIndex::create(4, {});
+  siblings.add(vectors.data(), 2, {{"a", "file:///srv/cat1/a.png", ""}, {"b", "file:///srv/cat2/b.png", ""}});
+  EXPECT_EQ(siblings.uri_folder(), "file:///srv/");
+  AnnIndex single = AnnIndex::create(4, {});
+  single.add(vectors.data(), 1, {{"a", "file:///srv/cat/a.png", ""}});
+  EXPECT_EQ(single.uri_folder(), "file:///srv/cat/");
+  AnnIndex none = AnnIndex::create(4, {});
+  none.add(vectors.data(), 1, {{"a", "", ""}});
+  EXPECT_EQ(none.uri_folder(), "");
 }
 
 TEST(AnnProvenance, ComparesFingerprintsNotNames) {

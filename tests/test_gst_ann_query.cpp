@@ -13,6 +13,7 @@
 #include "backend.h"
 #include "gstannquery.h"
 #include "gstmoemeta.h"
+#include "gstmoeresult.h"
 #include "moe/ann_index.h"
 #include "test_util.h"
 
@@ -40,6 +41,8 @@ gstmoe::RequestRecord catalog_record(int i) {
   r.modality = gstmoe::Modality::Image;
   r.uri = "file:///catalog/" + std::to_string(i) + ".png";
   r.text = i == 7 ? "tasse rayée — 縞模様のマグ" : "caption " + std::to_string(i);
+  // Every third catalog line carries members of its own (a price, a SKU), the others none.
+  if (i % 3 == 0) r.fields = R"({"price":)" + std::to_string(i) + R"(.5,"sku":"SKU-)" + std::to_string(i) + "\"}";
   r.arrival_wall_us = g_get_real_time();
   r.arrival_mono_us = g_get_monotonic_time();
   return r;
@@ -67,6 +70,7 @@ gstmoe::FailedRequest failed_request(const std::string& id) {
   f.request.arrival_wall_us = g_get_real_time();
   f.stage = "zmq-query";
   f.reason = "image file '/nope.jpg' cannot be read: No such file or directory";
+  f.code = moe::error_code::kImageUnavailable;
   return f;
 }
 
@@ -269,6 +273,7 @@ TEST_F(AnnQueryTest, BuildWritesIndexAndSummary) {
   EXPECT_TRUE(std::filesystem::exists(path + ".items.jsonl"));
 
   Json summary(summary_buf);
+  EXPECT_EQ(Json::integer(summary.obj(), "schema"), gstmoe::kResultSchema);
   EXPECT_EQ(Json::str(summary.obj(), "type"), "index-built");
   EXPECT_EQ(Json::str(summary.obj(), "index"), path);
   EXPECT_EQ(Json::integer(summary.obj(), "items"), kItems);
@@ -299,6 +304,7 @@ TEST_F(AnnQueryTest, BuildWritesIndexAndSummary) {
     EXPECT_EQ(index.item(i).id, r.id);
     EXPECT_EQ(index.item(i).uri, r.uri);
     EXPECT_EQ(index.item(i).caption, r.text);
+    EXPECT_EQ(index.item(i).fields, r.fields);
   }
 }
 
@@ -331,6 +337,7 @@ TEST_F(AnnQueryTest, SearchFindsStoredItemsWithFullDocuments) {
 
     Json doc(out[i]);
     JsonObject* o = doc.obj();
+    EXPECT_EQ(Json::integer(o, "schema"), gstmoe::kResultSchema);
     EXPECT_EQ(Json::str(o, "type"), "result");
     EXPECT_EQ(Json::str(o, "id"), "q" + std::to_string(i));
     EXPECT_EQ(Json::str(o, "modality"), "text");
@@ -347,8 +354,18 @@ TEST_F(AnnQueryTest, SearchFindsStoredItemsWithFullDocuments) {
       EXPECT_EQ(Json::integer(hit, "rank"), static_cast<int64_t>(j) + 1);
       EXPECT_EQ(item, expected[i][j].item);
       EXPECT_NEAR(Json::number(hit, "score"), expected[i][j].score, 1e-5);
+      EXPECT_EQ(Json::str(hit, "id"), catalog_record(static_cast<int>(item)).id);
       EXPECT_EQ(Json::str(hit, "uri"), catalog_record(static_cast<int>(item)).uri);
       EXPECT_EQ(Json::str(hit, "caption"), catalog_record(static_cast<int>(item)).text);
+      // The catalog line's own members, as they were; {} for a line without any.
+      JsonObject* fields = Json::object(hit, "fields");
+      ASSERT_NE(fields, nullptr);
+      if (item % 3 == 0) {
+        EXPECT_DOUBLE_EQ(Json::number(fields, "price"), static_cast<double>(item) + 0.5);
+        EXPECT_EQ(Json::str(fields, "sku"), "SKU-" + std::to_string(item));
+      } else {
+        EXPECT_EQ(json_object_get_size(fields), 0u) << doc.text();
+      }
     }
     // The stored vector finds its own item first.
     JsonObject* first = json_array_get_object_element(results, 0);
@@ -397,6 +414,7 @@ TEST_F(AnnQueryTest, FailedRequestsBecomeErrorDocuments) {
   gstmoe::FailedRequest no_id = failed_request("");
   no_id.stage = "moe-encode";
   no_id.reason = "image '/nope.jpg' cannot be decoded: not an image";
+  no_id.code = moe::error_code::kImageUndecodable;
   only_failed.failed.push_back(no_id);
   ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, only_failed)), GST_FLOW_OK);
 
@@ -421,20 +439,108 @@ TEST_F(AnnQueryTest, FailedRequestsBecomeErrorDocuments) {
     EXPECT_EQ(Json::str(doc.obj(), "uri"), "/nope.jpg");
     JsonObject* err = Json::object(doc.obj(), "error");
     ASSERT_NE(err, nullptr);
+    EXPECT_EQ(Json::integer(doc.obj(), "schema"), gstmoe::kResultSchema);
     EXPECT_EQ(Json::str(err, "stage"), meta->records->failed[0].stage);
+    EXPECT_EQ(Json::str(err, "code"), meta->records->failed[0].code);
     EXPECT_EQ(Json::str(err, "reason"), meta->records->failed[0].reason);
     EXPECT_FALSE(Json::str(doc.obj(), "arrival_time").empty());
     error_ids.push_back(Json::is_null(doc.obj(), "id") ? "<null>" : Json::str(doc.obj(), "id"));
     if (error_ids.back() == "bad1") {
       EXPECT_EQ(Json::str(err, "stage"), "zmq-query");
       EXPECT_EQ(Json::str(err, "reason"), "image file '/nope.jpg' cannot be read: No such file or directory");
+      EXPECT_EQ(Json::str(err, "code"), "image_unavailable");
     } else {
       EXPECT_EQ(Json::str(err, "stage"), "moe-encode");
+      EXPECT_EQ(Json::str(err, "code"), "image_undecodable");
     }
   }
   EXPECT_EQ(results, 2);
   EXPECT_EQ(error_ids, (std::vector<std::string>{"bad1", "<null>"}));
   unref_all(out);
+}
+
+// Two catalog files with one id (cat.jpg and cat.png both "cat"): the second is not indexed, and
+// its error document names both files; the build goes on and counts it as failed.
+TEST_F(AnnQueryTest, BuildRefusesDuplicateIdsNamingBothFiles) {
+  const std::string path = dir_.file("dups.faiss");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), nullptr));
+  set_tensor_caps(h, kWidth);
+  const auto item = [](const std::string& id, const std::string& file) {
+    gstmoe::RequestRecord r = catalog_record(0);
+    r.id = id;
+    r.uri = "file:///catalog/" + file;
+    return r;
+  };
+  gstmoe::BatchRecords first;
+  first.rows = {item("cat", "cat.jpg"), item("dog", "dog.png"), item("cat", "cat.png")};  // within a batch
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, first)), GST_FLOW_OK);
+  gstmoe::BatchRecords second;
+  second.rows = {item("bird", "bird.png"), item("dog", "sub/dog.png")};  // against an earlier batch
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 3, second)), GST_FLOW_OK);
+
+  std::vector<GstBuffer*> errors = pull_all(h);
+  ASSERT_EQ(errors.size(), 2u);
+  const std::vector<std::pair<std::string, std::string>> expected = {{"cat.png", "cat.jpg"},
+                                                                     {"sub/dog.png", "dog.png"}};
+  for (size_t i = 0; i < errors.size(); ++i) {
+    Json doc(errors[i]);
+    JsonObject* err = Json::object(doc.obj(), "error");
+    ASSERT_NE(err, nullptr);
+    EXPECT_EQ(Json::str(err, "code"), "duplicate_id");
+    const std::string reason = Json::str(err, "reason");
+    EXPECT_NE(
+        reason.find("file:///catalog/" + expected[i].first + " has the id of file:///catalog/" + expected[i].second),
+        std::string::npos)
+        << reason;
+  }
+  unref_all(errors);
+  EXPECT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  std::vector<GstBuffer*> summary = pull_all(h);
+  ASSERT_EQ(summary.size(), 1u);
+  {
+    Json doc(summary[0]);
+    EXPECT_EQ(Json::integer(doc.obj(), "items"), 3);
+    EXPECT_EQ(Json::integer(doc.obj(), "failed"), 2);
+  }
+  unref_all(summary);
+  // The index holds the first of each id with its own vector: row 3 of the catalog is "bird".
+  const moe::AnnIndex index = moe::AnnIndex::load(path);
+  ASSERT_EQ(index.size(), 3);
+  EXPECT_EQ(index.item(0).uri, "file:///catalog/cat.jpg");
+  EXPECT_EQ(index.item(1).uri, "file:///catalog/dog.png");
+  EXPECT_EQ(index.item(2).id, "bird");
+  const auto hits = index.search(catalog_.data() + 3 * kWidth, 1, 1);
+  EXPECT_EQ(hits[0][0].item, 2);
+  EXPECT_NEAR(hits[0][0].score, 1.0, 1e-5);
+}
+
+TEST_F(AnnQueryTest, UriBaseServesItemsFromAnotherPlace) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstHarness* h = harness(make_element("index", path.c_str(), "k", 3, "uri-base", "https://cdn.example/shop", nullptr));
+  set_tensor_caps(h, kWidth);
+  gstmoe::BatchRecords batch;
+  batch.rows = {text_request("q")};
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 4, batch)), GST_FLOW_OK);
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 1u);
+  {
+    Json doc(out[0]);
+    JsonArray* results = Json::array(doc.obj(), "results");
+    ASSERT_NE(results, nullptr);
+    ASSERT_EQ(json_array_get_length(results), 3u);
+    for (guint j = 0; j < 3; ++j) {
+      JsonObject* hit = json_array_get_object_element(results, j);
+      // file:///catalog/N.png, under the items' shared folder file:///catalog/.
+      EXPECT_EQ(Json::str(hit, "uri"),
+                "https://cdn.example/shop/" + std::to_string(Json::integer(hit, "item")) + ".png");
+    }
+  }
+  unref_all(out);
+  gchar* base = nullptr;
+  g_object_get(harnesses_.back()->element, "uri-base", &base, nullptr);
+  EXPECT_STREQ(base, "https://cdn.example/shop");
+  g_free(base);
 }
 
 TEST_F(AnnQueryTest, RequestsChooseTheirOwnK) {
@@ -726,6 +832,7 @@ TEST_F(AnnQueryTest, BuildWithoutAdapterThenWithOneIsRefused) {
 struct Answers {
   std::vector<std::string> results;
   std::map<std::string, std::string> errors;
+  std::map<std::string, std::string> codes;  // id -> error.code
 };
 
 class AnnQueryProvenanceTest : public AnnQueryTest {
@@ -752,6 +859,7 @@ class AnnQueryProvenanceTest : public AnnQueryTest {
       JsonObject* err = Json::object(doc.obj(), "error");
       if (err == nullptr) continue;
       a.errors[Json::str(doc.obj(), "id")] = Json::str(err, "stage") + ": " + Json::str(err, "reason");
+      a.codes[Json::str(doc.obj(), "id")] = Json::str(err, "code");
     }
     unref_all(out);
     return a;
@@ -777,8 +885,10 @@ TEST_F(AnnQueryProvenanceTest, AnotherAdapterIsRefusedPerRequest) {
   EXPECT_TRUE(a.results.empty());
   ASSERT_EQ(a.errors.size(), 5u);
   EXPECT_NE(a.errors.at("upstream-failure").find("zmq-query: "), std::string::npos) << "its own reason is kept";
+  EXPECT_EQ(a.codes.at("upstream-failure"), "image_unavailable") << "and its own code";
   for (const std::string& id : all_ids_) {
     ASSERT_EQ(a.errors.count(id), 1u) << id;
+    EXPECT_EQ(a.codes.at(id), "model_mismatch");
     EXPECT_EQ(a.errors.at(id), "ann-query: the index " + path +
                                    " was built from encoder 'clip' (fp 00000000000c11b0) and adapter 'adapter' (fp "
                                    "00000000000adab7), but this query was encoded by encoder 'clip' (fp "

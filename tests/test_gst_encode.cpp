@@ -1057,7 +1057,7 @@ struct CatalogFixture {
   // a (explicit id), b (default id), a missing file, c (absolute path, default id).
   void write_catalog() {
     dir.write("catalog.jsonl",
-              "{\"path\": \"a.png\", \"caption\": \"a red square\", \"id\": \"A\"}\n"
+              "{\"path\": \"a.png\", \"caption\": \"a red square\", \"id\": \"A\", \"price\": 12.5}\n"
               "{\"path\": \"b.png\", \"caption\": \"blue\"}\n"
               "\n"
               "{\"path\": \"missing.png\", \"caption\": \"gone\", \"id\": \"M\"}\n"
@@ -1092,11 +1092,12 @@ TEST(MoeCatalogSrc, CatalogItemsThenEos) {
     const char* file;
     const char* caption;
     bool ok;
+    const char* fields;  // the line's other members, as the request carries them into the index
   };
-  const Want want[] = {{"A", "a.png", "a red square", true},
-                       {"b", "b.png", "blue", true},
-                       {"M", "missing.png", "gone", false},
-                       {"c", "c.png", "green", true}};
+  const Want want[] = {{"A", "a.png", "a red square", true, "{\"price\":12.5}"},
+                       {"b", "b.png", "blue", true, ""},
+                       {"M", "missing.png", "gone", false, ""},
+                       {"c", "c.png", "green", true, ""}};
   for (const Want& w : want) {
     GstBuffer* buf = gst_harness_pull(h);
     ASSERT_NE(buf, nullptr) << w.id;
@@ -1119,6 +1120,7 @@ TEST(MoeCatalogSrc, CatalogItemsThenEos) {
       ASSERT_EQ(records->failed.size(), 1u) << w.id;
       const gstmoe::FailedRequest& f = records->failed[0];
       EXPECT_EQ(f.stage, "moe-catalog-src");
+      EXPECT_STREQ(f.code, "image_unavailable");
       EXPECT_NE(f.reason.find(fx.dir.file(w.file)), std::string::npos) << f.reason;
       rec = &f.request;
     }
@@ -1126,6 +1128,7 @@ TEST(MoeCatalogSrc, CatalogItemsThenEos) {
     EXPECT_EQ(rec->modality, gstmoe::Modality::Image);
     EXPECT_EQ(rec->uri, file_uri(fx.dir.file(w.file)));
     EXPECT_EQ(rec->text, w.caption);
+    EXPECT_EQ(rec->fields, w.fields);
     EXPECT_GT(rec->arrival_wall_us, 0);
     gst_buffer_unref(buf);
   }
@@ -1176,6 +1179,7 @@ TEST(MoeCatalogSrc, MalformedLinesBecomeFailedRequests) {
     EXPECT_TRUE(r.rows.empty());
     ASSERT_EQ(r.failed.size(), 1u);
     EXPECT_EQ(r.failed[0].stage, "moe-catalog-src");
+    EXPECT_STREQ(r.failed[0].code, "invalid_request");
     EXPECT_NE(r.failed[0].reason.find(catalog), std::string::npos) << r.failed[0].reason;
     EXPECT_NE(r.failed[0].reason.find(reason), std::string::npos) << r.failed[0].reason;
     gst_buffer_unref(buf);

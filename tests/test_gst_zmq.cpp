@@ -708,6 +708,8 @@ struct Expect {
   std::string uri;          // image requests, as far as known
   int k = 0;                // accepted requests
   std::string reason_part;  // rejected requests: a fragment of the reason; "" for accepted ones
+  std::string code{};       // rejected requests: their error.code; "" not checked
+  std::string echo{};       // rejected text requests: the query text their answer echoes
 };
 
 void expect_request(GstBuffer* buf, const Expect& x) {
@@ -731,7 +733,13 @@ void expect_request(GstBuffer* buf, const Expect& x) {
     EXPECT_EQ(gst_buffer_get_size(buf), 0u);
     EXPECT_EQ(r.failed[0].stage, "zmq-query");
     EXPECT_NE(r.failed[0].reason.find(x.reason_part), std::string::npos) << r.failed[0].reason;
+    if (!x.code.empty()) {
+      EXPECT_EQ(r.failed[0].code, x.code);
+    }
     rec = &r.failed[0].request;
+    if (x.modality == gstmoe::Modality::Text) {
+      EXPECT_EQ(rec->text, x.echo);
+    }
   }
   EXPECT_EQ(rec->id, x.id);
   EXPECT_EQ(rec->modality, x.modality);
@@ -813,32 +821,37 @@ TEST_F(ZmqTest, QueryPullTurnsEachMessageIntoOneRequestBuffer) {
        {"3", Modality::Image, image.substr(0, 200), image_uri, 1024, ""}},
       {{R"({"id":"b4","image_base64":)" + json_str(b64_wrapped) + "}"},
        {"b4", Modality::Image, image, "base64:300 bytes", 0, ""}},
-      {{"this is not json"}, {"", Modality::Text, "", "", 0, "not valid JSON"}},
+      {{"this is not json"}, {"", Modality::Text, "", "", 0, "not valid JSON", "invalid_request"}},
       {{"\xff\xfe{}"}, {"", Modality::Text, "", "", 0, "UTF-8"}},
       {{"[1, 2]"}, {"", Modality::Text, "", "", 0, "not a JSON object"}},
-      {{R"({"text":"no id"})"}, {"", Modality::Text, "", "", 0, "id is missing"}},
-      {{R"({"id":1.5,"text":"x"})"}, {"1.5", Modality::Text, "", "", 0, "id must be a string or an integer"}},
+      {{R"({"text":"no id"})"}, {"", Modality::Text, "", "", 0, "id is missing", "invalid_request", "no id"}},
+      {{R"({"id":1.5,"text":"x"})"}, {"1.5", Modality::Text, "", "", 0, "id must be a string or an integer", "", "x"}},
       {{R"({"id":"none"})"}, {"none", Modality::Text, "", "", 0, "it has none"}},
-      {{R"({"id":"both","text":"x","image":"/p.png"})"}, {"both", Modality::Text, "", "", 0, "it has text and image"}},
+      {{R"({"id":"both","text":"x","image":"/p.png"})"},
+       {"both", Modality::Text, "", "", 0, "it has text and image", "", "x"}},
       {{R"({"id":"missing","image":)" + json_str(missing) + "}"},
-       {"missing", Modality::Image, "", missing, 0,
-        "image '" + missing + "' cannot be read: No such file or directory"}},
+       {"missing", Modality::Image, "", missing, 0, "image '" + missing + "' cannot be read: No such file or directory",
+        "image_unavailable"}},
       {{R"({"id":"dir","image":)" + json_str(dir_) + "}"}, {"dir", Modality::Image, "", dir_, 0, "not a regular file"}},
       {{R"({"id":"web","image":"http://example.com/a.png"})"},
-       {"web", Modality::Image, "", "http://example.com/a.png", 0, "neither a local path nor a file:// uri"}},
+       {"web", Modality::Image, "", "http://example.com/a.png", 0, "neither a local path nor a file:// uri",
+        "invalid_request"}},
       {{R"({"id":"bigfile","image":)" + json_str(big_path) + "}"},
-       {"bigfile", Modality::Image, "", big_path, 0, "is 2000 bytes, more than max-image-bytes (1000)"}},
+       {"bigfile", Modality::Image, "", big_path, 0, "is 2000 bytes, more than max-image-bytes (1000)",
+        "image_too_large"}},
       {{R"({"id":"b64bad","image_base64":"abc$def="})"},
        {"b64bad", Modality::Image, "", "", 0, "image_base64 is not valid base64: unexpected character '$'"}},
       {{R"({"id":"b64len","image_base64":"abcde"})"}, {"b64len", Modality::Image, "", "", 0, "multiple of 4"}},
       {{R"({"id":"b64big","image_base64":")" + big_b64_s + "\"}"},
-       {"b64big", Modality::Image, "", "", 0, "decodes to 2000 bytes, more than max-image-bytes (1000)"}},
-      {{R"({"id":"k0","text":"x","k":0})"},
-       {"k0", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024 (got 0)"}},
+       {"b64big", Modality::Image, "", "", 0, "decodes to 2000 bytes, more than max-image-bytes (1000)",
+        "image_too_large"}},
+      {{R"({"id":"k0","text":"red mug","k":0})"},
+       {"k0", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024 (got 0)", "invalid_request", "red mug"}},
       {{R"({"id":"kstr","text":"x","k":"5"})"},
-       {"kstr", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024"}},
+       {"kstr", Modality::Text, "", "", 0, "k must be an integer from 1 to 1024", "", "x"}},
       {{R"({"id":"empty","text":""})"}, {"empty", Modality::Text, "", "", 0, "text is empty"}},
-      {{R"({"id":"f1","text":"x"})", "second frame"}, {"", Modality::Text, "", "", 0, "request has 2 frames"}},
+      {{R"({"id":"f1","text":"x"})", "second frame"},
+       {"", Modality::Text, "", "", 0, "request has 2 frames", "invalid_request"}},
       {{R"({"id":"last","text":"still served after all that"})"},
        {"last", Modality::Text, "still served after all that", "", 0, ""}},
   };
@@ -936,6 +949,7 @@ TEST_F(ZmqTest, QueryRouterAcknowledgesDealerAndReqClients) {
   auto [id, status, error] = parse_reply(to_string(reply));
   EXPECT_EQ(id, "r1");
   EXPECT_EQ(status, "rejected");
+  EXPECT_NE(to_string(reply).find(R"("code":"image_unavailable")"), std::string::npos) << to_string(reply);
   EXPECT_NE(error.find("no image-root (the operator sets image-root=DIR"), std::string::npos) << error;
 
   ASSERT_TRUE(req.send(zmq::str_buffer("not json")));  // REQ needs the reply before its next request
@@ -1071,9 +1085,10 @@ TEST_F(ZmqTest, QueryWithoutImageRootRefusesImagePathsButTakesImageBase64) {
   const std::string reason =
       "image paths are not served: zmq-query has no image-root (the operator sets image-root=DIR to serve the image "
       "files under DIR); send the image itself as image_base64";
-  const std::vector<Expect> expected = {{"path", gstmoe::Modality::Image, "", photo, 0, reason},
-                                        {"uri", gstmoe::Modality::Image, "", file_uri(photo), 0, reason},
-                                        {"b64", gstmoe::Modality::Image, "photo bytes", "base64:11 bytes", 0, ""}};
+  const std::vector<Expect> expected = {
+      {"path", gstmoe::Modality::Image, "", photo, 0, reason, "image_unavailable"},
+      {"uri", gstmoe::Modality::Image, "", file_uri(photo), 0, reason, "image_unavailable"},
+      {"b64", gstmoe::Modality::Image, "photo bytes", "base64:11 bytes", 0, ""}};
   for (const Expect& x : expected) {
     GstBuffer* buf = gst_harness_pull(h);
     expect_request(buf, x);

@@ -185,12 +185,45 @@ TEST(QueryRequest, TextLongerThanTheLimitIsRefused) {
   expect_rejected(R"({"id":"a","text":"01234567890"})", "text is 11 bytes, more than max-text-bytes (10)", "a", limits);
   const QueryRejected big = rejection(R"({"id":"big","text":")" + std::string(10 << 20, 'a') + "\"}");
   EXPECT_NE(std::string(big.what()).find("text is 10485760 bytes, more than max-text-bytes (4096)"), std::string::npos);
-  // The refused request's record, which the error document echoes, does not keep the text.
+  EXPECT_STREQ(big.code, moe::error_code::kTextTooLong);
+  // The refused request's record, which the error document echoes, keeps the text clipped to 1 KiB.
   EXPECT_EQ(big.request.id, "big");
-  EXPECT_EQ(big.request.text, "");
+  EXPECT_EQ(big.request.text, std::string(moe::kMaxEchoedQueryBytes, 'a') + "...");
   const QueryRejected path = rejection(R"({"id":"p","image":")" + std::string(5000, 'p') + "\"}");
   EXPECT_NE(std::string(path.what()).find("image is 5000 bytes, longer than a path may be (4096)"), std::string::npos);
-  EXPECT_EQ(path.request.image, "");
+  EXPECT_STREQ(path.code, moe::error_code::kInvalidRequest);
+  EXPECT_EQ(path.request.image, std::string(moe::kMaxEchoedQueryBytes, 'p') + "...");
+  EXPECT_EQ(path.request.modality, moe::QueryModality::Image);
+}
+
+// Whatever check refuses a request, its answer can still show the client which query it was.
+TEST(QueryRequest, RefusedRequestsEchoTheirQuery) {
+  const QueryRejected bad_k = rejection(R"({"id":"k","text":"red mug","k":0})");
+  EXPECT_EQ(bad_k.request.text, "red mug");
+  EXPECT_EQ(bad_k.request.modality, moe::QueryModality::Text);
+  const QueryRejected no_id = rejection(R"({"text":"blue cup"})");
+  EXPECT_EQ(no_id.request.id, "");
+  EXPECT_EQ(no_id.request.text, "blue cup");
+  const QueryRejected image = rejection(R"({"id":"i","image":"mug.jpg","k":"5"})");
+  EXPECT_EQ(image.request.image, "mug.jpg");
+  EXPECT_EQ(image.request.modality, moe::QueryModality::Image);
+  const QueryRejected text_not_string = rejection(R"({"id":"t","text":5,"image":"cup.png"})");
+  EXPECT_EQ(text_not_string.request.image, "cup.png");
+  // Nothing to echo: not JSON, or no query member.
+  EXPECT_EQ(rejection("{\"id\":\"x\",\"text\":").request.text, "");
+  const QueryRejected none = rejection(R"({"id":"x"})");
+  EXPECT_EQ(none.request.text + none.request.image, "");
+}
+
+TEST(QueryRequest, RefusalsCarryTheCodeOfTheirCause) {
+  EXPECT_STREQ(rejection("[1]").code, moe::error_code::kInvalidRequest);
+  EXPECT_STREQ(rejection(R"({"id":"k","text":"x","k":0})").code, moe::error_code::kInvalidRequest);
+  moe::QueryLimits limits;
+  limits.max_text_bytes = 2;
+  limits.max_image_bytes = 4;
+  EXPECT_STREQ(rejection(R"({"id":"t","text":"abc"})", limits).code, moe::error_code::kTextTooLong);
+  EXPECT_STREQ(rejection(R"({"id":"b","image_base64":"aGVsbG8="})", limits).code, moe::error_code::kImageTooLarge);
+  EXPECT_STREQ(rejection(R"({"id":"b","image_base64":"a$=="})", limits).code, moe::error_code::kInvalidRequest);
 }
 
 TEST(QueryRequest, ClipsEchoesAtCharacterBoundaries) {
@@ -255,4 +288,16 @@ TEST(QueryRequest, ImageFilesAreReadOnlyInsideTheRoot) {
   expect_error([&] { moe::read_query_image_file("missing.png", canonical, 100); }, {"'missing.png' cannot be read"});
   expect_error([&] { moe::read_query_image_file("a.png", canonical, 3); }, {"4 bytes, more than max-image-bytes (3)"});
   expect_error([&] { moe::read_query_image_file("http://x/a.png", canonical, 100); }, {"neither a local path nor"});
+  const auto code_of = [&](const std::string& image, uint64_t max_bytes) -> std::string {
+    try {
+      moe::read_query_image_file(image, canonical, max_bytes);
+    } catch (const moe::RequestRefused& e) {
+      return e.code;
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(code_of("../secret.png", 100), moe::error_code::kImageUnavailable);
+  EXPECT_EQ(code_of("missing.png", 100), moe::error_code::kImageUnavailable);
+  EXPECT_EQ(code_of("a.png", 3), moe::error_code::kImageTooLarge);
+  EXPECT_EQ(code_of("http://x/a.png", 100), moe::error_code::kInvalidRequest);
 }

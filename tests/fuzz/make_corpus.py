@@ -407,7 +407,8 @@ def item_table_seeds():
     no_prov = dict(head, count=2, dim=16, index_type="hnsw")
     del no_prov["provenance"]
     keys = ["format", "gst-moe-items", "version", "count", "dim", "index_type", "flat", "hnsw", "provenance",
-            "encoder", "encoder_fingerprint", "adapter", "adapter_fingerprint", "item", "id", "uri", "caption"]
+            "encoder", "encoder_fingerprint", "adapter", "adapter_fingerprint", "item", "id", "uri", "caption",
+            "fields"]
     return {
         "flat-3.bin": table(head, items, 3, 8),
         "hnsw-2-no-provenance.bin": table(no_prov, items[:2], 2, 16, hnsw=True, trailing=""),
@@ -418,6 +419,10 @@ def item_table_seeds():
         "count-mismatch.bin": table(head, items, 2, 8),
         "no-fingerprint.bin": table(dict(head, provenance=dict(prov, encoder_fingerprint="")), items, 3, 8),
         "blank-line.bin": table(dict(head, count=1), [], 1, 8, trailing="\n\n"),
+        # catalog fields kept per item (an object), and one that is not an object (refused)
+        "fields.bin": table(head, [dict(items[0], fields={"price": 12.5, "tags": ["a", "b"]}), items[1],
+                                   dict(items[2], fields={})], 3, 8),
+        "fields-not-object.bin": table(dict(head, count=1), [dict(items[0], fields=[1, 2])], 1, 8),
         "empty.bin": bytes([0, 0, 0]),
     }, keys
 
@@ -436,6 +441,9 @@ def catalog_seeds():
         "unicode.jsonl": '{"path": "caf\\u00e9/\\u65e5\\u672c.png", "caption": "\\ud83d\\ude00", "id": "\\u0000x"}\n',
         "crlf.jsonl": '{"path": "a.png"}\r\n \t\r\n{"path": "dir/.hidden", "caption": null}\r\n',
         "deep.jsonl": '{"path": "a.png", "attributes": ' + "[" * 70 + "]" * 70 + "}\n",
+        # the line's other members travel as the item's fields
+        "fields.jsonl": '{"path": "a.png", "id": "SKU-001", "price": 12.5, "stock": true, "tags": ["red"]}\n'
+                        '{"path": "b.png", "category": {"name": "mug", "level": 2}, "price": null}\n',
     }, ["path", "caption", "id", "attributes", ".png", "/", "../", "\n", "\r"]
 
 

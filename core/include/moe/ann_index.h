@@ -14,11 +14,13 @@
 //                         "provenance":{"encoder":"...","encoder_fingerprint":"...",
 //                                       "adapter":"...","adapter_fingerprint":"..."}}
 //                      then one object per item, in index order:
-//                        {"item":i,"id":"...","uri":"...","caption":"..."}
+//                        {"item":i,"id":"...","uri":"...","caption":"...","fields":{...}}
 //                      "provenance" is optional: tables written before it existed, or for vectors
-//                      of unknown origin, have none. Adding it kept version 1: it is an optional
-//                      member that older readers skip, and its absence already says "unknown",
-//                      so a version number would tell a reader nothing more.
+//                      of unknown origin, have none. "fields" (the catalog line's members other
+//                      than path, id and caption) is optional too: written only when there are
+//                      some. Adding them kept version 1: they are optional members that older
+//                      readers skip, and their absence already says "unknown" / "none", so a
+//                      version number would tell a reader nothing more.
 #pragma once
 
 #include <cstdint>
@@ -53,10 +55,16 @@ struct AnnBuildOptions {
 
 // What an index row stands for; returned with search hits.
 struct AnnItem {
-  std::string id;       // the catalog's identifier
-  std::string uri;      // where the item lives (an image file uri)
-  std::string caption;  // its text
+  std::string id;        // the catalog's identifier
+  std::string uri;       // where the item lives (an image file uri)
+  std::string caption;   // its text
+  std::string fields{};  // the catalog line's other members: a JSON object's compact text, "" for none
 };
+
+// `uri` with `folder` (a prefix of it ending in '/', as AnnIndex::uri_folder gives) replaced by
+// `base` (a '/' is put between them when `base` does not end in one); `uri` unchanged when it does
+// not start with `folder`, or `folder` or `base` is empty.
+std::string rebase_uri(const std::string& uri, const std::string& folder, const std::string& base);
 
 // What made an index's vectors, so that queries from other models can be refused: the encoder
 // and adapter names (directory basenames, for messages) and fingerprints (ClipModel and
@@ -128,6 +136,9 @@ class AnnIndex {
   AnnIndexType type() const { return type_; }
   // The item at row i; throws moe::Error when i is out of range.
   const AnnItem& item(int64_t i) const;
+  // The longest folder ("file:///srv/catalog/", up to and including a '/') that holds every item's
+  // uri (items without one are skipped): what rebase_uri replaces. "" when the uris share none.
+  std::string uri_folder() const;
 
   // Where the vectors came from: set before save(), read back by load(); none for an index
   // whose item table has no provenance. set_provenance throws moe::Error when the encoder

@@ -1,5 +1,5 @@
 // gst-moe: the two JSON Lines tables that describe catalog items, parsed from their text:
-//   - an image catalog, catalog.jsonl, one {"path": ..., "caption": ..., "id": ...} per line
+//   - an image catalog, catalog.jsonl, one {"path": ..., "caption": ..., "id": ..., ...} per line
 //     (read by moe-catalog-src);
 //   - an ANN index's item table, PATH.items.jsonl (format in moe/ann_index.h; read by
 //     AnnIndex::load).
@@ -24,13 +24,14 @@ struct CatalogEntry {
   std::string id;
   std::string path;  // absolute
   std::string caption;
-  std::string error;  // set for a malformed catalog line
+  std::string fields;  // the line's other members ("price", "sku", ...): a JSON object's compact text, "" for none
+  std::string error;   // set for a malformed catalog line
 };
 
 // Parses one catalog.jsonl line: "path" (a non-empty string, relative to `folder` unless
 // absolute), "caption" (a string, optional), "id" (a string or an integer, optional: the file name
-// without its extension). `where` ("catalog 'F' line N") prefixes every error. Never throws for
-// bad input: the failure is in the entry.
+// without its extension); every other member is kept, as it is, in `fields`. `where` ("catalog 'F' line N") prefixes
+// every error. Never throws for bad input: the failure is in the entry.
 CatalogEntry parse_catalog_line(std::string_view line, const std::string& folder, const std::string& where);
 
 // The default id of an item at `path`: the file name without its extension.

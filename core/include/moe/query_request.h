@@ -34,6 +34,19 @@ constexpr size_t kMaxEchoedQueryBytes = 1024;
 // keeps a request's tokenising cost and its echo small.
 constexpr size_t kDefaultMaxQueryTextBytes = 4096;
 
+// The machine-readable codes of failed requests: an error document's `error.code`, decided where
+// the request fails. A closed set (docs/zmq-schema.md, "Error codes"): clients may switch on it.
+namespace error_code {
+constexpr const char* kInvalidRequest = "invalid_request";      // not a request by the rules (JSON, id, fields, k)
+constexpr const char* kTextTooLong = "text_too_long";           // text over max-text-bytes
+constexpr const char* kImageTooLarge = "image_too_large";       // image over max-image-bytes
+constexpr const char* kImageUnavailable = "image_unavailable";  // image file not served or not readable
+constexpr const char* kImageUndecodable = "image_undecodable";  // image bytes no decoder reads
+constexpr const char* kModelMismatch = "model_mismatch";        // encoded by other models than the index's
+constexpr const char* kDuplicateId = "duplicate_id";            // index build: an id already in the index
+constexpr const char* kInternal = "internal";                   // the service failed: not the request's fault
+}  // namespace error_code
+
 struct QueryLimits {
   size_t max_text_bytes = kDefaultMaxQueryTextBytes;
   uint64_t max_image_bytes = 32u << 20;  // a decoded image_base64, or an image file
@@ -48,11 +61,20 @@ struct QueryRequest {
   std::vector<uint8_t> image_bytes;  // image_base64 requests: the decoded bytes
 };
 
-// A request the service refuses. `request` holds what was read before the refusal (the id and
-// modality when they could be read), so that the answer can still name them.
-class QueryRejected : public Error {
+// A request the service refuses, with the error_code its error document carries.
+class RequestRefused : public Error {
  public:
-  QueryRejected(std::string reason, QueryRequest request) : Error(std::move(reason)), request(std::move(request)) {}
+  RequestRefused(std::string reason, const char* code) : Error(std::move(reason)), code(code) {}
+  const char* code;
+};
+
+// A request parse_query_request refuses. `request` holds what was read before the refusal (the id
+// and modality when they could be read, and the text or image value clipped to
+// kMaxEchoedQueryBytes), so that the answer can still name them.
+class QueryRejected : public RequestRefused {
+ public:
+  QueryRejected(std::string reason, QueryRequest request, const char* code = error_code::kInvalidRequest)
+      : RequestRefused(std::move(reason), code), request(std::move(request)) {}
   QueryRequest request;
 };
 
@@ -68,7 +90,8 @@ QueryRequest parse_query_request(std::string_view message, const QueryLimits& li
 // 1..max_bytes bytes. A value that leads outside is refused as "image '<value>' is outside
 // image-root" whether or not the file exists, and reasons quote the client's value, never the
 // resolved path. The file is opened once and checked through its descriptor, so a path swapped
-// after the check cannot lead out and a FIFO cannot block. Throws moe::Error.
+// after the check cannot lead out and a FIFO cannot block. Throws RequestRefused
+// (image_too_large for a file over max_bytes, image_unavailable otherwise).
 std::vector<uint8_t> read_query_image_file(const std::string& image, const std::string& root, uint64_t max_bytes);
 
 // `text` cut to at most `max_bytes` bytes at a UTF-8 character boundary, "..." appended when cut.

@@ -202,6 +202,31 @@ const AnnItem& AnnIndex::item(int64_t i) const {
   return items_[static_cast<size_t>(i)];
 }
 
+std::string rebase_uri(const std::string& uri, const std::string& folder, const std::string& base) {
+  if (base.empty() || folder.empty() || uri.compare(0, folder.size(), folder) != 0) return uri;
+  return base + (base.back() == '/' ? "" : "/") + uri.substr(folder.size());
+}
+
+std::string AnnIndex::uri_folder() const {
+  const std::string* first = nullptr;
+  size_t common = 0;
+  for (const AnnItem& item : items_) {
+    if (item.uri.empty()) continue;
+    if (!first) {
+      first = &item.uri;
+      common = item.uri.size();
+      continue;
+    }
+    common = std::min(common, item.uri.size());
+    common = static_cast<size_t>(
+        std::mismatch(first->begin(), first->begin() + static_cast<std::ptrdiff_t>(common), item.uri.begin()).first -
+        first->begin());
+  }
+  if (!first) return std::string();
+  const size_t slash = first->rfind('/', common == 0 ? 0 : common - 1);
+  return slash == std::string::npos ? std::string() : first->substr(0, slash + 1);
+}
+
 void AnnIndex::set_provenance(AnnProvenance provenance) {
   // A provenance that cannot be checked is no provenance: the encoder fingerprint is required.
   check_ann_provenance(provenance, "ANN index provenance");
@@ -349,6 +374,16 @@ void AnnIndex::save(const std::string& path) const {
       add_string(b, "id", items_[i].id);
       add_string(b, "uri", items_[i].uri);
       add_string(b, "caption", items_[i].caption);
+      if (!items_[i].fields.empty()) {
+        JsonNode* fields = json_from_string(items_[i].fields.c_str(), nullptr);
+        if (!fields || !JSON_NODE_HOLDS_OBJECT(fields)) {
+          if (fields) json_node_unref(fields);
+          throw Error("'" + items_file.path() + "': the fields of item " + std::to_string(i) +
+                      " are not a JSON object's text");
+        }
+        json_builder_set_member_name(b, "fields");
+        json_builder_add_value(b, fields);
+      }
       json_builder_end_object(b);
       write_all(items_file, writer.line(b));
     }

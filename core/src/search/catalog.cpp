@@ -31,6 +31,30 @@ std::string catalog_json_error(const std::string& message, const std::string& wh
   return message;
 }
 
+// The compact JSON text of `node` (an object).
+std::string json_text(JsonNode* node) { return take_string(json_to_string(node, FALSE)); }
+
+// The members of `obj` other than path, id and caption, as a JSON object's compact text, in the
+// order of the line; "" when there are none.
+std::string extra_members(JsonObject* obj) {
+  JsonObject* rest = json_object_new();
+  json_object_foreach_member(
+      obj,
+      [](JsonObject*, const gchar* name, JsonNode* node, gpointer data) {
+        if (!g_str_equal(name, "path") && !g_str_equal(name, "id") && !g_str_equal(name, "caption"))
+          json_object_set_member(static_cast<JsonObject*>(data), name, json_node_copy(node));
+      },
+      rest);
+  std::string out;
+  if (json_object_get_size(rest) > 0) {
+    JsonNode* node = json_node_init_object(json_node_alloc(), rest);
+    out = json_text(node);
+    json_node_unref(node);
+  }
+  json_object_unref(rest);
+  return out;
+}
+
 }  // namespace
 
 const char* ann_index_type_name(AnnIndexType type) { return type == AnnIndexType::Hnsw ? "hnsw" : "flat"; }
@@ -83,6 +107,7 @@ CatalogEntry parse_catalog_line(std::string_view line, const std::string& folder
   }
   item.path = take_string(g_canonicalize_filename(json_node_get_string(path), folder.c_str()));
   if (item.id.empty() && item.error.empty()) item.id = catalog_id_from_path(item.path);
+  item.fields = extra_members(obj);
   return item;
 }
 
@@ -149,8 +174,13 @@ AnnItemTable parse_ann_item_table(std::string_view text, const std::string& item
     if (json::get_int(obj, "item", what) != i)
       throw Error(what + ": item " + std::to_string(json::get_int(obj, "item", what)) + " where " + std::to_string(i) +
                   " was expected (items must be in index order)");
+    // "fields" is absent from tables written before it existed, and when an item has none.
+    JsonObject* fields = json::get_object_or_null(obj, "fields", what);
     out.items.push_back({json::get_string_or(obj, "id", "", what), json::get_string_or(obj, "uri", "", what),
-                         json::get_string_or(obj, "caption", "", what)});
+                         json::get_string_or(obj, "caption", "", what),
+                         fields != nullptr && json_object_get_size(fields) > 0
+                             ? json_text(json_object_get_member(obj, "fields"))
+                             : std::string()});
   }
   if (static_cast<int64_t>(out.items.size()) != count)
     throw Error("ANN item table '" + items_path + "' has " + std::to_string(out.items.size()) +

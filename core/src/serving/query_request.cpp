@@ -90,7 +90,8 @@ class RequestParser {
       std::string text = string_member("text", "a string");
       if (text.size() > limits_.max_text_bytes)
         reject("text is " + std::to_string(text.size()) + " bytes, more than max-text-bytes (" +
-               std::to_string(limits_.max_text_bytes) + ")");
+                   std::to_string(limits_.max_text_bytes) + ")",
+               error_code::kTextTooLong);
       request_.text = std::move(text);
     } else if (json_object_has_member(object_, "image")) {
       std::string image = string_member("image", "a string (a path or a file:// uri)");
@@ -105,7 +106,24 @@ class RequestParser {
   }
 
  private:
-  [[noreturn]] void reject(std::string reason) { throw QueryRejected(std::move(reason), std::move(request_)); }
+  [[noreturn]] void reject(std::string reason, const char* code = error_code::kInvalidRequest) {
+    echo_query();
+    throw QueryRejected(std::move(reason), std::move(request_), code);
+  }
+
+  // A refused request still echoes its query (clipped), so that the client can tell which one it
+  // was: the first string member of text and image, whichever check refused it.
+  void echo_query() {
+    if (object_ == nullptr || !request_.text.empty() || !request_.image.empty()) return;
+    for (const char* name : {"text", "image"}) {
+      JsonNode* node = json_object_get_member(object_, name);
+      if (!node || !JSON_NODE_HOLDS_VALUE(node) || json_node_get_value_type(node) != G_TYPE_STRING) continue;
+      const bool text = g_str_equal(name, "text");
+      (text ? request_.text : request_.image) = clip_utf8(json_node_get_string(node), kMaxEchoedQueryBytes);
+      request_.modality = text ? QueryModality::Text : QueryModality::Image;
+      return;
+    }
+  }
 
   // The value of member `name`, rejected unless it is a non-empty string.
   std::string string_member(const char* name, const char* expected) {
@@ -190,7 +208,8 @@ class RequestParser {
     const uint64_t decoded = compact.size() / 4 * 3 - padding;
     if (decoded > limits_.max_image_bytes)
       reject("image_base64 decodes to " + std::to_string(decoded) + " bytes, more than max-image-bytes (" +
-             std::to_string(limits_.max_image_bytes) + ")");
+                 std::to_string(limits_.max_image_bytes) + ")",
+             error_code::kImageTooLarge);
     gsize size = 0;
     std::unique_ptr<guchar, decltype(&g_free)> data(g_base64_decode(compact.c_str(), &size), g_free);
     return std::vector<uint8_t>(data.get(), data.get() + size);
@@ -199,6 +218,12 @@ class RequestParser {
   const QueryLimits& limits_;
   QueryRequest request_;
   JsonObject* object_ = nullptr;
+};
+
+// An image file the service does not serve: outside image-root, missing, unreadable, not a file.
+class Unavailable : public RequestRefused {
+ public:
+  explicit Unavailable(std::string reason) : RequestRefused(std::move(reason), error_code::kImageUnavailable) {}
 };
 
 // True if the canonical `path` is `root` (canonical) or lies under it.
@@ -211,13 +236,14 @@ bool is_within(const std::string& path, const std::string& root) {
 std::string image_path(const std::string& image) {
   if (image.find("://") == std::string::npos) return image;
   if (image.rfind("file://", 0) != 0)
-    throw Error("image " + quote(image) + " is neither a local path nor a file:// uri");
+    throw RequestRefused("image " + quote(image) + " is neither a local path nor a file:// uri",
+                         error_code::kInvalidRequest);
   GError* error = nullptr;
   gchar* path = g_filename_from_uri(image.c_str(), nullptr, &error);
   if (!path) {
     const std::string reason = "image " + quote(image) + " is not a valid file:// uri: " + error->message;
     g_error_free(error);
-    throw Error(reason);
+    throw RequestRefused(reason, error_code::kInvalidRequest);
   }
   std::string result = path;
   g_free(path);
@@ -233,7 +259,7 @@ std::string confine_to_root(const std::string& image, const std::string& path, c
   if (char* real = realpath(full.c_str(), nullptr)) {
     const std::string resolved = real;
     free(real);
-    if (!is_within(resolved, root)) throw Error(outside);
+    if (!is_within(resolved, root)) throw Unavailable(outside);
     return resolved;
   }
   const int error = errno;
@@ -251,8 +277,8 @@ std::string confine_to_root(const std::string& image, const std::string& path, c
   char* real = realpath(existing.c_str(), nullptr);
   const bool inside = real && is_within(real, root);
   free(real);
-  if (!inside) throw Error(outside);
-  throw Error("image " + quote(image) + " cannot be read: " + g_strerror(error));
+  if (!inside) throw Unavailable(outside);
+  throw Unavailable("image " + quote(image) + " cannot be read: " + g_strerror(error));
 }
 
 }  // namespace
@@ -272,7 +298,7 @@ std::vector<uint8_t> read_query_image_file(const std::string& image, const std::
   const std::string path = confine_to_root(image, image_path(image), root);
   const std::string what = "image " + quote(image);
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (fd < 0) throw Error(what + " cannot be read: " + g_strerror(errno));
+  if (fd < 0) throw Unavailable(what + " cannot be read: " + g_strerror(errno));
   struct Closer {
     int fd;
     ~Closer() { close(fd); }
@@ -283,15 +309,16 @@ std::vector<uint8_t> read_query_image_file(const std::string& image, const std::
   char* opened = realpath(link.c_str(), nullptr);
   const bool inside = opened && is_within(opened, root);
   free(opened);
-  if (!inside) throw Error(what + " is outside image-root");
+  if (!inside) throw Unavailable(what + " is outside image-root");
   struct stat st;
-  if (fstat(fd, &st) != 0) throw Error(what + " cannot be read: " + g_strerror(errno));
-  if (!S_ISREG(st.st_mode)) throw Error(what + " is not a regular file");
+  if (fstat(fd, &st) != 0) throw Unavailable(what + " cannot be read: " + g_strerror(errno));
+  if (!S_ISREG(st.st_mode)) throw Unavailable(what + " is not a regular file");
   auto check_size = [&](uint64_t size) {
-    if (size == 0) throw Error(what + " is empty");
+    if (size == 0) throw Unavailable(what + " is empty");
     if (size > max_bytes)
-      throw Error(what + " is " + std::to_string(size) + " bytes, more than max-image-bytes (" +
-                  std::to_string(max_bytes) + ")");
+      throw RequestRefused(what + " is " + std::to_string(size) + " bytes, more than max-image-bytes (" +
+                               std::to_string(max_bytes) + ")",
+                           error_code::kImageTooLarge);
   };
   check_size(static_cast<uint64_t>(st.st_size));
   // Read to the end, but never past max_bytes + 1 (the file may grow while it is read).
@@ -304,7 +331,7 @@ std::vector<uint8_t> read_query_image_file(const std::string& image, const std::
     }
     const ssize_t n = read(fd, bytes.data() + got, bytes.size() - got);
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw Error(what + " cannot be read: " + g_strerror(errno));
+    if (n < 0) throw Unavailable(what + " cannot be read: " + g_strerror(errno));
     if (n == 0) break;
     got += static_cast<size_t>(n);
   }
