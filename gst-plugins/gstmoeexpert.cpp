@@ -16,7 +16,11 @@
  * moe-route preloads each batch's experts as soon as it has routed the batch.
  *
  * The `stats` property counts the rows and batches since the element started, the rows each
- * expert ran on, the batches moe-route preloaded, and each device's cache counters.
+ * expert ran on, the batches moe-route preloaded, and each device's cache counters; expert-bytes
+ * is the size of the adapter's expert weights (a 4-bit adapter's are ~7× smaller than f32).
+ *
+ * A 4-bit adapter (models/default/adapter-int4, docs/model-formats.md) runs on the plain CPU path,
+ * which reads the packed weights; the expert executor refuses it and says why.
  *
  * ## Example launch lines
  * |[
@@ -207,7 +211,9 @@ static void gst_moe_expert_set_property(GObject* object, guint prop_id, const GV
 // The `stats` structure; called with the object lock held.
 static GstStructure* gst_moe_expert_stats(GstMoeExpert* self) {
   GstStructure* s = self->stats->to_structure("moe-expert-stats", "expert-rows");
-  gst_structure_set(s, "batches-prefetched", G_TYPE_UINT64, self->batches_prefetched, nullptr);
+  gst_structure_set(s, "batches-prefetched", G_TYPE_UINT64, self->batches_prefetched, "expert-bytes", G_TYPE_UINT64,
+                    self->state ? static_cast<guint64>(self->state->adapter->layer().expert_bytes()) : guint64{0},
+                    nullptr);
   const std::shared_ptr<moe::ExpertExecutor> executor =
       self->state && self->state->executor ? self->state->executor->built : nullptr;
   gst_structure_set(s, "placement-changes", G_TYPE_UINT64, executor ? executor->placement_changes() : guint64{0},
@@ -582,7 +588,9 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
       gstmoe::stats_param_spec(
           "Since the element started: rows and batches processed, expert-rows (per expert, how many rows it ran on), "
           "expert-share, expert-rate (rows/s, 10 s time constant), expert-peak (most rows in one batch), "
-          "batches-prefetched (batches whose experts moe-route preloaded), placement-changes (how often "
+          "batches-prefetched (batches whose experts moe-route preloaded), expert-bytes (the adapter's routed expert "
+          "weights as loaded: packed codes, scales and zero points for 4-bit experts; 0 when stopped), "
+          "placement-changes (how often "
           "rebalance-interval moved experts), and devices: per device of the expert executor (none on the plain CPU "
           "path) the experts it serves, its cache slots and budget-bytes, and the cache counters hits, misses, "
           "bytes-copied, evictions, copies-hidden (copies finished before the experts were needed), copies-exposed "

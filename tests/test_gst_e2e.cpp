@@ -26,6 +26,7 @@
 #include <zmq.hpp>
 
 #include "moe/ann_index.h"
+#include "moe/moe_layer.h"
 #include "moe/safetensors.h"
 #include "moe_build_config.h"
 #include "test_util.h"
@@ -530,6 +531,71 @@ TEST_F(E2E, ServeScriptWorksAsWritten) {
   }
   service.join();
   EXPECT_EQ(rc, 0) << out;
+}
+
+// The shipped 4-bit adapter through the scripts as documented (ADAPTER=models/default/adapter-int4,
+// the other settings at their defaults): it indexes the demo catalog and serves queries on it.
+TEST_F(E2E, ServeScriptRunsTheShippedInt4Adapter) {
+  constexpr int kRequests = 40;
+  const std::string model = kSource + "/models/default/clip", adapter = kSource + "/models/default/adapter-int4",
+                    demo = kSource + "/models/default/catalog";
+  moe::test::TempDir tmp;
+  const std::string index = tmp.file("int4.faiss");
+  std::string out;
+  ASSERT_EQ(run({kSource + "/pipelines/build-index.sh", demo, index}, {"MODEL=" + model, "ADAPTER=" + adapter}, &out),
+            0)
+      << out;
+  const std::string req = endpoint(5), res = endpoint(6);
+  int rc = -1;
+  std::thread service([&] {
+    rc = run({kSource + "/pipelines/serve.sh", index},
+             {"MODEL=" + model, "ADAPTER=" + adapter, "QUERY_ENDPOINT=" + req, "RESULT_ENDPOINT=" + res,
+              "NUM_REQUESTS=" + std::to_string(kRequests), "IMAGE_ROOT=" + demo},
+             &out);
+  });
+  {
+    Client client(req, res);
+    const bool connected = client.wait_until_connected();
+    if (connected) {
+      client.send(R"({"id": "q1", "text": "a large pink dotted mug"})");
+      client.send(R"({"id": "q2", "image": "st00000.png"})");
+      const std::vector<Doc> docs = client.collect({"q1", "q2"});
+      EXPECT_EQ(docs.size(), 2u);
+      for (const Doc& d : docs) {
+        EXPECT_EQ(d.str("type"), "result") << d.str("id");  // no ASSERT: the service thread must be joined
+        if (d.str("type") == "result") {
+          EXPECT_GT(json_array_get_length(json_object_get_array_member(d.obj, "results")), 0u) << d.str("id");
+        }
+      }
+    }
+    EXPECT_TRUE(connected) << out;
+    EXPECT_LE(client.sent(), kRequests);
+    while (client.sent() < kRequests) client.send(R"({"id": "filler", "text": "filler"})");
+  }
+  service.join();
+  EXPECT_EQ(rc, 0) << out;
+}
+
+// moe-expert's stats show how many bytes the experts take: the 4-bit adapter's packed ones.
+TEST_F(E2E, ExpertStatsShowTheExpertBytes) {
+  guint64 bytes[2] = {0, 0};
+  const std::string adapters[2] = {kSource + "/models/default/adapter", kSource + "/models/default/adapter-int4"};
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE(adapters[i]);
+    GstElement* expert = gst_element_factory_make("moe-expert", nullptr);
+    ASSERT_NE(expert, nullptr);
+    g_object_set(expert, "model", adapters[i].c_str(), nullptr);
+    EXPECT_EQ(gst_element_set_state(expert, GST_STATE_PAUSED), GST_STATE_CHANGE_SUCCESS);
+    GstStructure* stats = nullptr;
+    g_object_get(expert, "stats", &stats, nullptr);
+    ASSERT_NE(stats, nullptr);
+    EXPECT_TRUE(gst_structure_get_uint64(stats, "expert-bytes", &bytes[i]));
+    gst_structure_free(stats);
+    gst_element_set_state(expert, GST_STATE_NULL);
+    gst_object_unref(expert);
+    EXPECT_EQ(bytes[i], moe::MoeAdapter::load(adapters[i]).layer().expert_bytes());
+  }
+  EXPECT_GT(bytes[0], 6 * bytes[1]);  // f32 against 4 bits + a 16-bit scale per 32 weights
 }
 
 TEST_F(E2E, EmbeddingApplicationPrintsResults) {

@@ -11,6 +11,8 @@
 
 #include "cpu_int4.h"
 #include "cpu_ops.h"
+#include "moe/expert_executor.h"
+#include "moe/expert_store.h"
 #include "moe/moe_layer.h"
 #include "moe/quantized_weights.h"
 #include "test_util.h"
@@ -345,6 +347,65 @@ TEST(Int4Layer, LoadsPackedExpertsByPrefixAndMatchesTheReference) {
     const Tensor got = layer.run_experts(x, routing), want = layer.run_experts_reference(x, routing);
     EXPECT_LT(moe::test::max_rel_error(got, want), 1e-5);
   }
+}
+
+// The layer reports its experts as 4-bit and counts their packed bytes (codes, scales, zero
+// points) as the checkpoint holds them, whatever precision the options asked for.
+TEST(Int4Layer, ReportsQ4AndThePackedExpertBytes) {
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.dir);
+    moe::ComputeOptions options;
+    options.precision = WeightType::F16;
+    const moe::MoeLayer layer = moe::MoeLayer::load_hf_layer(fixture_path(c.dir), c.prefix, options);
+    EXPECT_EQ(layer.precision(), WeightType::Q4);
+    const Checkpoint weights = Checkpoint::open(fixture_path(c.dir));
+    size_t packed_bytes = 0;
+    for (int64_t e = 0; e < kExperts; ++e)
+      for (int m = 0; m < 3; ++m) {
+        const std::string module = std::string(c.prefix) + "experts." + std::to_string(e) + "." + c.projections[m];
+        const moe::Shape shape = m == 2 ? moe::Shape{kHidden, kInter} : moe::Shape{kInter, kHidden};
+        const PackedInt4Weight w = moe::load_packed_int4(weights, module, shape);
+        packed_bytes += static_cast<size_t>(w.packed.nbytes() + w.scales.nbytes() + w.zero_points.nbytes());
+      }
+    EXPECT_EQ(layer.expert_bytes(), packed_bytes);
+    // 4 bits per weight plus a 16-bit scale (and a 4-bit zero point) per group: under 0.2× of f32.
+    EXPECT_LT(layer.expert_bytes(), 3 * kExperts * kHidden * kInter * sizeof(float) / 5);
+  }
+}
+
+// The shipped 4-bit adapter (tools/moe-quantize.py) loads as one: Q4 experts, f32 router, and
+// about 7× fewer expert bytes than the f32 adapter it was made from.
+TEST(Int4Layer, ShippedInt4AdapterHoldsASeventhOfTheF32ExpertBytes) {
+  const std::string root = moe::test::source_path("models/default/");
+  const moe::MoeAdapter f32 = moe::MoeAdapter::load(root + "adapter");
+  const moe::MoeAdapter int4 = moe::MoeAdapter::load(root + "adapter-int4");
+  EXPECT_EQ(f32.layer().precision(), WeightType::F32);
+  EXPECT_EQ(int4.layer().precision(), WeightType::Q4);
+  const moe::MoeConfig& cfg = f32.layer().config();
+  EXPECT_EQ(f32.layer().expert_bytes(),
+            3 * static_cast<size_t>(cfg.num_experts * cfg.hidden_size * cfg.intermediate_size) * sizeof(float));
+  const double ratio =
+      static_cast<double>(f32.layer().expert_bytes()) / static_cast<double>(int4.layer().expert_bytes());
+  EXPECT_GT(ratio, 6.5);
+  EXPECT_LT(ratio, 8.0);
+  // Same routing: the router is not quantised.
+  const std::vector<float> xv = random_floats(static_cast<size_t>(64 * cfg.hidden_size), 5);
+  const Tensor x = Tensor::from_vector(xv, {64, cfg.hidden_size});
+  EXPECT_EQ(int4.route(x).expert_ids, f32.route(x).expert_ids);
+}
+
+// The expert executor (and its staging) refuses 4-bit experts and says why, rather than widening
+// them and losing the saving.
+TEST(Int4Layer, ExpertExecutorRefusesFourBitExperts) {
+  const Case& c = kCases[0];
+  const moe::MoeLayer layer = moe::MoeLayer::load_hf_layer(fixture_path(c.dir), c.prefix);
+  auto backend = moe::kernels::make_cpu_backend();
+  expect_error([&] { moe::HostExpertStore::from_layer(*backend, layer, WeightType::F16); },
+               {"4-bit", "expert executor", "f32, f16 or bf16", "device=cpu precision=fp32"});
+  moe::ExpertExecutorOptions options;
+  options.precision = WeightType::F16;
+  expect_error([&] { moe::ExpertExecutor executor(layer, "cpu", options); },
+               {"4-bit", "expert executor", "f32, f16 or bf16", "device=cpu precision=fp32"});
 }
 
 }  // namespace

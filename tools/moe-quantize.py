@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """moe-quantize: write a gst-moe adapter with 4-bit experts (W4A16, compressed-tensors pack-quantized).
 
-    .venv-int4/bin/python tools/moe-quantize.py ADAPTER_DIR OUT_DIR --calibration EMB.safetensors \\
+    .venv-int4/bin/python tools/moe-quantize.py ADAPTER_DIR OUT_DIR \\
+        (--calibration EMB.safetensors | --calibration-catalog CATALOG_DIR --clip CLIP_DIR) \\
         [--method awq|rtn] [--group-size 128] [--asymmetric] [--scale-dtype f16|bf16]
 
 ADAPTER_DIR holds adapter_config.json + adapter.safetensors (docs/model-formats.md). The router
@@ -13,6 +14,10 @@ adapter_config.json with its `quantization_config`, both written by the package 
 --calibration: a safetensors file whose tensor `embeddings` [N, hidden] holds adapter inputs (the
 projected, unnormalised CLIP embeddings of the catalog). Each expert sees the rows the router
 sends it.
+--calibration-catalog with --clip: computes those inputs itself with the reference implementation,
+transformers' CLIPModel (get_image_features / get_text_features) of the CLIP directory on the
+catalog's images and then its captions (catalog.jsonl: `path`, `caption`), preprocessed as the
+directory's preprocessor_config.json and tokenizer say — what moe-encode feeds moe-route.
 
 Methods:
 * rtn: round to nearest, scales from each group's min/max (the package's calculate_qparams).
@@ -47,6 +52,9 @@ from compressed_tensors.quantization import (
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import st_canonical  # noqa: E402
 
 ALPHAS = [i / 10 for i in range(11)]
 CLIP_RATIOS = [1.0 - i / 20 for i in range(11)]  # 1.0, 0.95, ..., 0.5
@@ -169,25 +177,59 @@ def quantized_modules(model):
     return experts, [m for e in experts for m in matrices(e)]
 
 
+@torch.no_grad()
+def catalog_embeddings(catalog_dir, clip_dir, chunk=64):
+    """[images; captions] of a catalog: CLIP's projected, unnormalised embeddings, computed in f32."""
+    from PIL import Image
+    from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
+
+    with open(os.path.join(catalog_dir, "catalog.jsonl")) as f:
+        items = [json.loads(line) for line in f if line.strip()]
+    model = CLIPModel.from_pretrained(clip_dir, torch_dtype=torch.float32).eval()
+    processor = CLIPImageProcessor.from_pretrained(clip_dir)
+    tokenizer = CLIPTokenizer.from_pretrained(clip_dir)
+    out = []
+    for i in range(0, len(items), chunk):
+        images = []
+        for it in items[i:i + chunk]:
+            with Image.open(os.path.join(catalog_dir, it["path"])) as im:
+                images.append(im.convert("RGB"))
+        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+        out.append(model.get_image_features(pixel_values=pixels))
+    for i in range(0, len(items), chunk):
+        tokens = tokenizer([it["caption"] for it in items[i:i + chunk]], truncation=True, max_length=77,
+                           padding="max_length", return_tensors="pt")
+        out.append(model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]))
+    return torch.cat(out).float()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("adapter")
     p.add_argument("out")
-    p.add_argument("--calibration", required=True)
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument("--calibration", help="safetensors file with `embeddings` [N, hidden]")
+    inputs.add_argument("--calibration-catalog", help="catalog directory (catalog.jsonl + images); needs --clip")
+    p.add_argument("--clip", help="the CLIP directory whose embeddings the adapter adapts")
     p.add_argument("--method", choices=["awq", "rtn"], default="awq")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asymmetric", action="store_true")
     p.add_argument("--scale-dtype", choices=["f16", "bf16"], default="f16")
     a = p.parse_args()
+    if a.calibration_catalog and not a.clip:
+        p.error("--calibration-catalog needs --clip")
 
     with open(os.path.join(a.adapter, "adapter_config.json")) as f:
         cfg = json.load(f)
     state = load_file(os.path.join(a.adapter, "adapter.safetensors"))
     names = ("w1", "w3", "w2") if "experts.0.w1.weight" in state else ("gate_proj", "up_proj", "down_proj")
     model = Adapter(cfg, {k: v.float() for k, v in state.items()}, names)
-    x = load_file(a.calibration)["embeddings"].float()
+    if a.calibration:
+        x, source = load_file(a.calibration)["embeddings"].float(), a.calibration
+    else:
+        x, source = catalog_embeddings(a.calibration_catalog, a.clip), a.calibration_catalog
     if x.ndim != 2 or x.shape[1] != cfg["hidden_size"]:
-        sys.exit(f"{a.calibration}: 'embeddings' must be [N, {cfg['hidden_size']}], not {list(x.shape)}")
+        sys.exit(f"{source}: the embeddings must be [N, {cfg['hidden_size']}], not {list(x.shape)}")
     dtype = torch.float16 if a.scale_dtype == "f16" else torch.bfloat16
     args = QuantizationArgs(num_bits=4, type="int", symmetric=not a.asymmetric, strategy="group",
                             group_size=a.group_size)
@@ -239,6 +281,7 @@ def main():
             "compressed_tensors": compressed_tensors.__version__}
     weights_path = os.path.join(a.out, "adapter.safetensors")
     save_file({k: v.contiguous() for k, v in compressed.items()}, weights_path, metadata=meta)
+    st_canonical.canonicalize(weights_path)  # re-runs are byte-identical
     os.chmod(weights_path, 0o644)  # save_file leaves its temporary file's 0600
     cfg["quantization_config"] = compressor.quantization_config.model_dump()
     with open(os.path.join(a.out, "adapter_config.json"), "w") as f:

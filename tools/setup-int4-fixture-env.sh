@@ -13,7 +13,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${ROOT}/.venv-int4"
 PY=/usr/bin/python3
 # Pinned: the versions that made the committed fixtures (their __metadata__ records them).
-PIP_PKGS=(torch==2.4.1 compressed-tensors==0.10.2 transformers==4.44.2 safetensors==0.8.0 numpy==1.26.4)
+PIP_PKGS=(torch==2.4.1 compressed-tensors==0.10.2 transformers==4.44.2 safetensors==0.8.0 numpy==1.26.4 pillow==9.4.0)
 
 log() { echo "[setup-int4-fixture-env] $*"; }
 
@@ -26,7 +26,7 @@ if [ ! -x "${VENV}/bin/python" ]; then
     log "creating venv ${VENV}"
     "$PY" -m venv "$VENV"
 fi
-if ! "${VENV}/bin/python" -c 'import torch, compressed_tensors, transformers, safetensors' 2>/dev/null; then
+if ! "${VENV}/bin/python" -c 'import torch, compressed_tensors, transformers, safetensors, PIL' 2>/dev/null; then
     log "installing ${PIP_PKGS[*]}"
     "${VENV}/bin/python" -m pip install --disable-pip-version-check -q "${PIP_PKGS[@]}"
 fi

@@ -32,7 +32,8 @@ class HostExpertStore {
   using MatrixSource = std::function<Tensor(int expert, ExpertMatrix which)>;
   HostExpertStore(kernels::Backend& backend, kernels::WeightType type, int num_experts, int64_t hidden,
                   int64_t intermediate, const MatrixSource& matrix);
-  // The routed experts of `layer` (its shared expert, if any, is not part of the store).
+  // The routed experts of `layer` (its shared expert, if any, is not part of the store). Throws
+  // moe::Error, saying why, for a layer with 4-bit experts (precision() Q4): they are not staged.
   static HostExpertStore from_layer(kernels::Backend& backend, const MoeLayer& layer, kernels::WeightType type);
 
   HostExpertStore(HostExpertStore&& other) noexcept;

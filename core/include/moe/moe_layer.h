@@ -72,9 +72,13 @@ class MoeLayer {
                                 const ComputeOptions& options = {});
 
   const MoeConfig& config() const;
-  // The backend it runs on ("cpu", "cuda:N") and the precision of its expert weights.
+  // The backend it runs on ("cpu", "cuda:N") and the precision of its routed expert weights
+  // (Q4 for 4-bit experts, whatever options.precision said).
   std::string device() const;
   kernels::WeightType precision() const;
+  // Bytes of the routed experts' weights as the layer computes with them: 4-bit experts' packed
+  // codes, scales and zero points, else num_experts · 3 matrices in precision().
+  size_t expert_bytes() const;
 
   // Router logits [rows, num_experts] for x [rows, hidden] (f32).
   Tensor router_logits(const Tensor& x) const;

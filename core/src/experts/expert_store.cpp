@@ -46,7 +46,7 @@ void convert_into(const float* src, int64_t n, WeightType type, unsigned char* d
       }
       return;
     case WeightType::Q4:
-      throw Error("HostExpertStore: 4-bit experts are staged as the checkpoint packed them, not converted from f32");
+      throw Error("HostExpertStore: stages f32, f16 or bf16 experts, not 4-bit ones");
   }
   throw Error("HostExpertStore: unknown weight type");
 }
@@ -99,6 +99,12 @@ size_t HostExpertStore::blob_bytes(WeightType type, int64_t hidden, int64_t inte
 
 HostExpertStore HostExpertStore::from_layer(kernels::Backend& backend, const MoeLayer& layer, WeightType type) {
   const MoeConfig& c = layer.config();
+  // Staging the packed bytes would need a 4-bit grouped kernel on every device the executor
+  // serves; widening them instead would silently give up the 4-bit memory saving.
+  if (layer.precision() == WeightType::Q4)
+    throw Error("the experts of '" + c.source +
+                "' are 4-bit (W4A16 pack-quantized): the expert executor stages f32, f16 or bf16 experts only; "
+                "run them on the CPU in place (MoeLayer on the CPU backend; moe-expert device=cpu precision=fp32)");
   return HostExpertStore(backend, type, c.num_experts, c.hidden_size, c.intermediate_size,
                          [&layer](int e, ExpertMatrix which) { return layer.expert_weight(e, which); });
 }

@@ -224,7 +224,18 @@ MoeLayer::~MoeLayer() = default;
 
 const MoeConfig& MoeLayer::config() const { return impl_->cfg; }
 std::string MoeLayer::device() const { return impl_->be.backend->name(); }
-kernels::WeightType MoeLayer::precision() const { return impl_->be.precision; }
+kernels::WeightType MoeLayer::precision() const {
+  return impl_->packed_experts.empty() ? impl_->be.precision : kernels::WeightType::Q4;
+}
+
+size_t MoeLayer::expert_bytes() const {
+  if (impl_->packed_experts.empty())
+    return 3 * static_cast<size_t>(impl_->cfg.num_experts) * static_cast<size_t>(impl_->cfg.hidden_size) *
+           static_cast<size_t>(impl_->cfg.intermediate_size) * kernels::weight_type_size(impl_->be.precision);
+  size_t bytes = 0;
+  for (const PackedExpert& p : impl_->packed_experts) bytes += p.w1.nbytes() + p.w3.nbytes() + p.w2.nbytes();
+  return bytes;
+}
 
 const Tensor& MoeLayer::shared_expert_weight(ExpertMatrix which) const {
   if (!impl_->has_shared)
