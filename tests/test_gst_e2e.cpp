@@ -9,6 +9,8 @@
 #include <gst/app/gstappsrc.h>
 #include <gst/gst.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <json-glib/json-glib.h>
 #include <poll.h>
 #include <signal.h>
@@ -341,9 +343,22 @@ std::vector<Doc> query_through(const std::string& middle, const std::string& ind
   return docs;
 }
 
-std::string endpoint(int offset) {
-  // Loopback TCP ports derived from the pid, so parallel runs do not collide.
-  return "tcp://127.0.0.1:" + std::to_string(20000 + (getpid() * 7 + offset) % 30000);
+// A loopback TCP endpoint on a port the kernel reports free now (bound to port 0, then closed),
+// taken just before the service binds it: ports derived from the pid could meet the ephemeral
+// ports of other tests' connections (ASan runs made that happen).
+std::string endpoint() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof addr;
+  int port = 0;
+  if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0)
+    port = ntohs(addr.sin_port);
+  if (fd >= 0) close(fd);
+  EXPECT_NE(port, 0) << "no free loopback port";
+  return "tcp://127.0.0.1:" + std::to_string(port);
 }
 
 class E2E : public ::testing::Test {
@@ -419,7 +434,7 @@ TEST_F(E2E, InterruptedBuildKeepsTheOldIndex) {
 }
 
 TEST_F(E2E, ServingPipelineAnswersEveryRequestOnce) {
-  const std::string req = endpoint(1), res = endpoint(2);
+  const std::string req = endpoint(), res = endpoint();
   const std::string desc =
       "zmq-query endpoint=" + req + " image-root=\"" + catalog().dir + "\" ! queue ! moe-encode model=\"" + kModel +
       "\" max-batch=4 max-latency=2000000 ! moe-route model=\"" + kAdapter + "\" ! moe-expert model=\"" + kAdapter +
@@ -506,7 +521,7 @@ TEST_F(E2E, ServeScriptWorksAsWritten) {
   // The service stops after NUM_REQUESTS requests. Probes (as many as the subscription takes to
   // join) count too, so the client tops up with fillers to exactly that number at the end.
   constexpr int kRequests = 100;
-  const std::string req = endpoint(3), res = endpoint(4);
+  const std::string req = endpoint(), res = endpoint();
   std::string out;
   int rc = -1;
   std::thread service([&] {
@@ -545,7 +560,7 @@ TEST_F(E2E, ServeScriptRunsTheShippedInt4Adapter) {
   ASSERT_EQ(run({kSource + "/pipelines/build-index.sh", demo, index}, {"MODEL=" + model, "ADAPTER=" + adapter}, &out),
             0)
       << out;
-  const std::string req = endpoint(5), res = endpoint(6);
+  const std::string req = endpoint(), res = endpoint();
   int rc = -1;
   std::thread service([&] {
     rc = run({kSource + "/pipelines/serve.sh", index},
