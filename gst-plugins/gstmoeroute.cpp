@@ -84,6 +84,7 @@ enum {
   PROP_TEMPERATURE,
   PROP_BALANCE,
   PROP_BALANCE_RATE,
+  PROP_BALANCE_MARGIN,
   PROP_EXPLORE,
   PROP_SEED,
   PROP_STATS
@@ -103,6 +104,7 @@ enum {
 #define MAX_TEMPERATURE 1e3
 #define DEFAULT_BALANCE GST_MOE_ROUTE_BALANCE_NONE
 #define DEFAULT_BALANCE_RATE 1e-3
+#define DEFAULT_BALANCE_MARGIN 0.05
 #define DEFAULT_EXPLORE 0.0
 #define DEFAULT_SEED 0
 
@@ -136,6 +138,7 @@ struct _GstMoeRoute {
   gdouble temperature;
   GstMoeRouteBalance balance;
   gdouble balance_rate;
+  gdouble balance_margin;
   gdouble explore;
   guint64 seed;
 
@@ -252,6 +255,9 @@ static void gst_moe_route_set_property(GObject* object, guint prop_id, const GVa
     case PROP_BALANCE_RATE:
       self->balance_rate = g_value_get_double(value);
       break;
+    case PROP_BALANCE_MARGIN:
+      self->balance_margin = g_value_get_double(value);
+      break;
     case PROP_EXPLORE:
       self->explore = g_value_get_double(value);
       break;
@@ -302,6 +308,9 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_BALANCE_RATE:
       g_value_set_double(value, self->balance_rate);
       break;
+    case PROP_BALANCE_MARGIN:
+      g_value_set_double(value, self->balance_margin);
+      break;
     case PROP_EXPLORE:
       g_value_set_double(value, self->explore);
       break;
@@ -342,6 +351,7 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   const double temperature = self->temperature;
   policy.balance = self->balance == GST_MOE_ROUTE_BALANCE_BIAS ? moe::LoadBalance::Bias : moe::LoadBalance::None;
   policy.balance_rate = self->balance_rate;
+  policy.balance_margin = self->balance_margin;
   policy.explore = self->explore;
   policy.seed = self->seed;
   GST_OBJECT_UNLOCK(self);
@@ -593,6 +603,13 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
                           "balance=bias: how far each expert's bias moves after a batch (in probability units)", 0.0,
                           1.0, DEFAULT_BALANCE_RATE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
+      gobject_class, PROP_BALANCE_MARGIN,
+      g_param_spec_double("balance-margin", "Balancing margin",
+                          "balance=bias: the bias reorders only the experts whose probability is within this of the "
+                          "row's k-th most probable, so no row is steered to an expert the router rates far lower "
+                          "(1: no limit, DeepSeek-V3's rule; docs/routing.md measures both)",
+                          0.0, 1.0, DEFAULT_BALANCE_MARGIN, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
       gobject_class, PROP_EXPLORE,
       g_param_spec_double("explore", "Exploration probability",
                           "Probability that a row's last expert is replaced by the least-used expert it does not use "
@@ -650,6 +667,7 @@ static void gst_moe_route_init(GstMoeRoute* self) {
   self->temperature = DEFAULT_TEMPERATURE;
   self->balance = DEFAULT_BALANCE;
   self->balance_rate = DEFAULT_BALANCE_RATE;
+  self->balance_margin = DEFAULT_BALANCE_MARGIN;
   self->explore = DEFAULT_EXPLORE;
   self->seed = DEFAULT_SEED;
   self->stats = new gstmoe::adapter::Stats();

@@ -555,7 +555,7 @@ TEST_F(RouteExpertTest, BiasBalancingEvensOutASkewedLoad) {
   };
   std::vector<double> bias_none, bias;
   const double cv_none = run("", &bias_none);
-  const double cv_bias = run("balance=bias balance-rate=0.02", &bias);
+  const double cv_bias = run("balance=bias balance-rate=0.02 balance-margin=1", &bias);
   EXPECT_EQ(bias_none, std::vector<double>(kExperts, 0.0));
   ASSERT_EQ(bias.size(), static_cast<size_t>(kExperts));
   EXPECT_NE(bias, std::vector<double>(kExperts, 0.0));

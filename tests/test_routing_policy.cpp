@@ -139,6 +139,7 @@ TEST(RoutingPolicy, BiasSteersSelectionButNotTheWeights) {
   policy.top_k = 1;
   policy.balance = LoadBalance::Bias;
   policy.balance_rate = 0.25;
+  policy.balance_margin = 1.0;  // DeepSeek-V3's rule: the bias may reorder any expert
   policy.renormalize = false;
   Router router(2, policy);
   const auto logits = logits_for({{0.6f, 0.4f}});
@@ -152,6 +153,24 @@ TEST(RoutingPolicy, BiasSteersSelectionButNotTheWeights) {
   router.reset();
   EXPECT_EQ(router.bias(), (std::vector<float>{0.0f, 0.0f}));
   EXPECT_EQ(router.load().batches, 0);
+}
+
+// balance-margin: the bias reorders only experts within the margin of the row's k-th probability.
+TEST(RoutingPolicy, BiasReordersOnlyExpertsWithinTheMargin) {
+  RoutingPolicy policy;
+  policy.top_k = 1;
+  policy.balance = LoadBalance::Bias;
+  policy.balance_rate = 0.25;
+  const auto logits = logits_for({{0.6f, 0.4f}});
+  for (double margin : {0.1, 0.25}) {
+    policy.balance_margin = margin;
+    Router router(2, policy);
+    router.route(logits.data(), 1);              // bias -0.25 / +0.25: expert 1 scores higher from now on
+    const int32_t want = margin >= 0.2 ? 1 : 0;  // 0.4 is within 0.25 of 0.6, not within 0.1
+    EXPECT_EQ(router.route(logits.data(), 1).expert_ids, (std::vector<int32_t>{want})) << "margin " << margin;
+  }
+  policy.balance_margin = 1.5;
+  moe::test::expect_error([&] { Router router(2, policy); }, {"balance-margin", "outside [0, 1]"});
 }
 
 TEST(RoutingPolicy, ExplorationGivesTheLastSlotToTheLeastUsedExpert) {

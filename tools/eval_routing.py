@@ -29,6 +29,8 @@ POLICIES = [
     ("bias, rate 0.02", "balance=bias balance-rate=0.02"),
     ("bias, rate 0.03", "balance=bias balance-rate=0.03"),
     ("bias, rate 0.05", "balance=bias balance-rate=0.05"),
+    ("bias 0.02, no margin", "balance=bias balance-rate=0.02 balance-margin=1"),
+    ("bias 0.05, no margin", "balance=bias balance-rate=0.05 balance-margin=1"),
     ("explore 0.05", "explore=0.05 seed=1"),
     ("explore 0.2", "explore=0.2 seed=1"),
     ("top-p 0.5", "routing=top-p top-p=0.5 min-k=1 max-k=4"),
@@ -37,7 +39,7 @@ POLICIES = [
     ("top-p 0.8", "routing=top-p top-p=0.8 min-k=1 max-k=4"),
     ("capacity 1.25, reroute", "capacity-factor=1.25 overflow=reroute"),
     ("capacity 1.25, drop", "capacity-factor=1.25 overflow=drop"),
-    ("capacity 1.25 + bias 0.02", "capacity-factor=1.25 balance=bias balance-rate=0.02"),
+    ("capacity 1.25 + bias 0.05", "capacity-factor=1.25 balance=bias balance-rate=0.05"),
 ]
 
 

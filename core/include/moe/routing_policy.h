@@ -8,7 +8,9 @@
 //   balance       bias: a per-expert bias added to the probabilities for selection only (the
 //                 weights stay the unbiased probabilities), moved after every batch by
 //                 balance_rate towards equal load: down for experts above the mean load, up for
-//                 those below (DeepSeek-V3's auxiliary-loss-free balancing).
+//                 those below (DeepSeek-V3's auxiliary-loss-free balancing). It reorders only the
+//                 experts within balance_margin of the row's k-th probability, so a row is never
+//                 steered to an expert the router rates far lower (1: no limit, as DeepSeek-V3).
 //   explore       with probability explore, a row's last slot goes to the least-used expert it
 //                 does not already use (fewest slots since the last reset, counting this batch's explored
 //                 slots; ties to the lower id)
@@ -54,8 +56,11 @@ struct RoutingPolicy {
   CapacityOverflow overflow = CapacityOverflow::Reroute;
   LoadBalance balance = LoadBalance::None;
   double balance_rate = 1e-3;  // bias step per batch, >= 0
-  double explore = 0.0;        // probability in [0, 1]
-  uint64_t seed = 0;           // for explore
+  // The bias reorders only the experts whose probability is within this of the row's k-th most
+  // probable (k = top_k; min_k for top-p), in [0, 1]; 1: no limit (DeepSeek-V3's rule).
+  double balance_margin = 0.05;
+  double explore = 0.0;  // probability in [0, 1]
+  uint64_t seed = 0;     // for explore
   bool renormalize = true;
 
   // True when the policy is the model's own top-k routing (temperature 1, no capacity, no

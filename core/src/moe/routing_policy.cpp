@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <numeric>
 
 #include "moe/error.h"
@@ -30,6 +31,8 @@ void RoutingPolicy::validate(int num_experts) const {
     fail("temperature " + std::to_string(temperature) + " must be > 0");
   if (!(capacity_factor >= 0.0) || !std::isfinite(capacity_factor))
     fail("capacity-factor " + std::to_string(capacity_factor) + " must be >= 0 (0: no limit)");
+  if (!(balance_margin >= 0.0 && balance_margin <= 1.0))
+    fail("balance-margin " + std::to_string(balance_margin) + " outside [0, 1]");
   if (!(balance_rate >= 0.0) || !std::isfinite(balance_rate))
     fail("balance-rate " + std::to_string(balance_rate) + " must be >= 0");
   if (!(explore >= 0.0 && explore <= 1.0)) fail("explore " + std::to_string(explore) + " outside [0, 1]");
@@ -93,13 +96,30 @@ Routing Router::route(const float* logits, int64_t rows) {
   std::vector<int32_t> order(probs.size());
   std::vector<std::vector<int32_t>> chosen(static_cast<size_t>(rows));
   std::vector<float> score(ue);
+  std::vector<char> candidate(ue);
   for (int64_t r = 0; r < rows; ++r) {
     float* pr = probs.data() + r * E;
     probabilities(logits + r * E, E, p.temperature, pr);
-    for (size_t e = 0; e < ue; ++e) score[e] = pr[e] + bias_[e];
+    // The bias only reorders the experts within balance_margin of the row's k-th most probable
+    // (k = top_k, or min_k for top-p): it never steers a row to an expert the router rates far
+    // lower (which is what costs recall).
+    float threshold = -INFINITY;
+    if (p.balance == LoadBalance::Bias && p.balance_margin < 1.0) {
+      std::vector<float> sorted(pr, pr + E);
+      const auto kth = static_cast<size_t>(std::min(p.selection == ExpertSelection::TopK ? p.top_k : p.min_k, E) - 1);
+      std::nth_element(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(kth), sorted.end(),
+                       std::greater<float>());
+      threshold = sorted[kth] - static_cast<float>(p.balance_margin);
+    }
+    for (size_t e = 0; e < ue; ++e) {
+      candidate[e] = pr[e] >= threshold;
+      score[e] = candidate[e] ? pr[e] + bias_[e] : pr[e];
+    }
     int32_t* o = order.data() + r * E;
     std::iota(o, o + E, 0);
-    std::stable_sort(o, o + E, [&](int32_t a, int32_t b) { return score[a] > score[b]; });
+    std::stable_sort(o, o + E, [&](int32_t a, int32_t b) {
+      return candidate[a] != candidate[b] ? candidate[a] > candidate[b] : score[a] > score[b];
+    });
     int k = p.top_k;
     if (p.selection == ExpertSelection::TopP) {
       // The smallest prefix whose (unbiased) probability reaches p.
