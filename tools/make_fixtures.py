@@ -35,7 +35,6 @@ sibling tools/make_format_fixtures.py (tests/fixtures/formats/).
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -46,7 +45,7 @@ from PIL import Image
 
 import safetensors
 import transformers
-from safetensors.torch import save_file, load_file
+from safetensors.torch import load_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st_canonical  # noqa: E402
@@ -60,19 +59,6 @@ BASE_META = {
     "transformers": transformers.__version__,
     "torch": torch.__version__,
 }
-
-
-def fresh_dir(path):
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    os.makedirs(path)
-    return path
-
-
-def save_st(tensors, path, metadata):
-    """safetensors.save_file + a canonical header (tools/st_canonical.py): re-runs are byte-identical."""
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
-    st_canonical.canonicalize(path)
 
 
 def eager_kwargs(config_cls):
@@ -128,7 +114,7 @@ def make_clip():
     model = CLIPModel(config).float().eval()
     reinit_(model, 0.2, (torch.nn.LayerNorm,))
 
-    out_dir = fresh_dir(os.path.join(FIX, "clip_tiny"))
+    out_dir = st_canonical.fresh_dir(os.path.join(FIX, "clip_tiny"))
     model.save_pretrained(out_dir, safe_serialization=True)
     # save_pretrained writes only non-default keys; write them all (like the
     # openai/clip-* configs on the hub) so that C++ readers need no HF defaults.
@@ -166,7 +152,7 @@ def make_clip():
         "vision.image_embeds": image_embeds.float(),
         "vision.pooled": vision_pooled.float(),
     }
-    save_st(tensors, os.path.join(FIX, "clip_tiny_io.safetensors"), dict(BASE_META))
+    st_canonical.save_st(tensors, os.path.join(FIX, "clip_tiny_io.safetensors"), dict(BASE_META))
     return model
 
 
@@ -231,14 +217,14 @@ def make_preprocess():
         tensors["image%d.pixel_values" % i] = torch.from_numpy(pv.astype(np.float16))
     meta = dict(BASE_META)
     meta["processor"] = json.dumps(proc.to_dict(), sort_keys=True)
-    save_st(tensors, os.path.join(FIX, "preprocess.safetensors"), meta)
+    st_canonical.save_st(tensors, os.path.join(FIX, "preprocess.safetensors"), meta)
 
 
 # ---------------------------------------------------------------------------- MoE
 
 
 def save_sharded(model, out_dir):
-    fresh_dir(out_dir)
+    st_canonical.fresh_dir(out_dir)
     model.save_pretrained(out_dir, safe_serialization=True, max_shard_size="20KB")
     gen = os.path.join(out_dir, "generation_config.json")
     if os.path.exists(gen):
@@ -311,9 +297,9 @@ def make_moe():
     meta["mixtral.min_topk_gap"] = "%.6f" % gap
 
     # adapter in the project's own format
-    adir = fresh_dir(os.path.join(FIX, "adapter_tiny"))
+    adir = st_canonical.fresh_dir(os.path.join(FIX, "adapter_tiny"))
     sd = {k: v.detach().float().contiguous() for k, v in block.state_dict().items()}
-    save_st(sd, os.path.join(adir, "adapter.safetensors"),
+    st_canonical.save_st(sd, os.path.join(adir, "adapter.safetensors"),
             {"format": "gst-moe-adapter", "generator": "tools/make_fixtures.py"})
     with open(os.path.join(adir, "adapter_config.json"), "w") as fh:
         json.dump({"format": "gst-moe-adapter", "version": 1, "hidden_size": 16, "num_experts": 6,
@@ -356,7 +342,7 @@ def make_moe():
     meta["qwen2_moe.prefix"] = "model.layers.1.mlp."
     meta["qwen2_moe.min_topk_gap"] = "%.6f" % qgap
 
-    save_st({k: v.detach() for k, v in tensors.items()}, os.path.join(FIX, "moe_io.safetensors"), meta)
+    st_canonical.save_st({k: v.detach() for k, v in tensors.items()}, os.path.join(FIX, "moe_io.safetensors"), meta)
 
 
 # ---------------------------------------------------------------------- tokenizer
@@ -497,7 +483,7 @@ def make_clip_bpe():
     model = model.half()
     model.config.torch_dtype = torch.float16
 
-    out_dir = fresh_dir(os.path.join(FIX, "clip_tiny_bpe"))
+    out_dir = st_canonical.fresh_dir(os.path.join(FIX, "clip_tiny_bpe"))
     model.save_pretrained(out_dir, safe_serialization=True)
     model.config.to_json_file(os.path.join(out_dir, "config.json"), use_diff=False)
     gen = os.path.join(out_dir, "generation_config.json")
@@ -579,7 +565,7 @@ def make_clip_bpe():
     meta["texts"] = json.dumps(BPE_TEXTS, ensure_ascii=False)
     meta["adapter.min_topk_gap"] = "%.6f" % gap
     meta["processor"] = json.dumps(proc.to_dict(), sort_keys=True)
-    save_st(tensors, os.path.join(FIX, "clip_tiny_bpe_io.safetensors"), meta)
+    st_canonical.save_st(tensors, os.path.join(FIX, "clip_tiny_bpe_io.safetensors"), meta)
 
 
 # ------------------------------------------------------------------------ summary

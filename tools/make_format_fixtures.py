@@ -25,7 +25,6 @@ Outputs (overwritten on every run):
 
 import json
 import os
-import shutil
 import struct
 import sys
 import zlib
@@ -35,7 +34,6 @@ import torch
 from PIL import Image, features
 
 import transformers
-from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st_canonical  # noqa: E402
@@ -45,18 +43,6 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(REPO_ROOT, "tests", "fixtures", "formats")
 META = {"generator": "tools/make_format_fixtures.py", "transformers": transformers.__version__,
         "torch": torch.__version__, "PIL": Image.__version__}
-
-
-def fresh_dir(path):
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    os.makedirs(path)
-    return path
-
-
-def save_st(tensors, path, metadata):
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
-    st_canonical.canonicalize(path)
 
 
 # ------------------------------------------------------------------------------ images
@@ -74,7 +60,7 @@ def png_bytes(width, height, bit_depth, colour_type, samples):
 
 def make_images():
     assert features.check("webp"), "this Pillow has no WebP support"
-    out = fresh_dir(os.path.join(OUT, "images"))
+    out = st_canonical.fresh_dir(os.path.join(OUT, "images"))
     rng = np.random.default_rng(20261201)
     rgb = synth_image(rng, 64, 64)
     gray = synth_image(rng, 64, 64)[..., 1]
@@ -129,7 +115,7 @@ def make_images():
     assert np.array_equal(expected["lossless.webp"].numpy(), rgb[:40, :48])
     meta = dict(META)
     meta["refused"] = json.dumps(refused)
-    save_st(expected, os.path.join(out, "expected.safetensors"), meta)
+    st_canonical.save_st(expected, os.path.join(out, "expected.safetensors"), meta)
 
 
 # ------------------------------------------------------------------------- CLIP config
@@ -171,7 +157,7 @@ VISION_FIELDS = ["hidden_size", "intermediate_size", "num_hidden_layers", "num_a
 def make_clip_configs():
     from transformers import CLIPConfig
 
-    out = fresh_dir(os.path.join(OUT, "clip_config"))
+    out = st_canonical.fresh_dir(os.path.join(OUT, "clip_config"))
     expected = {}
     for name, parts in CLIP_CASES.items():
         doc = {"model_type": "clip", "projection_dim": 24}
@@ -213,7 +199,7 @@ def make_qwen2_moe_no_shared_size():
     model = model.half()
     model.config.torch_dtype = torch.float16
 
-    out = fresh_dir(os.path.join(OUT, "qwen2_moe_no_shared_size"))
+    out = st_canonical.fresh_dir(os.path.join(OUT, "qwen2_moe_no_shared_size"))
     model.save_pretrained(out, safe_serialization=True)
     gen = os.path.join(out, "generation_config.json")
     if os.path.exists(gen):
@@ -238,7 +224,7 @@ def make_qwen2_moe_no_shared_size():
         no_shared = y.view(9, 4) - torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     y = y.view(9, 4)
     assert (y - no_shared).abs().max() > 1e-2, "the shared expert must matter"
-    save_st({"input": x, "output": y, "router_logits": logits.float()}, os.path.join(out, "io.safetensors"),
+    st_canonical.save_st({"input": x, "output": y, "router_logits": logits.float()}, os.path.join(out, "io.safetensors"),
             dict(META, prefix="model.layers.0.mlp.", shared_expert_intermediate_size=str(default_size)))
 
 

@@ -29,7 +29,6 @@ Outputs (overwritten on every run; deterministic: fixed seeds, canonical safeten
 
 import json
 import os
-import shutil
 import sys
 
 import torch
@@ -46,7 +45,6 @@ from compressed_tensors.quantization import (
 )
 from compressed_tensors.quantization.lifecycle.forward import dequantize
 from compressed_tensors.quantization.utils import calculate_qparams
-from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import st_canonical  # noqa: E402
@@ -97,18 +95,6 @@ class Model(torch.nn.Module):
         self.model.layers = torch.nn.ModuleList([Layer(block_name, block)])
 
 
-def fresh_dir(path):
-    if os.path.isdir(path):
-        shutil.rmtree(path)
-    os.makedirs(path)
-    return path
-
-
-def save_st(tensors, path, metadata):
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
-    st_canonical.canonicalize(path)
-
-
 def set_group_qparams(model, args):
     """Per-group min/max of each quantised weight -> the package's scale and zero point."""
     for module in model.modules():
@@ -151,10 +137,10 @@ def make_case(dirname, hf_config, block_name, names, shared_inter, args, dtype, 
     compressor = ModelCompressor(quantization_config=qconfig)
     state = compressor.compress(model)
 
-    out = fresh_dir(os.path.join(OUT, dirname))
+    out = st_canonical.fresh_dir(os.path.join(OUT, dirname))
     hf_config.to_json_file(os.path.join(out, "config.json"))
     compressor.update_config(out)
-    save_st(state, os.path.join(out, "model.safetensors"), dict(META, format="pt"))
+    st_canonical.save_st(state, os.path.join(out, "model.safetensors"), dict(META, format="pt"))
 
     prefix = f"model.layers.0.{block_name}."
     expected = {}
@@ -166,7 +152,7 @@ def make_case(dirname, hf_config, block_name, names, shared_inter, args, dtype, 
         for proj in names:
             name = f"{prefix}shared_expert.{proj}"
             expected[name + ".weight"] = package_dequantize(state, name, args)
-    save_st(expected, os.path.join(out, "expected.safetensors"),
+    st_canonical.save_st(expected, os.path.join(out, "expected.safetensors"),
             dict(META, experts=json.dumps(list(check_experts)), prefix=prefix))
     return out
 

@@ -2,10 +2,27 @@
 
 safetensors writes ``__metadata__`` in hash-map order; ``canonicalize(path)`` rewrites the JSON
 header with ``__metadata__`` first (sorted keys) and tensors in data-offset order, space-padded
-to a multiple of 8 bytes. The data section is unchanged.
+to a multiple of 8 bytes. The data section is unchanged. ``save_st`` writes torch tensors that
+way, and ``fresh_dir`` empties a fixture folder: the fixture scripts in tools/ share both.
 """
 
 import json
+import os
+import shutil
+
+
+def fresh_dir(path):
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    os.makedirs(path)
+    return path
+
+
+def save_st(tensors, path, metadata):
+    """safetensors.save_file + a canonical header: re-runs are byte-identical."""
+    from safetensors.torch import save_file  # only the scripts that write tensors need torch
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+    canonicalize(path)
 
 
 def canonicalize(path):
