@@ -28,6 +28,7 @@
 #include "backend.h"
 #include "runtime/compute_util.h"
 #include "moe/error.h"
+#include "moe/quantized_weights.h"
 #include "moe/tensor.h"
 
 namespace backend_cases {
@@ -58,19 +59,86 @@ inline std::vector<float> small_integers(int64_t n, unsigned seed) {
   return v;
 }
 
+// How the table's q4 weights are made: group size, the scales' type, zero points or symmetric.
+struct Q4Format {
+  int32_t group_size = 32;
+  WeightType scale_type = WeightType::F16;
+  bool zero_points = false;
+};
+
+inline std::string q4_format_name(const Q4Format& f) {
+  return "g" + std::to_string(f.group_size) + "_" + moe::kernels::weight_type_name(f.scale_type) +
+         (f.zero_points ? "_asym" : "_sym");
+}
+
 // A weight in host memory in one storage type, and its exact f32 value (what the naive loops use).
 struct HostWeight {
   WeightType type = WeightType::F32;
   std::vector<float> f32;      // storage when type == F32
-  std::vector<uint16_t> bits;  // storage when f16/bf16
+  std::vector<uint16_t> bits;  // storage when f16/bf16; q4: the scales
   std::vector<float> value;    // the stored value widened with moe::half_to_float / bf16_to_float
+  // q4 (Q4Weight's layout): the packed codes, the zero points (empty when symmetric), the format.
+  std::vector<int32_t> packed, zero_points;
+  Q4Format q4;
 
+  // The elements of an f32/f16/bf16 weight (a q4 weight is three arrays: DeviceWeight).
   const void* data() const { return type == WeightType::F32 ? static_cast<const void*>(f32.data()) : bits.data(); }
   size_t bytes() const { return type == WeightType::F32 ? f32.size() * 4 : bits.size() * 2; }
   WeightRef ref() const { return {data(), type}; }
 };
 
-inline HostWeight make_weight(WeightType type, int64_t rows, int64_t cols, unsigned seed, float stddev = 0.1f) {
+// A q4 weight [rows, cols] with values of about `stddev`: random codes, positive scales of
+// stddev / 4.6 (symmetric codes minus 8 spread about 4.6) times [0.5, 1.5), random zero points;
+// values as the contract defines them (moe::int4_group_values, the CPU's reference).
+inline HostWeight make_q4_weight(const Q4Format& format, int64_t rows, int64_t cols, unsigned seed, float stddev) {
+  HostWeight w;
+  w.type = WeightType::Q4;
+  w.q4 = format;
+  const int64_t groups = cols / format.group_size;
+  const bool bf16 = format.scale_type == WeightType::BF16;
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<uint32_t> nibble(0, 15);
+  std::uniform_real_distribution<float> spread(0.5f, 1.5f);
+  w.packed.assign(static_cast<size_t>(rows * cols / 8), 0);
+  for (int32_t& word : w.packed) {
+    uint32_t bits = 0;
+    for (int j = 0; j < 8; ++j) bits |= nibble(rng) << (4 * j);
+    word = static_cast<int32_t>(bits);
+  }
+  w.bits.resize(static_cast<size_t>(rows * groups));
+  for (uint16_t& s : w.bits) {
+    const float scale = stddev / 4.6f * spread(rng);
+    s = bf16 ? moe::float_to_bf16(scale) : moe::float_to_half(scale);
+  }
+  if (format.zero_points) {
+    w.zero_points.assign(static_cast<size_t>((rows + 7) / 8 * groups), 0);
+    for (int32_t& word : w.zero_points) {
+      uint32_t bits = 0;
+      for (int j = 0; j < 8; ++j) bits |= nibble(rng) << (4 * j);
+      word = static_cast<int32_t>(bits);
+    }
+  }
+  w.value.resize(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int zero =
+          format.zero_points
+              ? static_cast<int>((static_cast<uint32_t>(w.zero_points[(r / 8) * groups + g]) >> (4 * (r % 8))) & 0xFu)
+              : 8;
+      float values[16];
+      moe::int4_group_values(w.bits[r * groups + g], bf16, zero, values);
+      for (int64_t c = g * format.group_size; c < (g + 1) * format.group_size; ++c) {
+        const uint32_t code = (static_cast<uint32_t>(w.packed[(r * cols + c) / 8]) >> (4 * (c % 8))) & 0xFu;
+        w.value[r * cols + c] = values[code];
+      }
+    }
+  return w;
+}
+
+// `q4` is the format when type is Q4.
+inline HostWeight make_weight(WeightType type, int64_t rows, int64_t cols, unsigned seed, float stddev = 0.1f,
+                              const Q4Format& q4 = {}) {
+  if (type == WeightType::Q4) return make_q4_weight(q4, rows, cols, seed, stddev);
   HostWeight w;
   w.type = type;
   const std::vector<float> v = random_values(rows * cols, seed, stddev);
@@ -130,15 +198,35 @@ class DeviceBuffer {
   T* p_;
 };
 
-// A weight's bytes in a backend's memory.
+// A weight's arrays in a backend's memory; a q4 weight's Q4Weight (host memory, as backend.h
+// has it) points at them.
 struct DeviceWeight {
-  DeviceWeight(Backend& b, const HostWeight& w)
-      : bytes(b, std::vector<uint8_t>(static_cast<const uint8_t*>(w.data()),
-                                      static_cast<const uint8_t*>(w.data()) + w.bytes())),
-        type(w.type) {}
-  WeightRef ref() const { return {bytes.get(), type}; }
-  DeviceBuffer<uint8_t> bytes;
+  DeviceWeight(Backend& b, const HostWeight& w) : bytes(b, storage_of(w)), type(w.type) {
+    if (type != WeightType::Q4) return;
+    scales = std::make_unique<DeviceBuffer<uint16_t>>(b, w.bits);
+    if (!w.zero_points.empty()) zero_points = std::make_unique<DeviceBuffer<int32_t>>(b, w.zero_points);
+    q4.packed = reinterpret_cast<const int32_t*>(bytes.get());
+    q4.scales = scales->get();
+    q4.zero_points = zero_points ? zero_points->get() : nullptr;
+    q4.scale_type = w.q4.scale_type;
+    q4.group_size = w.q4.group_size;
+  }
+  DeviceWeight(const DeviceWeight&) = delete;
+  DeviceWeight& operator=(const DeviceWeight&) = delete;
+  WeightRef ref() const { return type == WeightType::Q4 ? WeightRef{&q4, type} : WeightRef{bytes.get(), type}; }
+
+  DeviceBuffer<uint8_t> bytes;  // the elements, or a q4 weight's packed codes
   WeightType type;
+  std::unique_ptr<DeviceBuffer<uint16_t>> scales;      // q4
+  std::unique_ptr<DeviceBuffer<int32_t>> zero_points;  // q4 with zero points
+  moe::kernels::Q4Weight q4;
+
+ private:
+  static std::vector<uint8_t> storage_of(const HostWeight& w) {
+    const auto* p = w.type == WeightType::Q4 ? reinterpret_cast<const uint8_t*>(w.packed.data())
+                                             : static_cast<const uint8_t*>(w.data());
+    return {p, p + (w.type == WeightType::Q4 ? w.packed.size() * sizeof(int32_t) : w.bytes())};
+  }
 };
 
 // ---- comparisons -----------------------------------------------------------------------------
@@ -155,7 +243,9 @@ enum class Against {
 // grouped_swiglu) to the weight's type before the tensor-core GEMM (cuBLAS takes one input type)
 // while the CPU keeps them in f32: 1e-2 (bf16 keeps 8 significant bits, about 4e-3 per value).
 // Activations beyond f16's 65504 are scaled per row into its range first: the same 1e-2, and
-// never inf.
+// never inf. q4 weights: the same 1e-2. Both backends decode the same values bit for bit; CUDA's
+// fused kernel (up to 16 rows) keeps the activations in f32 (summation order only, ~1e-6), its
+// larger batches dequantise to the scales' type and round the activations as for f16/bf16.
 inline double tolerance(Against against, const std::vector<WeightType>& types = {}) {
   if (against == Against::Naive) return 1e-5;
   const bool all_f32 = std::all_of(types.begin(), types.end(), [](WeightType t) { return t == WeightType::F32; });
@@ -391,18 +481,20 @@ struct LinearInputs {
 
 class LinearCase : public TypedCase<LinearInputs, std::vector<float>> {
  public:
-  // m = 0 passes no weight: with nothing to compute, none is needed.
-  LinearCase(int64_t m, int64_t n, int64_t k, WeightType type, bool bias, unsigned seed)
-      : m_(m), n_(n), k_(k), type_(type), bias_(bias), seed_(seed) {}
+  // m = 0 passes no weight: with nothing to compute, none is needed. `q4`: the format of a Q4 weight.
+  LinearCase(int64_t m, int64_t n, int64_t k, WeightType type, bool bias, unsigned seed, Q4Format q4 = {})
+      : m_(m), n_(n), k_(k), type_(type), bias_(bias), seed_(seed), q4_(q4) {}
   std::string name() const override {
-    return "linear_" + type_names({type_}) + "_" + dims({m_, n_, k_}) + (bias_ ? "_bias" : "") +
+    const std::string format = type_ == WeightType::Q4 ? "_" + q4_format_name(q4_) : "";
+    return "linear_" + type_names({type_}) + format + "_" + dims({m_, n_, k_}) + (bias_ ? "_bias" : "") +
            (m_ == 0 ? "_without_weight" : "");
   }
   std::vector<OpDesc> ops() const override { return {{Op::Linear, {type_}, {m_, n_, k_}}}; }
 
  protected:
   LinearInputs inputs() const override {
-    return {random_values(m_ * k_, seed_), random_values(n_, seed_ + 1), make_weight(type_, n_, k_, seed_ + 2, 0.05f)};
+    return {random_values(m_ * k_, seed_), random_values(n_, seed_ + 1),
+            make_weight(type_, n_, k_, seed_ + 2, 0.05f, q4_)};
   }
   std::vector<float> run(Backend& b, const LinearInputs& in) const override {
     DeviceBuffer<float> x(b, in.x), bias(b, in.bias), y(b, static_cast<size_t>(m_ * n_));
@@ -423,6 +515,7 @@ class LinearCase : public TypedCase<LinearInputs, std::vector<float>> {
   WeightType type_;
   bool bias_;
   unsigned seed_;
+  Q4Format q4_;
 };
 
 // f16 weights with activation rows far beyond f16's 65504 (CUDA scales them into its range).
@@ -766,6 +859,7 @@ struct MoeShape {
   // > 0: every unused_stride-th slot, and every slot of row 0, is unused (id -1, weight 0), as
   // routing policies leave them (dynamic k, capacity).
   int64_t unused_stride = 0;
+  Q4Format q4 = {};  // of the Q4 experts' weights
 };
 
 struct MoeInputs {
@@ -791,6 +885,7 @@ class MoeCase : public TypedCase<MoeInputs, MoeResult> {
     if (!s_.renormalize) n += "_unnormalized";
     if (s_.x_stddev != 1.0f) n += "_x" + std::to_string(static_cast<int64_t>(s_.x_stddev));
     if (s_.unused_stride > 0) n += "_unused" + std::to_string(s_.unused_stride);
+    if (std::find(s_.types.begin(), s_.types.end(), WeightType::Q4) != s_.types.end()) n += "_" + q4_format_name(s_.q4);
     return n;
   }
   std::vector<OpDesc> ops() const override {
@@ -822,9 +917,9 @@ class MoeCase : public TypedCase<MoeInputs, MoeResult> {
     for (int64_t e = 0; e < s_.experts; ++e) {
       if (e == s_.empty_expert) continue;
       const auto seed = static_cast<unsigned>(seed_ + 10 + 3 * e);
-      in.w1[e] = make_weight(type_of(e), s_.inter, s_.d, seed, s_.weight_stddev);
-      in.w3[e] = make_weight(type_of(e), s_.inter, s_.d, seed + 1, s_.weight_stddev);
-      in.w2[e] = make_weight(type_of(e), s_.d, s_.inter, seed + 2, s_.weight_stddev);
+      in.w1[e] = make_weight(type_of(e), s_.inter, s_.d, seed, s_.weight_stddev, s_.q4);
+      in.w3[e] = make_weight(type_of(e), s_.inter, s_.d, seed + 1, s_.weight_stddev, s_.q4);
+      in.w2[e] = make_weight(type_of(e), s_.d, s_.inter, seed + 2, s_.weight_stddev, s_.q4);
     }
     return in;
   }
@@ -1110,6 +1205,29 @@ inline const std::vector<std::unique_ptr<OpCase>>& op_cases() {
         for (bool bias : {false, true}) add(LinearCase(m, n, k, type, bias, 50));
     add(LinearCase(0, 4, 4, f32, false, 50));
     add(LinearBeyondF16Range(53));
+    // q4 (W4A16): both group sizes and scale types, symmetric and with zero points; row counts on
+    // both sides of CUDA's fused kernel's limit (16 rows, kQ4FusedMaxRows in cuda_common.h) and of
+    // the CPU's direct path (12); k = 384 and 96 end in part of CUDA's 256-column tile, n = 33,
+    // 65 and 300 in part of its 16-row block.
+    const WeightType q4 = WeightType::Q4;
+    const Q4Format g32_f16{32, f16, false}, g32_bf16_asym{32, bf16, true}, g128_f16_asym{128, f16, true},
+        g128_bf16{128, bf16, false};
+    for (const Q4Format& format : {g32_f16, g32_bf16_asym, g128_f16_asym, g128_bf16})
+      for (auto [m, n, k] : {std::tuple<int64_t, int64_t, int64_t>{1, 33, 256},
+                             {12, 300, 384},
+                             {16, 300, 384},
+                             {17, 65, 512},
+                             {64, 1000, 768}})
+        add(LinearCase(m, n, k, q4, m % 2 == 1, 40, format));
+    for (const Q4Format& format : {g32_f16, g32_bf16_asym}) add(LinearCase(3, 5, 96, q4, true, 41, format));
+    add(RejectedCall("a_q4_group_size_not_a_multiple_of_8", {Op::Linear, {q4}, {1, 8, 64}},
+                     {"q4 group size 12 must be a positive multiple of 8 that divides k = 64"}, [](Backend& b) {
+                       HostWeight w = make_q4_weight({32, WeightType::F16, false}, 8, 64, 42, 0.1f);
+                       w.q4.group_size = 12;
+                       const DeviceWeight on_b(b, w);
+                       DeviceBuffer<float> x(b, 64), y(b, 8);
+                       b.linear(x.get(), on_b.ref(), nullptr, y.get(), 1, 8, 64);
+                     }));
     add(RejectedCall("a_weight_without_data", {Op::Linear, {f32}, {1, 1, 1}}, {"no data"}, [](Backend& b) {
       DeviceBuffer<float> x(b, 1), y(b, 1);
       b.linear(x.get(), WeightRef{}, nullptr, y.get(), 1, 1, 1);
@@ -1193,6 +1311,16 @@ inline const std::vector<std::unique_ptr<OpCase>>& op_cases() {
     // Activations and SwiGLU products far beyond f16's 65504.
     add(MoeCase({64, 512, 256, 8, 2, true, {f16}, 7, 0.05f, 1e5f}, 90));
     add(MoeCase({64, 512, 256, 8, 2, true, {f16, f32, bf16}, 7, 0.05f, 1e5f}, 90));
+    // q4 experts: few rows each (CUDA's fused kernel), many (dequantised for cuBLAS), both in one
+    // call next to f16 and f32 experts (CUDA runs those in runs between the fused ones), rows
+    // with unused slots, activations beyond f16's range.
+    add(MoeCase({9, 64, 32, 5, 2, true, {q4}, 3, 0.5f, 1.0f, 0, g32_f16}, 12));
+    add(MoeCase({9, 64, 32, 5, 2, true, {q4}, 3, 0.5f, 1.0f, 0, g32_bf16_asym}, 12));
+    add(MoeCase({300, 256, 128, 8, 2, true, {q4}, 7, 0.05f, 1.0f, 0, g128_f16_asym}, 90));
+    add(MoeCase({300, 256, 512, 8, 2, true, {q4}, 7, 0.05f, 1.0f, 0, g128_bf16}, 90));
+    add(MoeCase({50, 256, 128, 8, 2, true, {q4, f16, q4, f32}, 7, 0.05f, 1.0f, 0, g32_bf16_asym}, 90));
+    add(MoeCase({50, 256, 128, 8, 3, true, {q4}, 7, 0.05f, 1.0f, 4, g32_f16}, 90));
+    add(MoeCase({64, 256, 256, 8, 2, true, {q4, f16}, 7, 0.05f, 1e5f, 0, g128_f16_asym}, 90));
     for (auto [rows, top_k, cols] : {std::tuple<int64_t, int64_t, int64_t>{9, 2, 6},
                                      {1, 2, 512},
                                      {1000, 2, 768},

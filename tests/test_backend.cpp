@@ -455,6 +455,10 @@ TEST(CudaBackend, SupportsReportsTheKernelLimits) {
   EXPECT_FALSE(gpu->supports({Op::InnerProductTopk, {}, {1, 5000, 8, 1025}}, &why));
   EXPECT_EQ(why, "k = 1025 is larger than the CUDA kernel's 1024");
   EXPECT_TRUE(gpu->supports({Op::Linear, {WeightType::BF16}, {4096, 4096, 4096}}));
+  // q4 at every size and next to other types (its group size is the weight's, checked by the call).
+  EXPECT_TRUE(gpu->supports({Op::Linear, {WeightType::Q4}, {1, 4096, 4096}}));
+  EXPECT_TRUE(gpu->supports({Op::Linear, {WeightType::Q4}, {4096, 4096, 4096}}));
+  EXPECT_TRUE(gpu->supports({Op::GroupedSwiglu, {WeightType::Q4, WeightType::F16}, {64, 8, 512, 2048}}));
 }
 TEST(CudaBackend, DeviceUsableFindsThisBuildsCode) {
   std::string why;

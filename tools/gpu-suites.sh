@@ -1,7 +1,8 @@
 # Sourced by tools/gpu-check.sh and tools/gpu-check-bundle.sh: which test suites hold GPU tests,
 # found from the sources so that a new GPU test is picked up by both without a list to update.
-# A GPU test is one whose suite or test name contains Cuda, Gpu or Nccl.
-gpu_pattern='Cuda|Gpu|Nccl'
+# A GPU test is one whose suite or test name contains Cuda, Gpu or Nccl, or a backend case
+# table row run on a CUDA device (test_backend's EveryBackend/OpCases.cuda0_...).
+gpu_pattern='Cuda|Gpu|Nccl|\.cuda[0-9]'
 
 # Suites (test file stems) that contain tests named like GPU tests. Run from the source root.
 discover_gpu_suites() {

@@ -1,7 +1,8 @@
 // CUDA backend: one device, a compute stream (every operation, copy_from_host, copy_to_host,
 // copy_on_device, in order) and a copy stream (copy_from_host_async, one cudaEvent per copy).
 // Kernels live in the other files of this folder by topic; every one has its CPU twin in
-// kernels/cpu/cpu_ops.cpp, and the case table of tests/backend_cases.h compares the two.
+// kernels/cpu/cpu_ops.cpp (q4 weights: cpu_int4.cpp), and the case table of tests/backend_cases.h
+// compares the two.
 // Every CUDA and cuBLAS call is checked; errors are moe::Error "cuda:N: <operation>: <call>: <reason>".
 #include <algorithm>
 #include <cstdlib>
@@ -88,19 +89,33 @@ void upload(Ctx& ctx, const char* op, void* dst, const void* src, size_t bytes) 
   }
 }
 
-char* scratch(Ctx& ctx, size_t bytes, const char* op) {
-  if (bytes > ctx.scratch_bytes) {
+namespace {
+
+// `buffer` (of `size` bytes) grown to at least `bytes`, at least 1 MiB.
+char* grow(Ctx& ctx, void*& buffer, size_t& size, size_t bytes, const char* op, const char* what) {
+  if (bytes > size) {
     // Work queued earlier may still use the old buffer.
-    check(ctx, op, cudaStreamSynchronize(ctx.stream), "cudaStreamSynchronize(before growing scratch)");
-    if (ctx.scratch) check(ctx, op, cudaFree(ctx.scratch), "cudaFree(scratch)");
-    ctx.scratch = nullptr;
-    ctx.scratch_bytes = 0;
+    check(ctx, op, cudaStreamSynchronize(ctx.stream),
+          (std::string("cudaStreamSynchronize(before growing ") + what + ")").c_str());
+    if (buffer) check(ctx, op, cudaFree(buffer), (std::string("cudaFree(") + what + ")").c_str());
+    buffer = nullptr;
+    size = 0;
     const size_t want = std::max(bytes, size_t{1} << 20);
-    check(ctx, op, cudaMalloc(&ctx.scratch, want),
-          ("cudaMalloc(" + std::to_string(want) + " bytes of scratch)").c_str());
-    ctx.scratch_bytes = want;
+    check(ctx, op, cudaMalloc(&buffer, want),
+          ("cudaMalloc(" + std::to_string(want) + " bytes of " + what + ")").c_str());
+    size = want;
   }
-  return static_cast<char*>(ctx.scratch);
+  return static_cast<char*>(buffer);
+}
+
+}  // namespace
+
+char* scratch(Ctx& ctx, size_t bytes, const char* op) {
+  return grow(ctx, ctx.scratch, ctx.scratch_bytes, bytes, op, "scratch");
+}
+
+char* q4_arena(Ctx& ctx, size_t bytes, const char* op) {
+  return grow(ctx, ctx.q4_arena, ctx.q4_arena_bytes, bytes, op, "the q4 arena");
 }
 
 }  // namespace cuda
@@ -141,9 +156,6 @@ class CudaEvent final : public Event {
   int device;
   cudaEvent_t event;
 };
-
-// Issue 13's fused dequantise-GEMM is not written yet: supports() and the calls say so.
-constexpr const char* kNoQ4Kernel = "q4 (int4) weights have no CUDA kernel yet; the CPU backend runs them";
 
 class CudaBackend final : public Backend {
  public:
@@ -289,7 +301,6 @@ class CudaBackend final : public Backend {
   // ---- operations ----
   void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) override {
     checks::linear(ctx_.name, w, m, n, k);
-    if (m > 0 && n > 0 && w.type == WeightType::Q4) cuda::fail(ctx_, "linear", kNoQ4Kernel);
     on_device("linear");
     cuda::linear(ctx_, x, w, bias, y, m, n, k);
   }
@@ -340,12 +351,15 @@ class CudaBackend final : public Backend {
   void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
                       const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted) override {
     checks::grouped_swiglu(ctx_.name, offsets, experts, d, inter);
+    bool q4 = false;
     for (size_t e = 0; e < experts.size(); ++e)
-      if (offsets[e + 1] > offsets[e] && d > 0 && inter > 0)
-        for (const WeightRef* w : {&experts[e].w1, &experts[e].w3, &experts[e].w2})
-          if (w->type == WeightType::Q4) cuda::fail(ctx_, "grouped_swiglu", kNoQ4Kernel);
+      if (offsets[e + 1] > offsets[e])
+        for (const WeightRef* w : {&experts[e].w1, &experts[e].w3, &experts[e].w2}) q4 |= w->type == WeightType::Q4;
     on_device("grouped_swiglu");
-    cuda::grouped_swiglu(ctx_, x_sorted, offsets, experts, d, inter, out_sorted);
+    if (q4)
+      cuda::grouped_swiglu_q4(ctx_, x_sorted, offsets, experts, d, inter, out_sorted);
+    else
+      cuda::grouped_swiglu(ctx_, x_sorted, offsets, experts, d, inter, out_sorted);
   }
   void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,
                      int64_t cols, float* y) override {
@@ -361,9 +375,9 @@ class CudaBackend final : public Backend {
   }
 
  protected:
+  // The kernels' size limits. q4 weights have none: their group size belongs to the weight, not
+  // to the call, and the calls check it against the contract as the CPU's do.
   std::string why_unsupported(const OpDesc& op) const override {
-    for (WeightType type : op.weight_types)
-      if (type == WeightType::Q4) return kNoQ4Kernel;
     switch (op.op) {
       case Op::Attention:
         return cuda::attention_limit(op.sizes[3]);
@@ -429,10 +443,12 @@ class CudaBackend final : public Backend {
   }
   void release() {
     if (ctx_.scratch) cudaFree(ctx_.scratch);
+    if (ctx_.q4_arena) cudaFree(ctx_.q4_arena);
     if (ctx_.blas) cublasDestroy(ctx_.blas);
     if (copy_stream_) cudaStreamDestroy(copy_stream_);
     if (ctx_.stream) cudaStreamDestroy(ctx_.stream);
     ctx_.scratch = nullptr;
+    ctx_.q4_arena = nullptr;
     ctx_.blas = nullptr;
     copy_stream_ = nullptr;
     ctx_.stream = nullptr;

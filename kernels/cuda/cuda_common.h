@@ -27,6 +27,10 @@ struct Ctx {
   bool sync_each_op = false;
   // Whether cublasGemmGroupedBatchedEx accepts f16/bf16 inputs with f32 output (-1: not tried).
   int grouped_half_f32_out = -1;
+  // The q4 arena: q4 weights dequantised for cuBLAS, kept apart from `scratch` because the
+  // operations they feed carve scratch themselves (grouped_swiglu_q4).
+  void* q4_arena = nullptr;
+  size_t q4_arena_bytes = 0;
 };
 
 [[noreturn]] void fail(const Ctx& ctx, const char* op, const std::string& why);
@@ -45,6 +49,8 @@ void upload(Ctx& ctx, const char* op, void* dst, const void* src, size_t bytes);
 // A device buffer of at least `bytes` (256-byte aligned), valid until the next call. Growing it
 // waits for the compute stream first, so work still using the old buffer is finished.
 char* scratch(Ctx& ctx, size_t bytes, const char* op);
+// The same for the q4 arena.
+char* q4_arena(Ctx& ctx, size_t bytes, const char* op);
 
 // Lays out several arrays in one scratch buffer: call take() once with base == nullptr to
 // measure (bytes()), then again over the real buffer with the same sequence.
@@ -132,6 +138,35 @@ void grouped_swiglu(Ctx& ctx, const float* x_sorted, const std::vector<int64_t>&
                     const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted);
 void moe_unpermute(Ctx& ctx, const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows,
                    int64_t top_k, int64_t cols, float* y);
+
+// cuda_int4.cu (kernels::Q4Weight: the struct on the host, its arrays on this device)
+// Products with at most this many activation rows run the fused dequantise-multiply kernel; more
+// dequantise the weight to its scale's type and run cuBLAS. Provisional, not measured: the fused
+// kernel's FMA work grows with the rows while the other path pays a fixed 16-bit write and read
+// of the weight; the crossover is for the first GPU run to measure (docs/benchmarks.md).
+constexpr int64_t kQ4FusedMaxRows = 16;
+// Throws, as the CPU does, unless `w` is a q4 weight of k columns the contract allows.
+void check_q4(const Ctx& ctx, const char* op, const Q4Weight& w, int64_t k);
+// One product of a fused launch: y[i, r] = Σ_c x[i, c] · w[r, c] (+ bias[r] when not null) for
+// i < rows (1..kQ4FusedMaxRows); x [rows, k] and y [rows, n] row-major.
+struct Q4FusedProblem {
+  const Q4Weight* w;
+  const float* x;
+  float* y;
+  const float* bias;
+  int64_t rows;
+};
+// Device bytes q4_fused needs for `problems` products' arguments.
+size_t q4_fused_arg_bytes(size_t problems);
+// Every problem has the same n (weight rows) and k; activations stay f32. dev_args: device
+// memory of q4_fused_arg_bytes(problems.size()) (filled here, on the stream).
+void q4_fused(Ctx& ctx, const char* op, const std::vector<Q4FusedProblem>& problems, int64_t n, int64_t k,
+              void* dev_args);
+// dst [n, k] (16-byte aligned) = w's values in w.scale_type.
+void q4_dequantize(Ctx& ctx, const char* op, const Q4Weight& w, int64_t n, int64_t k, void* dst);
+// grouped_swiglu for experts of which some weights are q4 (any mix of types).
+void grouped_swiglu_q4(Ctx& ctx, const float* x_sorted, const std::vector<int64_t>& offsets,
+                       const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted);
 
 // cuda_search.cu
 void inner_product_topk(Ctx& ctx, const float* queries, int64_t nq, const float* base, int64_t nb, int64_t d, int64_t k,

@@ -5,6 +5,8 @@
 // A and B of one type), products are accumulated in fp32. f16 activations are first scaled per
 // row by a power of two where they exceed f16's range (fit_rows_to_f16), and the output rows
 // scaled back.
+// q4 weights (cuda_int4.cu): up to kQ4FusedMaxRows rows run the fused kernel on the f32
+// activations; more are dequantised to their scale's type in scratch and run as f16/bf16 weights.
 #include <cublas_api.h>
 
 #include <algorithm>
@@ -25,7 +27,7 @@ cudaDataType_t data_type(WeightType type) {
     case WeightType::BF16:
       return CUDA_R_16BF;
     case WeightType::Q4:
-      break;  // refused before any GEMM (cuda_backend.cu, kNoQ4Kernel)
+      break;  // never a GEMM's type: dequantised to its scale's type first
   }
   return CUDA_R_32F;
 }
@@ -53,29 +55,46 @@ void linear(Ctx& ctx, const float* x, WeightRef w, const float* bias, float* y, 
   float* unscale = nullptr;  // f16 weights: per row, what the GEMM's output is scaled back by
   for (auto [v, what] : {std::pair<int64_t, const char*>{m, "m"}, {n, "n"}, {k, "k"}})
     check_int(ctx, "linear", v, what);
+  const Q4Weight* q4 = w.type == WeightType::Q4 ? static_cast<const Q4Weight*>(w.data) : nullptr;
+  if (q4) {
+    check_q4(ctx, "linear", *q4, k);
+    if (m <= kQ4FusedMaxRows) {
+      q4_fused(ctx, "linear", {{q4, x, y, bias, m}}, n, k, scratch(ctx, q4_fused_arg_bytes(1), "linear"));
+      if (ctx.sync_each_op) check(ctx, "linear", cudaStreamSynchronize(ctx.stream), "cudaStreamSynchronize");
+      return;
+    }
+  }
+  const WeightType type = q4 ? q4->scale_type : w.type;  // the GEMM's
   if (k == 0) {
     check(ctx, "linear", cudaMemsetAsync(y, 0, static_cast<size_t>(m * n) * sizeof(float), ctx.stream),
           "cudaMemsetAsync");
   } else {
+    const void* a = w.data;
     const void* b = x;
-    if (w.type != WeightType::F32) {
-      // Scratch: x in the weight's type, then (f16) the rows' unscale factors.
-      void* xc;
+    if (type != WeightType::F32) {
+      // Scratch: x in the weight's type, then (f16) the rows' unscale factors, then (q4) the
+      // dequantised weight.
+      void *xc, *wc;
       const auto layout = [&](Carver& c) {
         xc = c.take<uint16_t>(static_cast<size_t>(m * k));
-        unscale = w.type == WeightType::F16 ? c.take<float>(static_cast<size_t>(m)) : nullptr;
+        unscale = type == WeightType::F16 ? c.take<float>(static_cast<size_t>(m)) : nullptr;
+        wc = q4 ? c.take<uint16_t>(static_cast<size_t>(n * k)) : nullptr;
       };
       Carver measure;
       layout(measure);
       Carver carve(scratch(ctx, measure.bytes(), "linear"));
       layout(carve);
-      if (w.type == WeightType::F16)
+      if (type == WeightType::F16)
         fit_rows_to_f16(ctx, "linear", x, m, k, xc, WeightType::F16, unscale);
       else
-        cast_from_f32(ctx, "linear", x, xc, w.type, m * k);
+        cast_from_f32(ctx, "linear", x, xc, type, m * k);
       b = xc;
+      if (q4) {
+        q4_dequantize(ctx, "linear", *q4, n, k, wc);
+        a = wc;
+      }
     }
-    gemm_one(ctx, "linear", w.type, GemmProblem{w.data, b, y, m, n, k, k, k, n});
+    gemm_one(ctx, "linear", type, GemmProblem{a, b, y, m, n, k, k, k, n});
   }
   scale_rows_add_bias(ctx, "linear", y, unscale, bias, m, n);
   if (ctx.sync_each_op) check(ctx, "linear", cudaStreamSynchronize(ctx.stream), "cudaStreamSynchronize");
