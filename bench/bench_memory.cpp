@@ -4,14 +4,15 @@
 // Each measurement runs in a fresh process of its own (this program again, with --child), so that
 // nothing one load leaves in the allocator or the address space counts for the next, and so that
 // CUDA, which the parent initialised to list the devices and which does not survive a fork, starts
-// clean: the child loads the
-// CLIP model and the MoE adapter with the device and precision, encodes one batch of images and
-// one of texts and runs the adapter on them (so every weight page is touched and the working
-// buffers exist), then reports its peak resident set (VmHWM, host memory including mmap-ed
-// checkpoint pages it read) above the resident set it started with and, on a GPU, the device memory taken since it
-// started (total - free, before and after). Models: the synthetic ViT-B/32 of moe-bench-encoder and a synthetic adapter
-// for it (512 wide, 8 experts of width 2048, top-2), f32 safetensors written once to a temporary directory; --quick the
-// tiny test fixtures.
+// clean: the child loads the CLIP model and the MoE adapter with the device and precision, encodes
+// one batch of images and one of texts and runs the adapter on them (so every weight page is
+// touched and the working buffers exist), then reports its peak resident set (VmHWM, host memory
+// including mmap-ed checkpoint pages it read) above the resident set it started with, the
+// anonymous memory it holds at the end (RssAnon: what it allocated, such as converted and packed
+// weights, without the checkpoint's file pages) and, on a GPU, the device memory taken since it
+// started (total - free, before and after). Models: the synthetic ViT-B/32 of moe-bench-encoder
+// and a synthetic adapter for it (512 wide, 8 experts of width 2048, top-2), f32 safetensors
+// written once to a temporary directory; --quick the tiny test fixtures.
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -41,6 +42,7 @@ const char* kUsage =
 
 struct Usage {
   double host_peak_mib = 0;  // the child's peak resident set above what it started with
+  double host_anon_mib = 0;  // its anonymous resident memory above what it started with, at the end
   double device_mib = 0;     // device memory taken (0 on the CPU)
 };
 
@@ -63,6 +65,7 @@ double status_kib(const char* key) {
 Usage measure(const std::string& clip_dir, const std::string& adapter_dir, const std::string& device,
               const std::string& precision, int64_t batch) {
   const double start_kib = status_kib("VmRSS:");  // the pages shared with the parent at fork
+  const double start_anon_kib = status_kib("RssAnon:");
   std::shared_ptr<kernels::Backend> backend = device == "cpu" ? nullptr : open_backend(device);
   const kernels::MemoryInfo before = backend ? backend->memory_info() : kernels::MemoryInfo{};
   ComputeOptions options;
@@ -84,6 +87,7 @@ Usage measure(const std::string& clip_dir, const std::string& adapter_dir, const
   adapter.apply(clip.encode_token_ids(ids).embeds);
   Usage u;
   u.host_peak_mib = (status_kib("VmHWM:") - start_kib) / 1024.0;
+  u.host_anon_mib = (status_kib("RssAnon:") - start_anon_kib) / 1024.0;
   if (backend) {
     const kernels::MemoryInfo after = backend->memory_info();
     u.device_mib =
@@ -97,7 +101,7 @@ int child_main(const std::string& clip_dir, const std::string& adapter_dir, cons
                const std::string& precision, int64_t batch) {
   try {
     const Usage u = measure(clip_dir, adapter_dir, device, precision, batch);
-    std::printf("ok %f %f\n", u.host_peak_mib, u.device_mib);
+    std::printf("ok %f %f %f\n", u.host_peak_mib, u.host_anon_mib, u.device_mib);
   } catch (const std::exception& e) {
     std::printf("error %s\n", e.what());
   }
@@ -137,7 +141,7 @@ Usage measure_in_child(const std::string& clip_dir, const std::string& adapter_d
                      ? text.substr(6)
                      : "the measuring process failed (status " + std::to_string(status) + ")"));
   Usage u;
-  std::sscanf(text.c_str() + 3, "%lf %lf", &u.host_peak_mib, &u.device_mib);
+  std::sscanf(text.c_str() + 3, "%lf %lf %lf", &u.host_peak_mib, &u.host_anon_mib, &u.device_mib);
   return u;
 }
 
@@ -192,15 +196,16 @@ int run(int argc, char** argv) {
     for (const std::string& precision : precisions) {
       try {
         rows.push_back({device, precision, measure_in_child(clip_dir, adapter_dir, device, precision, batch)});
-        std::fprintf(stderr, "[%s %s] host peak %.1f MiB, device %.1f MiB\n", device.c_str(), precision.c_str(),
-                     rows.back().u.host_peak_mib, rows.back().u.device_mib);
+        std::fprintf(stderr, "[%s %s] host peak %.1f MiB, anonymous %.1f MiB, device %.1f MiB\n", device.c_str(),
+                     precision.c_str(), rows.back().u.host_peak_mib, rows.back().u.host_anon_mib,
+                     rows.back().u.device_mib);
       } catch (const std::exception& e) {
         skipped.emplace_back(device + " " + precision, e.what());
       }
     }
 
-  Table table(
-      {"device", "weights", "host peak MiB", "vs " + precisions.front(), "device MiB", "vs " + precisions.front()});
+  Table table({"device", "weights", "host peak MiB", "vs " + precisions.front(), "host anonymous MiB",
+               "vs " + precisions.front(), "device MiB", "vs " + precisions.front()});
   Json out = report_header("moe-bench-memory", quick);
   out.set("model", model_name);
   out.set("batch", batch);
@@ -212,13 +217,15 @@ int run(int argc, char** argv) {
       if (q.device == r.device && q.precision == precisions.front()) base = &q;
     auto ratio = [](double v, double b) { return b > 0 ? fmt_ratio(v / b) : std::string("-"); };
     table.add({r.device, r.precision, fmt(r.u.host_peak_mib),
-               base ? ratio(r.u.host_peak_mib, base->u.host_peak_mib) : "-",
+               base ? ratio(r.u.host_peak_mib, base->u.host_peak_mib) : "-", fmt(r.u.host_anon_mib),
+               base ? ratio(r.u.host_anon_mib, base->u.host_anon_mib) : "-",
                r.device == "cpu" ? "-" : fmt(r.u.device_mib),
                r.device == "cpu" || !base ? "-" : ratio(r.u.device_mib, base->u.device_mib)});
     Json j = Json::object();
     j.set("device", r.device);
     j.set("precision", r.precision);
     j.set("host_peak_mib", r.u.host_peak_mib);
+    j.set("host_anon_mib", r.u.host_anon_mib);
     j.set("device_mib", r.u.device_mib);
     results.push(j);
   }
@@ -226,8 +233,9 @@ int run(int argc, char** argv) {
   table.print();
   std::printf(
       "\nhost peak = peak resident set (VmHWM) of the process that loaded and ran the models, above what it "
-      "started with (includes the checkpoint pages it read); device = device memory taken (total - free) by "
-      "that process.\n");
+      "started with (includes the checkpoint pages it read); host anonymous = its anonymous resident memory "
+      "(RssAnon) after the calls, above what it started with: what it allocated (converted and packed weights, "
+      "buffers), not the checkpoint's file pages; device = device memory taken (total - free) by that process.\n");
   for (const auto& s : skipped) std::printf("skipped %s: %s\n", s.first.c_str(), s.second.c_str());
   write_json(json_path, out);
   return skipped.empty() ? 0 : 1;  // a row asked for and not measured is a failure

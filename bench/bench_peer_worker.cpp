@@ -5,15 +5,17 @@
 //
 //   moe-bench-peer-worker --write-model DIR   writes a synthetic CLIP ViT-B/32 (random weights,
 //                                             bench/clip_writer.h, seed 42) to DIR and exits
-//   moe-bench-peer-worker --model DIR [--threads N]  serves requests on stdin (N: the CPU
-//                                             backend's intra-op threads, ComputeOptions::threads),
-//                                             one per line:
+//   moe-bench-peer-worker --model DIR [--threads N] [--precision P]  serves requests on stdin
+//                                             (N: the CPU backend's intra-op threads,
+//                                             ComputeOptions::threads; P: fp32 (default), bf16 or
+//                                             fp16, ComputeOptions::precision), one per line:
 //     load NAME images PATH B    raw f32 pixels [B, channels, image_size, image_size] from PATH
 //     load NAME texts PATH B L   raw int32 token ids [B, L] from PATH
 //     run NAME N                 N encode calls (encode_pixels / encode_token_ids: the towers
 //                                alone, as moe-bench-encoder), answers "ok SECONDS" for all N
 //     dump NAME PATH             one call; writes the embeddings (raw f32 [B, projection_dim])
-//     info                       "ok" + the BLAS/oneDNN libraries this process has mapped
+//     info                       "ok" + the precision and the BLAS/oneDNN libraries this
+//                                process has mapped
 //     quit
 //   Every answer is one line: "ok ..." or "error WHY".
 //
@@ -33,13 +35,14 @@
 #include "bench_common.h"
 #include "clip_writer.h"
 #include "moe/clip_model.h"
+#include "moe/compute.h"
 #include "moe/error.h"
 
 namespace moe::bench {
 namespace {
 
 const char* kUsage =
-    "usage: moe-bench-peer-worker --write-model DIR | --model DIR\n"
+    "usage: moe-bench-peer-worker --write-model DIR | --model DIR [--threads N] [--precision fp32|bf16|fp16]\n"
     "  The engine's worker for tools/bench-peers.sh; requests on stdin (see the source's header).\n";
 
 struct Input {
@@ -78,9 +81,10 @@ std::string mapped_math_libs() {
   return out;
 }
 
-int serve(const std::string& dir, int threads) {
+int serve(const std::string& dir, int threads, kernels::WeightType precision) {
   ComputeOptions options;
   options.threads = threads;  // 0: the cores this process may use
+  options.precision = precision;
   const ClipModel model = ClipModel::load(dir, options);
   const ClipConfig& cfg = model.config();
   std::map<std::string, Input> inputs;
@@ -135,7 +139,7 @@ int serve(const std::string& dir, int threads) {
                       static_cast<long long>(r.embeds.shape()[1]));
         }
       } else if (cmd == "info") {
-        std::printf("ok %s\n", mapped_math_libs().c_str());
+        std::printf("ok %s weights, %s\n", kernels::weight_type_name(precision), mapped_math_libs().c_str());
       } else {
         throw Error("unknown request '" + cmd + "'");
       }
@@ -155,6 +159,7 @@ int run(int argc, char** argv) {
   const std::string write_dir = args.str("write-model", "");
   const std::string model_dir = args.str("model", "");
   const int threads = std::stoi(args.str("threads", "0"));
+  const kernels::WeightType precision = parse_precision(args.str("precision", "fp32"));
   args.finish();
   if (!write_dir.empty()) {
     std::filesystem::create_directories(write_dir);
@@ -162,7 +167,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   if (model_dir.empty()) args.fail("--write-model DIR or --model DIR");
-  return serve(model_dir, threads);
+  return serve(model_dir, threads, precision);
 }
 
 }  // namespace

@@ -12,10 +12,14 @@
 // backend's memory unless stated.
 //
 // Activations against f16/bf16 weights (linear, grouped_swiglu): the CPU multiplies the f32
-// activations by the widened weights. CUDA rounds the activations (x, and in grouped_swiglu also
+// activations by the widened weights, except in linear on a bf16 weight given to
+// prepare_linear_weight where the CPU has AVX-512 BF16 or AMX: there it rounds x to bf16 as CUDA
+// does (kernels/cpu/cpu_gemm.h). CUDA rounds the activations (x, and in grouped_swiglu also
 // the SwiGLU product) to the weight's type first, as cuBLAS takes one input type: one more
 // rounding per product, relative 2^-11 (f16) or 2^-8 (bf16), so the backends agree within about
-// 1e-2 relative there, not 1e-4 (tests/backend_cases.h, test_compute.cpp). f16 ends at 65504:
+// 1e-2 relative there, not 1e-4 (tests/backend_cases.h, test_compute.cpp). Q4 weights: the same
+// bound; CUDA keeps the activations in f32 up to a few rows and beyond them dequantises the
+// weight to its scale's type and rounds the activations to it. f16 ends at 65504:
 // before an f16 GEMM, CUDA scales each activation row that exceeds it by a power of two that fits
 // it and scales the output row back (exact), so large activations do not overflow to inf.
 //
@@ -248,7 +252,8 @@ struct CpuBackendOptions {
   // Run copy_from_host_async on a worker thread (a host "device" with a real copy queue), so
   // the expert cache's asynchronous paths run, and are tested, without a GPU.
   bool async_copies = false;
-  // Intra-op threads (linear splits its columns over them; they block, not spin, between calls).
+  // Intra-op threads (linear splits its columns over them, layer norm, the element-wise operations,
+  // attention and l2_normalize_rows their rows; they block, not spin, between calls).
   // 0: the cores this process may run on (sched_getaffinity).
   int threads = 0;
 };

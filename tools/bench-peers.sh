@@ -8,7 +8,8 @@
 #   tools/bench-peers.sh --build-dir DIR     build and work in DIR (default: build)
 #   tools/bench-peers.sh --jobs N            meson compile -j N (default: meson's)
 #   other options go to tools/bench_peers.py (--threads, --batches, --towers, --rounds,
-#   --text-tokens, --min-sample-s, --json FILE; see tools/bench_peers.py --help)
+#   --text-tokens, --min-sample-s, --precision fp32|bf16|fp16 (gst-moe's weights; the peers stay
+#   fp32), --json FILE; see tools/bench_peers.py --help)
 #
 # What it does, idempotently (a second run only times):
 #   1. installs the Debian packages the build needs (tools/install-deps.sh) and those of the
@@ -34,7 +35,7 @@ while [ $# -gt 0 ]; do
     --build-dir=*) BUILD_DIR="${1#*=}"; shift ;;
     --jobs) JOBS=(-j "$2"); shift 2 ;;
     --jobs=*) JOBS=(-j "${1#*=}"); shift ;;
-    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) PASS+=("$1"); shift ;;
   esac
 done

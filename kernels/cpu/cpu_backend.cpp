@@ -1,6 +1,7 @@
-// The CPU backend: host memory, operations run synchronously on the calling thread over the
-// reference functions in cpu_ops, except linear, which runs cpu_gemm (oneDNN) on the backend's
-// thread pool. It runs every operation at every size and weight type, so it
+// The CPU backend: host memory, operations run synchronously over the reference functions in
+// cpu_ops on the backend's thread pool (linear runs cpu_gemm (oneDNN) there; layer norm, the
+// element-wise operations, attention and l2_normalize_rows split their rows over it; the rest
+// runs on the calling thread). It runs every operation at every size and weight type, so it
 // keeps Backend::why_unsupported's default (supports() is true for every well-formed desc). With
 // CpuBackendOptions::async_copies, copy_from_host_async runs on a worker thread (a FIFO copy
 // queue), so code written for a GPU's copy stream runs, and is tested, on a machine without one.
@@ -17,6 +18,7 @@
 
 #include "backend.h"
 #include "cpu_gemm.h"
+#include "cpu_int4.h"
 #include "cpu_ops.h"
 #include "cpu_thread_pool.h"
 #include "moe/error.h"
@@ -165,6 +167,10 @@ class CpuBackend final : public Backend {
   void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) override {
     checks::linear(name(), w, m, n, k);
     if (m == 0 || n == 0) return;
+    if (w.type == WeightType::Q4) {  // large batches dequantise and multiply on the pool (cpu_int4.h)
+      cpu::linear_q4(x, *static_cast<const Q4Weight*>(w.data), bias, y, m, n, k, gemm_, pool_);
+      return;
+    }
     gemm_.linear(x, w, bias, y, m, n, k);
   }
   void prepare_linear_weight(WeightRef w, int64_t n, int64_t k) override {
@@ -172,32 +178,58 @@ class CpuBackend final : public Backend {
     gemm_.prepare(w, n, k);
   }
   void release_linear_weight(WeightRef w, int64_t n, int64_t k) override { gemm_.release(w, n, k); }
+  // Element-wise operations, layer norm, attention and l2_normalize_rows split their rows (or
+  // elements, or (sequence, head) pairs) over the pool that linear runs on: each part gives the
+  // results the whole would (every row and head is computed alone).
   void layer_norm(const float* x, const float* gamma, const float* beta, float* y, int64_t rows, int64_t cols,
                   float eps) override {
     checks::non_negative(name(), "layer_norm", {rows, cols});
-    cpu::layer_norm(x, gamma, beta, y, rows, cols, eps);
+    split(rows, cols, 1, [&](int64_t r0, int64_t r1) {
+      cpu::layer_norm(x + r0 * cols, gamma, beta, y + r0 * cols, r1 - r0, cols, eps);
+    });
   }
-  void gelu(float* x, int64_t n) override { cpu::gelu(x, n); }
-  void quick_gelu(float* x, int64_t n) override { cpu::quick_gelu(x, n); }
-  void silu_mul(const float* gate, const float* up, float* out, int64_t n) override { cpu::silu_mul(gate, up, out, n); }
-  void add(float* y, const float* x, int64_t n) override { cpu::add_inplace(y, x, n); }
+  void gelu(float* x, int64_t n) override {
+    split(n, 1, kElementAlign, [&](int64_t i0, int64_t i1) { cpu::gelu(x + i0, i1 - i0); });
+  }
+  void quick_gelu(float* x, int64_t n) override {
+    split(n, 1, kElementAlign, [&](int64_t i0, int64_t i1) { cpu::quick_gelu(x + i0, i1 - i0); });
+  }
+  void silu_mul(const float* gate, const float* up, float* out, int64_t n) override {
+    split(n, 1, kElementAlign, [&](int64_t i0, int64_t i1) { cpu::silu_mul(gate + i0, up + i0, out + i0, i1 - i0); });
+  }
+  void add(float* y, const float* x, int64_t n) override {
+    split(n, 1, kElementAlign, [&](int64_t i0, int64_t i1) { cpu::add_inplace(y + i0, x + i0, i1 - i0); });
+  }
   void attention(const float* qkv, float* out, const std::vector<int64_t>& seq_lens, int64_t heads, int64_t head_dim,
                  bool causal) override {
     checks::attention(name(), seq_lens, heads, head_dim);
     const int64_t width = heads * head_dim;
-    const int64_t longest = seq_lens.empty() ? 0 : *std::max_element(seq_lens.begin(), seq_lens.end());
-    std::vector<float> scratch(static_cast<size_t>(longest * longest));
-    int64_t row = 0;
+    // (sequence, head) pairs, each with its work (scores and weighted sums: len² · head_dim).
+    std::vector<int64_t> first_row, units;
+    int64_t row = 0, work = 0;
     for (int64_t len : seq_lens) {
-      const float* q = qkv + row * 3 * width;
-      if (len > 0)
-        cpu::attention(q, q + width, q + 2 * width, 3 * width, out + row * width, len, heads, head_dim, causal,
-                       scratch.data());
+      if (len > 0) {
+        first_row.push_back(row);
+        units.push_back(len);
+        work += len * len * head_dim * heads;
+      }
       row += len;
     }
+    const int64_t pairs = static_cast<int64_t>(units.size()) * heads;
+    split(pairs, std::max<int64_t>(1, work / std::max<int64_t>(pairs, 1)), 1, [&](int64_t p0, int64_t p1) {
+      std::vector<float> scratch;
+      for (int64_t p = p0; p < p1; ++p) {
+        const size_t s = static_cast<size_t>(p / heads);
+        const int64_t h = p % heads, len = units[s];
+        scratch.resize(static_cast<size_t>(len * len));
+        const float* q = qkv + first_row[s] * 3 * width + h * head_dim;
+        cpu::attention(q, q + width, q + 2 * width, 3 * width, out + first_row[s] * width + h * head_dim, width, len, 1,
+                       head_dim, causal, scratch.data());
+      }
+    });
   }
   void l2_normalize_rows(float* x, int64_t rows, int64_t cols, float eps) override {
-    cpu::l2_normalize_rows(x, rows, cols, eps);
+    split(rows, cols, 1, [&](int64_t r0, int64_t r1) { cpu::l2_normalize_rows(x + r0 * cols, r1 - r0, cols, eps); });
   }
   void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize, int32_t* ids,
                     float* weights) override {
@@ -223,7 +255,14 @@ class CpuBackend final : public Backend {
       std::fill(out_sorted, out_sorted + offsets.back() * d, 0.0f);
       return;
     }
-    cpu::grouped_swiglu(x_sorted, offsets, experts, d, inter, out_sorted);
+    // 4-bit experts dequantise and multiply on the pool (cpu_int4.h); other types as they were.
+    const auto q4 = [](const ExpertWeights& e) {
+      return e.w1.type == WeightType::Q4 || e.w3.type == WeightType::Q4 || e.w2.type == WeightType::Q4;
+    };
+    if (std::any_of(experts.begin(), experts.end(), q4))
+      cpu::grouped_swiglu_q4(x_sorted, offsets, experts, d, inter, out_sorted, gemm_, pool_);
+    else
+      cpu::grouped_swiglu(x_sorted, offsets, experts, d, inter, out_sorted);
   }
   void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,
                      int64_t cols, float* y) override {
@@ -240,6 +279,28 @@ class CpuBackend final : public Backend {
   static void copy(void* dst, const void* src, size_t bytes) {
     if (bytes) std::memmove(dst, src, bytes);
   }
+  // f(i0, i1) over parts of [0, n) on the pool, `cost` the work of one item: parts of at least
+  // kMinSplitWork (below, waking a thread costs more than it saves), up to kSplitsPerThread per
+  // thread (a worker whose core is taken leaves its share to the others, as in linear). Element
+  // ranges (`align` kElementAlign) start at multiples of whole vectors, so every element takes the
+  // same code path (vector body or tail) as without the split.
+  template <typename F>
+  void split(int64_t n, int64_t cost, int64_t align, F&& f) {
+    if (n <= 0) return;
+    const int64_t units = (n + align - 1) / align;
+    const int64_t parts =
+        std::clamp<int64_t>(n * cost / kMinSplitWork, 1, std::min<int64_t>(units, kSplitsPerThread * pool_.threads()));
+    if (parts == 1) {
+      f(0, n);
+      return;
+    }
+    pool_.run(static_cast<int>(parts),
+              [&](int t) { f(std::min(n, units * t / parts * align), std::min(n, units * (t + 1) / parts * align)); });
+  }
+  static constexpr int64_t kElementAlign = 64;
+  static constexpr int64_t kMinSplitWork = int64_t{1} << 16;
+  static constexpr int64_t kSplitsPerThread = 3;
+
   const CpuEvent& own(const Event& event, const char* op) const {
     const auto* e = dynamic_cast<const CpuEvent*>(&event);
     if (!e || e->owner != this) throw Error("cpu: " + std::string(op) + ": the event belongs to another backend");

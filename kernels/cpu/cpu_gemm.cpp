@@ -23,7 +23,7 @@ namespace moe::kernels::cpu {
 namespace {
 
 constexpr const char* kLogDomain = "moe";
-// Matmul primitives kept (one per M, column-block width, K, output stride and weight layout);
+// Matmul primitives kept (one per M, column-block width, K, bias and weight type and layout);
 // the least recently used goes beyond this. CLIP at batches 1..256 uses a few dozen.
 constexpr size_t kMaxMatmuls = 512;
 // Column blocks per call: at least this many multiply-adds each (below, waking a thread costs
@@ -31,6 +31,8 @@ constexpr size_t kMaxMatmuls = 512;
 // held by another process the others take its share (ThreadPool::run).
 constexpr int64_t kMinBlockWork = int64_t{1} << 20;
 constexpr int64_t kBlocksPerThread = 3;
+// A bf16 matmul's input is rounded to bf16 on the pool in parts of at least this many elements.
+constexpr int64_t kMinConvertElements = int64_t{1} << 16;
 // The M at which prepare() asks the primitive for its weight layout. oneDNN 2.6 asks the same one
 // for every M (brgemm: BA16a64b, gemm:jit: plain); an M whose primitive would want another
 // cannot be created on it and runs on the plain weight instead.
@@ -61,11 +63,12 @@ class OneOmpThread {
 
 // A stream and a scratchpad per thread that runs primitives: streams are not shared between
 // threads, and primitives take the caller's scratchpad (dnnl_scratchpad_mode_user), so one
-// primitive may run on several threads at once.
+// primitive may run on several threads at once. `block_out` holds a column block's output.
 struct ThreadState {
   dnnl_stream_t stream = nullptr;
   void* scratch = nullptr;
   size_t scratch_bytes = 0;
+  std::vector<float> block_out;
   ~ThreadState() {
     if (stream) dnnl_stream_destroy(stream);
     std::free(scratch);
@@ -98,21 +101,32 @@ struct Memory {
   Memory& operator=(const Memory&) = delete;
 };
 
-dnnl_memory_desc_t plain_md(int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride) {
+dnnl_memory_desc_t plain_md(int64_t rows, int64_t cols, int64_t row_stride, int64_t col_stride,
+                            dnnl_data_type_t type = dnnl_f32) {
   dnnl_memory_desc_t md;
   const dnnl_dims_t dims = {rows, cols}, strides = {row_stride, col_stride};
-  dnnl_memory_desc_init_by_strides(&md, 2, dims, dnnl_f32, strides);
+  dnnl_memory_desc_init_by_strides(&md, 2, dims, type, strides);
   return md;
 }
 
+// Whether bf16 matmuls run natively: oneDNN's ISA (the CPU's, capped by ONEDNN_MAX_CPU_ISA) has
+// AVX-512 BF16 or AMX. Below it oneDNN emulates bf16 products, slower than f32.
+bool bf16_isa() {
+  return engine() && (dnnl_get_effective_cpu_isa() & dnnl_cpu_isa_avx512_core_bf16) == dnnl_cpu_isa_avx512_core_bf16;
+}
+
 // A weight w[n,k] as matmul's B [k, n], in some layout, and how to address a block of its columns.
+// Its data type (f32 or bf16) is also the type of the matmul's source (the activations).
 struct Layout {
   dnnl_memory_desc_t md;  // the whole [k, n]
-  const float* data = nullptr;
+  const void* data = nullptr;
   int64_t block = 1;  // columns per block of the layout (BA16a64b: 64; plain: 1)
 
   // The weight [n,k] row-major as it is: B with strides {1, k}.
-  static Layout plain(const float* w, int64_t n, int64_t k) { return {plain_md(k, n, 1, k), w, 1}; }
+  static Layout plain(const void* w, int64_t n, int64_t k, dnnl_data_type_t type) {
+    return {plain_md(k, n, 1, k, type), w, 1};
+  }
+  bool bf16() const { return md.data_type == dnnl_bf16; }
   // Columns [n0, n0 + nb) of B, n0 a multiple of `block`: the same strides and blocks, so every
   // element keeps its address.
   dnnl_memory_desc_t columns_md(int64_t nb) const {
@@ -121,7 +135,10 @@ struct Layout {
     sub.padded_dims[1] = (nb + block - 1) / block * block;
     return sub;
   }
-  const float* columns_at(int64_t n0) const { return data + n0 / block * md.format_desc.blocking.strides[1]; }
+  const void* columns_at(int64_t n0) const {
+    const int64_t element = bf16() ? 2 : 4;
+    return static_cast<const char*>(data) + n0 / block * md.format_desc.blocking.strides[1] * element;
+  }
   // Column blocks are split at multiples of this (a cache-friendly width for plain weights).
   int64_t grain() const { return block > 1 ? block : 64; }
 };
@@ -179,12 +196,19 @@ struct ColumnBlock {
   std::shared_ptr<const Matmul> matmul;
 };
 
-// y[:, n0:n0+nb] by OpenBLAS on the weight as given (the path of a failed primitive).
-void blas_columns(const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n, int64_t k,
-                  int64_t n0, int64_t nb) {
+// y[:, n0:n0+nb] by OpenBLAS on the weight as given, f16/bf16 rows widened (the path of a failed
+// primitive).
+void blas_columns(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k, int64_t n0,
+                  int64_t nb) {
+  std::vector<float> widened;
+  if (w.type != WeightType::F32) {
+    widened.resize(static_cast<size_t>(nb * k));
+    weight_rows_to_f32(w, k, n0, nb, widened.data());
+  }
+  const float* wb = widened.empty() ? static_cast<const float*>(w.data) + n0 * k : widened.data();
   if (bias)
     for (int64_t i = 0; i < m; ++i) std::copy(bias + n0, bias + n0 + nb, y + i * n + n0);
-  gemm(false, true, m, nb, k, 1.0f, x, k, w + n0 * k, k, bias ? 1.0f : 0.0f, y + n0, n);
+  gemm(false, true, m, nb, k, 1.0f, x, k, wb, k, bias ? 1.0f : 0.0f, y + n0, n);
 }
 
 }  // namespace
@@ -216,13 +240,44 @@ struct Gemm::Impl {
             why.c_str(), openblas_core().c_str());
   }
 
-  static std::shared_ptr<Matmul> create(int64_t m, int64_t k, int64_t nb, int64_t ldc, bool bias,
+  // Once per process and type, at the first prepare of an f16 or bf16 weight: how it is multiplied.
+  // Said as a message (not info) where it is not the speed path the precision asks for.
+  void log_half_weights(WeightType type, bool as_bf16) {
+    static std::once_flag f16_once, bf16_once;
+    std::call_once(type == WeightType::F16 ? f16_once : bf16_once, [&] {
+      const std::string isa = isa_name(dnnl_get_effective_cpu_isa());
+      if (as_bf16) {
+        const OneOmpThread one_thread;
+        Layout layout;
+        std::string kernels = "?";
+        if (asked_layout(768, 768, dnnl_bf16, &layout)) {
+          std::shared_ptr<const Matmul> mm = matmul(kLayoutProbeM, 768, 768, true, layout.columns_md(768));
+          if (mm->primitive) kernels = mm->impl;
+        }
+        g_log(kLogDomain, G_LOG_LEVEL_INFO,
+              "cpu: linear: bf16 weights prepared at load are packed as bf16 for oneDNN matmul %s (CPU ISA %s); "
+              "activations are rounded to bf16 before each product, sums are f32",
+              kernels.c_str(), isa.c_str());
+      } else if (type == WeightType::BF16) {
+        g_log(kLogDomain, G_LOG_LEVEL_MESSAGE,
+              "cpu: linear: precision bf16: this CPU has neither AVX-512 BF16 nor AMX (oneDNN CPU ISA %s), so bf16 "
+              "weights are widened to f32 at load and multiplied in f32",
+              isa.c_str());
+      } else {
+        g_log(kLogDomain, G_LOG_LEVEL_MESSAGE,
+              "cpu: linear: precision f16: the CPU backend has no f16 GEMM, so f16 weights are widened to f32 at load "
+              "and multiplied in f32 (bf16 is the CPU's half-size precision, on CPUs with AVX-512 BF16 or AMX)");
+      }
+    });
+  }
+
+  static std::shared_ptr<Matmul> create(int64_t m, int64_t k, int64_t nb, bool bias,
                                         const dnnl_memory_desc_t& weights_md) {
     auto mm = std::make_shared<Matmul>();
-    mm->a_md = plain_md(m, k, k, 1);
+    mm->a_md = plain_md(m, k, k, 1, weights_md.data_type);  // the source has the weight's type
     mm->weights_md = weights_md;
     mm->bias_md = plain_md(1, nb, nb, 1);
-    mm->c_md = plain_md(m, nb, ldc, 1);
+    mm->c_md = plain_md(m, nb, nb, 1);
     dnnl_matmul_desc_t desc;
     mm->status = dnnl_matmul_desc_init(&desc, &mm->a_md, &mm->weights_md, bias ? &mm->bias_md : nullptr, &mm->c_md);
     if (mm->status != dnnl_success) return mm;
@@ -246,13 +301,13 @@ struct Gemm::Impl {
     return mm;
   }
 
-  std::shared_ptr<const Matmul> matmul(int64_t m, int64_t k, int64_t nb, int64_t ldc, bool bias,
+  std::shared_ptr<const Matmul> matmul(int64_t m, int64_t k, int64_t nb, bool bias,
                                        const dnnl_memory_desc_t& weights_md) {
     const auto& b = weights_md.format_desc.blocking;
-    std::vector<int64_t> key = {m,
+    std::vector<int64_t> key = {weights_md.data_type,
+                                m,
                                 k,
                                 nb,
-                                ldc,
                                 bias,
                                 weights_md.padded_dims[0],
                                 weights_md.padded_dims[1],
@@ -267,7 +322,7 @@ struct Gemm::Impl {
         return it->second;
       }
     }
-    std::shared_ptr<Matmul> made = create(m, k, nb, ldc, bias, weights_md);  // JIT: outside the lock
+    std::shared_ptr<Matmul> made = create(m, k, nb, bias, weights_md);  // JIT: outside the lock
     std::lock_guard<std::mutex> lock(mu);
     const auto it = matmuls.emplace(std::move(key), made).first;
     it->second->used = ++tick;
@@ -291,7 +346,7 @@ struct Gemm::Impl {
     std::vector<ColumnBlock> blocks;
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t n0 = grains * t / tasks * grain, n1 = std::min(n, grains * (t + 1) / tasks * grain);
-      std::shared_ptr<const Matmul> mm = matmul(m, k, n1 - n0, n, bias, layout.columns_md(n1 - n0));
+      std::shared_ptr<const Matmul> mm = matmul(m, k, n1 - n0, bias, layout.columns_md(n1 - n0));
       if (!mm->primitive) {
         *why = "oneDNN could not create a matmul for " + std::to_string(m) + "x" + std::to_string(n1 - n0) + "x" +
                std::to_string(k) + " (status " + std::to_string(mm->status) +
@@ -303,13 +358,20 @@ struct Gemm::Impl {
     return blocks;
   }
 
-  static bool execute(const ColumnBlock& blk, const Layout& layout, const float* x, const float* bias, float* y) {
+  // `x`: the activations in the layout's type. A block narrower than y computes into the thread's
+  // block_out and is copied into y's columns: oneDNN 2.6's brgemm matmul declines an output with a
+  // row stride other than its width (only the reference kernel takes one).
+  static bool execute(const ColumnBlock& blk, const Layout& layout, const void* x, const float* bias, float* y,
+                      int64_t m, int64_t n) {
     const Matmul& mm = *blk.matmul;
     ThreadState& ts = thread_state();
     const size_t scratch_bytes = dnnl_memory_desc_get_size(&mm.scratch_md);
     void* scratch = scratch_bytes ? ts.scratchpad(scratch_bytes) : nullptr;
     if (!ts.stream || (scratch_bytes && !scratch)) return false;
-    Memory a(mm.a_md, x), w(mm.weights_md, layout.columns_at(blk.n0)), c(mm.c_md, y + blk.n0);
+    const bool whole = blk.nb == n;
+    if (!whole) ts.block_out.resize(static_cast<size_t>(m * blk.nb));
+    float* out = whole ? y : ts.block_out.data();
+    Memory a(mm.a_md, x), w(mm.weights_md, layout.columns_at(blk.n0)), c(mm.c_md, out);
     std::optional<Memory> b, s;
     std::vector<dnnl_exec_arg_t> args = {
         {DNNL_ARG_SRC, a.handle}, {DNNL_ARG_WEIGHTS, w.handle}, {DNNL_ARG_DST, c.handle}};
@@ -317,20 +379,37 @@ struct Gemm::Impl {
     if (scratch_bytes) args.push_back({DNNL_ARG_SCRATCHPAD, s.emplace(mm.scratch_md, scratch).handle});
     for (const dnnl_exec_arg_t& arg : args)
       if (!arg.memory) return false;
-    return dnnl_primitive_execute(mm.primitive, ts.stream, static_cast<int>(args.size()), args.data()) ==
-               dnnl_success &&
-           dnnl_stream_wait(ts.stream) == dnnl_success;
+    if (dnnl_primitive_execute(mm.primitive, ts.stream, static_cast<int>(args.size()), args.data()) != dnnl_success ||
+        dnnl_stream_wait(ts.stream) != dnnl_success)
+      return false;
+    if (!whole)
+      for (int64_t i = 0; i < m; ++i) std::copy_n(out + i * blk.nb, blk.nb, y + i * n + blk.n0);
+    return true;
   }
 
-  // False (and `why`) when a primitive could not be created; nothing is computed then.
-  bool run(const Layout& layout, const float* x, const float* w, const float* bias, float* y, int64_t m, int64_t n,
+  // False (and `why`) when a primitive could not be created; nothing is computed then. `layout`
+  // holds `w` (maybe packed, maybe as bf16); a bf16 layout multiplies x rounded to bf16.
+  bool run(const Layout& layout, const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n,
            int64_t k, std::string* why) {
     const std::vector<ColumnBlock> blocks = plan(layout, m, n, k, bias != nullptr, why);
     if (blocks.empty()) return false;
+    thread_local std::vector<uint16_t> x_bf16;  // this call's, read by the pool's threads
+    const void* src = x;
+    if (layout.bf16()) {
+      x_bf16.resize(static_cast<size_t>(m * k));
+      uint16_t* to = x_bf16.data();
+      // Rows split over the pool like the blocks (rounding is per element: any split gives the same).
+      const int64_t parts = std::clamp<int64_t>(m * k / kMinConvertElements, 1, std::min<int64_t>(m, pool.threads()));
+      pool.run(static_cast<int>(parts), [&](int t) {
+        const int64_t r0 = m * t / parts, r1 = m * (t + 1) / parts;
+        f32_to_bf16(x + r0 * k, to + r0 * k, (r1 - r0) * k);
+      });
+      src = to;
+    }
     std::atomic<bool> failed{false};
     pool.run(static_cast<int>(blocks.size()), [&](int i) {
       const ColumnBlock& blk = blocks[static_cast<size_t>(i)];
-      if (!execute(blk, layout, x, bias, y)) {
+      if (!execute(blk, layout, src, bias, y, m, n)) {
         failed = true;
         blas_columns(x, w, bias, y, m, n, k, blk.n0, blk.nb);
       }
@@ -345,19 +424,23 @@ struct Gemm::Impl {
     return it == prepared.end() ? nullptr : it->second;
   }
 
-  // The layout the matmul asks for its weight B [k, n] (kLayoutProbeM rows), if it is addressable
-  // by column blocks (a blocked or plain layout).
-  static bool asked_layout(int64_t n, int64_t k, Layout* layout) {
-    dnnl_memory_desc_t a = plain_md(kLayoutProbeM, k, k, 1), c = plain_md(kLayoutProbeM, n, n, 1), any;
+  // The layout the matmul asks for its weight B [k, n] of `type` (kLayoutProbeM rows of the same
+  // type, f32 out), if it is addressable by column blocks (a blocked or plain layout) and the
+  // matmul is not oneDNN's reference kernel.
+  static bool asked_layout(int64_t n, int64_t k, dnnl_data_type_t type, Layout* layout) {
+    dnnl_memory_desc_t a = plain_md(kLayoutProbeM, k, k, 1, type), c = plain_md(kLayoutProbeM, n, n, 1), any;
     const dnnl_dims_t b_dims = {k, n};
-    if (dnnl_memory_desc_init_by_tag(&any, 2, b_dims, dnnl_f32, dnnl_format_tag_any) != dnnl_success) return false;
+    if (dnnl_memory_desc_init_by_tag(&any, 2, b_dims, type, dnnl_format_tag_any) != dnnl_success) return false;
     dnnl_matmul_desc_t desc;
     dnnl_primitive_desc_t pd;
     if (dnnl_matmul_desc_init(&desc, &a, &any, nullptr, &c) != dnnl_success ||
         dnnl_primitive_desc_create(&pd, &desc, nullptr, engine(), nullptr) != dnnl_success)
       return false;
     layout->md = *dnnl_primitive_desc_query_md(pd, dnnl_query_weights_md, 0);
+    const char* impl = nullptr;
+    dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl);
     dnnl_primitive_desc_destroy(pd);
+    if (!impl || std::string(impl).rfind("ref", 0) == 0) return false;
     const dnnl_memory_desc_t& md = layout->md;
     if (md.format_kind != dnnl_blocked || md.offset0 != 0) return false;
     layout->block = 1;
@@ -366,26 +449,35 @@ struct Gemm::Impl {
     return true;
   }
 
-  // The weight reordered into the layout the matmul asks for (column blocks reordered on the
-  // pool's threads); null when oneDNN cannot do it (linear then reads the weight as it is).
-  std::shared_ptr<Packed> pack(const float* w, int64_t n, int64_t k) {
+  // The weight reordered into the layout the matmul asks for, as `type` (column blocks reordered on
+  // the pool's threads; f16/bf16 rows widened first when `type` is f32); null when oneDNN cannot
+  // do it (linear then reads the weight as it is).
+  std::shared_ptr<Packed> pack(WeightRef w, int64_t n, int64_t k, dnnl_data_type_t type) {
     auto packed = std::make_shared<Packed>();
-    if (!asked_layout(n, k, &packed->layout)) return nullptr;
+    if (!asked_layout(n, k, type, &packed->layout)) return nullptr;
     const dnnl_memory_desc_t& md = packed->layout.md;
     const size_t bytes = (dnnl_memory_desc_get_size(&md) + 63) / 64 * 64;
     packed->memory = std::aligned_alloc(64, bytes);
     if (!packed->memory) return nullptr;
     std::memset(packed->memory, 0, bytes);  // the layout's padding multiplies as zeros
-    packed->layout.data = static_cast<const float*>(packed->memory);
+    packed->layout.data = packed->memory;
 
-    const Layout source = Layout::plain(w, n, k);
+    const bool widen = type == dnnl_f32 && w.type != WeightType::F32;
+    const Layout source = Layout::plain(w.data, n, k, widen ? dnnl_f32 : type);  // read when not widened
     const Layout& target = packed->layout;
     const int64_t grain = target.grain(), grains = (n + grain - 1) / grain;
     const int tasks = static_cast<int>(std::min<int64_t>(pool.threads(), grains));
     std::atomic<bool> failed{false};
     pool.run(tasks, [&](int t) {
       const int64_t n0 = grains * t / tasks * grain, nb = std::min(n, grains * (t + 1) / tasks * grain) - n0;
-      const dnnl_memory_desc_t from_md = source.columns_md(nb), to_md = target.columns_md(nb);
+      const dnnl_memory_desc_t to_md = target.columns_md(nb);
+      std::vector<float> widened;
+      if (widen) {
+        widened.resize(static_cast<size_t>(nb * k));
+        weight_rows_to_f32(w, k, n0, nb, widened.data());
+      }
+      const dnnl_memory_desc_t from_md = widen ? plain_md(k, nb, 1, k) : source.columns_md(nb);
+      const void* from_data = widen ? widened.data() : source.columns_at(n0);
       dnnl_primitive_desc_t rpd;
       dnnl_primitive_t reorder = nullptr;
       ThreadState& ts = thread_state();
@@ -396,7 +488,7 @@ struct Gemm::Impl {
         dnnl_primitive_desc_destroy(rpd);
       }
       if (ok) {
-        Memory from(from_md, source.columns_at(n0)), to(to_md, target.columns_at(n0));
+        Memory from(from_md, from_data), to(to_md, target.columns_at(n0));
         dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, from.handle}, {DNNL_ARG_TO, to.handle}};
         ok = from.handle && to.handle && dnnl_primitive_execute(reorder, ts.stream, 2, args) == dnnl_success &&
              dnnl_stream_wait(ts.stream) == dnnl_success;
@@ -411,8 +503,10 @@ struct Gemm::Impl {
 Gemm::Gemm(ThreadPool& pool) : impl_(std::make_unique<Impl>(pool)) {}
 Gemm::~Gemm() = default;
 
+bool bf16_native() { return bf16_isa(); }
+
 void Gemm::linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
-  if (w.type != WeightType::F32 || m == 0 || n == 0 || k == 0) {
+  if (w.type == WeightType::Q4 || m == 0 || n == 0 || k == 0) {
     cpu::linear(x, w, bias, y, m, n, k);
     return;
   }
@@ -422,19 +516,25 @@ void Gemm::linear(const float* x, WeightRef w, const float* bias, float* y, int6
     return;
   }
   const OneOmpThread one_thread;
-  const float* wf = static_cast<const float*>(w.data);
   std::string why;
   if (std::shared_ptr<const Packed> packed = impl_->find_prepared(w.data, n, k))
-    if (impl_->run(packed->layout, x, wf, bias, y, m, n, k, &why)) return;
-  if (impl_->run(Layout::plain(wf, n, k), x, wf, bias, y, m, n, k, &why)) return;
+    if (impl_->run(packed->layout, x, w, bias, y, m, n, k, &why)) return;
+  if (w.type != WeightType::F32) {  // not prepared (or no primitive for this M): widened per call
+    if (!why.empty()) impl_->log_fallback(why);
+    cpu::linear(x, w, bias, y, m, n, k);
+    return;
+  }
+  if (impl_->run(Layout::plain(w.data, n, k, dnnl_f32), x, w, bias, y, m, n, k, &why)) return;
   impl_->log_fallback(why);
-  blas_columns(x, wf, bias, y, m, n, k, 0, n);
+  blas_columns(x, w, bias, y, m, n, k, 0, n);
 }
 
 void Gemm::prepare(WeightRef w, int64_t n, int64_t k) {
-  if (w.type != WeightType::F32 || n == 0 || k == 0) return;
+  if (w.type == WeightType::Q4 || n == 0 || k == 0) return;
   impl_->log_kernels();
   if (!engine()) return;
+  const bool as_bf16 = w.type == WeightType::BF16 && bf16_isa();
+  if (w.type != WeightType::F32) impl_->log_half_weights(w.type, as_bf16);
   const std::tuple<const void*, int64_t, int64_t> key{w.data, n, k};
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -444,7 +544,7 @@ void Gemm::prepare(WeightRef w, int64_t n, int64_t k) {
     }
   }
   const OneOmpThread one_thread;
-  std::shared_ptr<Packed> packed = impl_->pack(static_cast<const float*>(w.data), n, k);
+  std::shared_ptr<Packed> packed = impl_->pack(w, n, k, as_bf16 ? dnnl_bf16 : dnnl_f32);
   if (!packed) return;  // linear reads the weight as it is
   std::lock_guard<std::mutex> lock(impl_->mu);
   ++impl_->prepared.emplace(key, std::move(packed)).first->second->refs;
@@ -464,8 +564,8 @@ std::string Gemm::Impl::describe() {
   const OneOmpThread one_thread;
   std::string kernels = "?";
   Layout layout;
-  if (asked_layout(768, 768, &layout)) {
-    std::shared_ptr<const Matmul> mm = matmul(kLayoutProbeM, 768, 768, 768, true, layout.columns_md(768));
+  if (asked_layout(768, 768, dnnl_f32, &layout)) {
+    std::shared_ptr<const Matmul> mm = matmul(kLayoutProbeM, 768, 768, true, layout.columns_md(768));
     if (mm->primitive) kernels = mm->impl;
   }
   return "oneDNN " + std::to_string(v->major) + "." + std::to_string(v->minor) + "." + std::to_string(v->patch) +

@@ -3,8 +3,17 @@
 // blocks over the backend's ThreadPool, each block a one-thread primitive. Weights given to
 // prepare() are reordered once into the blocked layout the primitive asks for; other f32 weights
 // are read as they are. Where oneDNN cannot create a primitive, OpenBLAS runs instead (logged
-// once); weights of other types run cpu::linear. The first prepare or f32 linear of the process
-// logs what runs (the line is quoted at moe::ComputeOptions::threads).
+// once). The first prepare or linear of the process logs what runs (the line is quoted at
+// moe::ComputeOptions::threads).
+//
+// f16/bf16 weights: prepared bf16 weights are packed as bf16 where the CPU multiplies bf16
+// natively (bf16_native()): each linear rounds x to bf16 (nearest even) and the matmul sums the
+// products in f32, so the result differs from f32 math on the same weights by x's rounding,
+// at most 2^-8 relative per product (docs/architecture.md, "Precision"). Other prepared f16/bf16
+// weights are widened to f32 and packed as f32 (exactly the f32 math on the rounded weights).
+// Each of those choices is logged once per process, at its first prepare (g_message where it is
+// not the bf16 speed path). Unprepared f16/bf16 weights run cpu::linear (widened per call), as do
+// Q4 weights.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +26,11 @@ namespace moe::kernels::cpu {
 
 class ThreadPool;
 
+// Whether bf16 weights are multiplied as bf16 here: oneDNN's effective ISA (this CPU's, capped by
+// oneDNN's ONEDNN_MAX_CPU_ISA) has AVX-512 BF16 or AMX; without them oneDNN would emulate bf16
+// products, slower than f32.
+bool bf16_native();
+
 class Gemm {
  public:
   explicit Gemm(ThreadPool& pool);  // `pool` outlives this
@@ -26,8 +40,8 @@ class Gemm {
 
   // y[m,n] = x[m,k] · w[n,k]ᵀ (+ bias[n]). Callable from several threads at once.
   void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k);
-  // Backend::prepare_linear_weight / release_linear_weight: a packed copy of an f32 weight for
-  // (w.data, n, k), counted (each prepare is matched by one release); no-ops for other types.
+  // Backend::prepare_linear_weight / release_linear_weight: a packed copy of an f32, f16 or bf16
+  // weight for (w.data, n, k), counted (each prepare is matched by one release); no-ops for Q4.
   void prepare(WeightRef w, int64_t n, int64_t k);
   void release(WeightRef w, int64_t n, int64_t k);
 

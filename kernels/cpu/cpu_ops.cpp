@@ -243,12 +243,11 @@ inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; 
 // is live (scratch rows of seq floats). Inlined into each clone of attention().
 template <int64_t kFloats>
 __attribute__((always_inline)) inline void attention_in(const float* q, const float* k, const float* v, int64_t ld,
-                                                        float* out, int64_t seq, int64_t heads, int64_t head_dim,
-                                                        bool causal, float* scratch) {
+                                                        float* out, int64_t ldo, int64_t seq, int64_t heads,
+                                                        int64_t head_dim, bool causal, float* scratch) {
   typedef typename Vec<kFloats>::type V;
   constexpr int64_t kParts = kLanes / kFloats;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  const int64_t width = heads * head_dim;
   const int64_t keys = round_up(seq, kLanes), dims = round_up(head_dim, kLanes);
   std::vector<float> keys_t(static_cast<size_t>(head_dim * keys), 0.0f), values(static_cast<size_t>(seq * dims), 0.0f);
   for (int64_t h = 0; h < heads; ++h) {
@@ -300,7 +299,7 @@ __attribute__((always_inline)) inline void attention_in(const float* q, const fl
         float sums[kBlockRows][kLanes];
         std::memcpy(sums, acc, sizeof sums);
         const int64_t n = std::min(kLanes, head_dim - c0);
-        for (int64_t r = 0; r < rows; ++r) std::copy_n(sums[r], n, out + (i0 + r) * width + off + c0);
+        for (int64_t r = 0; r < rows; ++r) std::copy_n(sums[r], n, out + (i0 + r) * ldo + off + c0);
       }
     }
   }
@@ -308,12 +307,12 @@ __attribute__((always_inline)) inline void attention_in(const float* q, const fl
 
 }  // namespace
 
-MOE_CPU_CLONES void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t seq,
-                              int64_t heads, int64_t head_dim, bool causal, float* scratch) {
+MOE_CPU_CLONES void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t ldo,
+                              int64_t seq, int64_t heads, int64_t head_dim, bool causal, float* scratch) {
   if (eight_float_vectors())
-    attention_in<8>(q, k, v, ld, out, seq, heads, head_dim, causal, scratch);
+    attention_in<8>(q, k, v, ld, out, ldo, seq, heads, head_dim, causal, scratch);
   else
-    attention_in<4>(q, k, v, ld, out, seq, heads, head_dim, causal, scratch);
+    attention_in<4>(q, k, v, ld, out, ldo, seq, heads, head_dim, causal, scratch);
 }
 
 void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t top_k, bool renormalize, int32_t* ids,
@@ -362,6 +361,15 @@ float bf16_to_f32(uint16_t b) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+MOE_CPU_CLONES void f32_to_bf16(const float* x, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = to_bits(x[i]);
+    const uint32_t rounded = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    const uint32_t quiet_nan = (b >> 16) | 0x40u;
+    out[i] = static_cast<uint16_t>((b & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+  }
 }
 
 void weight_rows_to_f32(WeightRef w, int64_t cols, int64_t row0, int64_t rows, float* out) {

@@ -41,11 +41,13 @@ void add_inplace(float* y, const float* x, int64_t n);
 
 // Multi-head scaled dot-product attention over one sequence.
 // q, k, v: [seq, heads·head_dim] with row stride `ld` (so one packed qkv buffer can be used);
-// out: [seq, heads·head_dim] contiguous. scale = head_dim^-0.5. With `causal`, position i
-// attends to positions ≤ i only. `scratch` holds at least seq·seq floats; one head's keys and
-// values are copied into buffers allocated here.
-void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t seq, int64_t heads,
-               int64_t head_dim, bool causal, float* scratch);
+// out: [seq, heads·head_dim] with row stride `ldo` (so a group of heads can be computed alone).
+// scale = head_dim^-0.5. With `causal`, position i attends to positions ≤ i only. Heads are
+// independent (a head's result does not depend on which others are computed with it). `scratch`
+// holds at least seq·seq floats; one head's keys and values are copied into buffers allocated
+// here.
+void attention(const float* q, const float* k, const float* v, int64_t ld, float* out, int64_t ldo, int64_t seq,
+               int64_t heads, int64_t head_dim, bool causal, float* scratch);
 
 // Router: softmax over all `experts` logits of each row in fp32, then the `top_k` largest
 // (descending; ties to the lower index). With `renormalize` the chosen weights are divided by
@@ -59,6 +61,9 @@ void topk_softmax(const float* logits, int64_t rows, int64_t experts, int64_t to
 // Exact widening of IEEE half and bfloat16 bit patterns.
 float f16_to_f32(uint16_t h);
 float bf16_to_f32(uint16_t b);
+// f32 to bfloat16 bit patterns, rounded to nearest even (as torch and oneDNN round); a NaN stays
+// a (quiet) NaN, ±inf and values past bf16's largest finite round to ±inf.
+void f32_to_bf16(const float* x, uint16_t* out, int64_t n);
 // Rows [row0, row0 + rows) of a weight with `cols` columns, widened to f32 into out[rows, cols].
 void weight_rows_to_f32(WeightRef w, int64_t cols, int64_t row0, int64_t rows, float* out);
 

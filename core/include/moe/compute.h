@@ -23,12 +23,14 @@ struct ComputeOptions {
   std::string device = "cpu";
   // How Linear weights are stored (f32, f16 or bf16). Activations, norms, biases, embeddings and
   // every accumulation stay f32; the MoE router and shared-expert gate stay f32 (see
-  // docs/architecture.md, "Precision").
+  // docs/architecture.md, "Precision"). On the CPU, bf16 is the speed path where the CPU has
+  // AVX-512 BF16 or AMX (weights packed as bf16, each Linear's input rounded to bf16); elsewhere,
+  // and for f16, the weights are widened to f32 at load, which the first such load logs once.
   kernels::WeightType precision = kernels::WeightType::F32;
-  // Intra-op threads of the CPU backend (its GEMMs split over them); 0: the cores this process
-  // may run on (sched_getaffinity). The CPU backend is shared by the process, so the count is
-  // fixed by the first open while it is held; a later open asking another count is logged and
-  // keeps it. The first time the CPU backend packs or multiplies a weight, the process logs
+  // Intra-op threads of the CPU backend (its GEMMs and element-wise work split over them); 0: the
+  // cores this process may run on (sched_getaffinity). The CPU backend is shared by the process,
+  // so the count is fixed by the first open while it is held; a later open asking another count
+  // is logged and keeps it. The first time the CPU backend packs or multiplies a weight, the process logs
   // (g_info, log domain "moe") which GEMM kernels run and on how many threads, e.g.
   //   cpu: linear: oneDNN 2.6.3 matmul brg:avx512_core (CPU ISA avx512_core_bf16), f32 weights
   //   prepared at load are packed for it, N split over 2 threads

@@ -22,6 +22,15 @@ bool file_exists(const std::string& p) {
   return stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
+// A Linear weight from the checkpoint as stored when that is the model's precision (a bf16
+// checkpoint loaded in bf16 stays a view of the mmap-ed file, never widened and rounded back),
+// else as f32; the shape is checked either way.
+Tensor linear_source(const Checkpoint& ckpt, const std::string& name, const Shape& shape, const ModelBackend& be) {
+  const Tensor t = ckpt.get(name);
+  if (t.dtype() == detail::dtype_of(be.precision) && t.shape() == shape) return t;
+  return ckpt.get_f32(name, shape);
+}
+
 // One encoder layer's parameters in backend memory: Linear weights in the model's precision,
 // norms and biases in f32.
 struct EncoderLayer {
@@ -46,22 +55,26 @@ struct Encoder {
       L.ln1_b = be.f32(ckpt.get_f32(p + "layer_norm1.bias", {H}));
       L.ln2_w = be.f32(ckpt.get_f32(p + "layer_norm2.weight", {H}));
       L.ln2_b = be.f32(ckpt.get_f32(p + "layer_norm2.bias", {H}));
-      Tensor qkv_w = Tensor::zeros(DType::F32, {3 * H, H});
-      Tensor qkv_b = Tensor::zeros(DType::F32, {3 * H});
       const char* names[3] = {"q_proj", "k_proj", "v_proj"};
+      Tensor w[3];
+      for (int j = 0; j < 3; ++j) w[j] = linear_source(ckpt, p + "self_attn." + names[j] + ".weight", {H, H}, be);
+      // Stacked in the checkpoint's type when all three are in the model's precision.
+      const DType stacked = w[0].dtype() == w[1].dtype() && w[1].dtype() == w[2].dtype() ? w[0].dtype() : DType::F32;
+      Tensor qkv_w = Tensor::zeros(stacked, {3 * H, H});
+      Tensor qkv_b = Tensor::zeros(DType::F32, {3 * H});
       for (int j = 0; j < 3; ++j) {
-        Tensor w = ckpt.get_f32(p + "self_attn." + names[j] + ".weight", {H, H});
+        const Tensor part = stacked == w[j].dtype() ? w[j] : w[j].to_f32();
+        std::memcpy(static_cast<char*>(qkv_w.raw_data()) + j * part.nbytes(), part.raw_data(), part.nbytes());
         Tensor b = ckpt.get_f32(p + "self_attn." + names[j] + ".bias", {H});
-        std::memcpy(qkv_w.data<float>() + j * H * H, w.data<float>(), H * H * sizeof(float));
         std::memcpy(qkv_b.data<float>() + j * H, b.data<float>(), H * sizeof(float));
       }
       L.qkv_w = be.linear_weight(qkv_w);
       L.qkv_b = be.f32(qkv_b);
-      L.out_w = be.linear_weight(ckpt.get_f32(p + "self_attn.out_proj.weight", {H, H}));
+      L.out_w = be.linear_weight(linear_source(ckpt, p + "self_attn.out_proj.weight", {H, H}, be));
       L.out_b = be.f32(ckpt.get_f32(p + "self_attn.out_proj.bias", {H}));
-      L.fc1_w = be.linear_weight(ckpt.get_f32(p + "mlp.fc1.weight", {I, H}));
+      L.fc1_w = be.linear_weight(linear_source(ckpt, p + "mlp.fc1.weight", {I, H}, be));
       L.fc1_b = be.f32(ckpt.get_f32(p + "mlp.fc1.bias", {I}));
-      L.fc2_w = be.linear_weight(ckpt.get_f32(p + "mlp.fc2.weight", {H, I}));
+      L.fc2_w = be.linear_weight(linear_source(ckpt, p + "mlp.fc2.weight", {H, I}, be));
       L.fc2_b = be.f32(ckpt.get_f32(p + "mlp.fc2.bias", {H}));
       layers.push_back(std::move(L));
     }
@@ -127,13 +140,13 @@ struct ClipModel::Impl {
     text_encoder.load(ck, "text_model.", t, be);
     final_ln_w = be.f32(ck.get_f32("text_model.final_layer_norm.weight", {t.hidden_size}));
     final_ln_b = be.f32(ck.get_f32("text_model.final_layer_norm.bias", {t.hidden_size}));
-    text_projection = be.linear_weight(ck.get_f32("text_projection.weight", {P, t.hidden_size}));
+    text_projection = be.linear_weight(linear_source(ck, "text_projection.weight", {P, t.hidden_size}, be));
 
     const int64_t H = v.hidden_size, pp = static_cast<int64_t>(v.num_channels) * v.patch_size * v.patch_size;
     const Tensor class_embedding = ck.get_f32("vision_model.embeddings.class_embedding", {H});
-    patch_weight = be.linear_weight(
-        ck.get_f32("vision_model.embeddings.patch_embedding.weight", {H, v.num_channels, v.patch_size, v.patch_size})
-            .reshape({H, pp}));
+    patch_weight = be.linear_weight(linear_source(ck, "vision_model.embeddings.patch_embedding.weight",
+                                                  {H, v.num_channels, v.patch_size, v.patch_size}, be)
+                                        .reshape({H, pp}));
     const Tensor pos = ck.get_f32("vision_model.embeddings.position_embedding.weight", {v.num_positions(), H});
     // What every image's rows start from: the position embeddings, plus the class embedding on
     // the class token's row (the patch embeddings are added per image).
@@ -145,7 +158,7 @@ struct ClipModel::Impl {
     vision_encoder.load(ck, "vision_model.", v, be);
     post_ln_w = be.f32(ck.get_f32("vision_model.post_layernorm.weight", {H}));
     post_ln_b = be.f32(ck.get_f32("vision_model.post_layernorm.bias", {H}));
-    visual_projection = be.linear_weight(ck.get_f32("visual_projection.weight", {P, H}));
+    visual_projection = be.linear_weight(linear_source(ck, "visual_projection.weight", {P, H}, be));
   }
 
   // Index of the pooled (end) token, as transformers' CLIPTextTransformer picks it.
