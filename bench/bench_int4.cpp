@@ -5,8 +5,12 @@
 // The layer is synthetic: random f32 experts (w1, w3 fan-in d; w2 fan-in I), a random f32 router
 // whose top-k picks each row's experts (Mixtral routing); the 4-bit experts are those weights
 // rounded to nearest per group (symmetric, f16 scales = max|w| / 7): bench data only, the
-// format's own package makes the test fixtures. Both sides run on one thread (the int4 kernels
-// are single-threaded; the CPU backend is opened with threads = 1).
+// format's own package makes the test fixtures. Both sides run on one thread (the CPU backend is
+// opened with threads = 1): f32 and f16 experts through the backend's grouped_swiglu
+// (cpu::grouped_swiglu: OpenBLAS), 4-bit ones through cpu_int4.h (beyond 12 rows per expert:
+// dequantised blocks into the backend's oneDNN GEMM). So that the GEMM's share of that speed is
+// visible, "f32 oneDNN" runs the same f32 experts as Backend::linear calls (the oneDNN GEMM on
+// the weights as they are, the layout the 4-bit path's dequantised blocks have).
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -59,10 +63,26 @@ struct Q4Matrix {
   size_t bytes() const { return packed.size() * sizeof(int32_t) + scales.size() * sizeof(uint16_t); }
 };
 
+// The grouped SwiGLU as Backend::linear calls per expert (the oneDNN GEMM on f32 weights).
+void swiglu_by_linear(kernels::Backend& b, const float* xs, const std::vector<int64_t>& offsets,
+                      const std::vector<kernels::ExpertWeights>& experts, int64_t d, int64_t I, float* gate, float* up,
+                      float* out) {
+  for (size_t e = 0; e < experts.size(); ++e) {
+    const int64_t n = offsets[e + 1] - offsets[e];
+    if (n == 0) continue;
+    const float* x = xs + offsets[e] * d;
+    b.linear(x, experts[e].w1, nullptr, gate, n, I, d);
+    b.linear(x, experts[e].w3, nullptr, up, n, I, d);
+    b.silu_mul(gate, up, gate, n * I);
+    b.linear(gate, experts[e].w2, nullptr, out + offsets[e] * d, n, d, I);
+  }
+}
+
 struct Row {
   int64_t d, batch;
-  Sample f32, f16, q4;
-  double speedup, speedup_f16;  // f32 (f16) time / int4 time, medians of paired samples
+  Sample f32, f16, q4, f32_onednn;
+  // f32 (f16, f32 oneDNN) time / int4 time, medians of paired samples
+  double speedup, speedup_f16, speedup_onednn;
   std::vector<int64_t> expert_rows;
 };
 
@@ -91,9 +111,8 @@ int run(int argc, char** argv) {
   const kernels::cpu::Int4Isa isa = kernels::cpu::int4_best_isa();
   std::printf(
       "# moe-bench-int4\n\nexperts: %lld, top-%lld, intermediate %lld × hidden (SwiGLU); 4-bit: group %d, "
-      "symmetric, f16 scales, %s kernels; baselines: the CPU backend's grouped_swiglu in f32 and f16; one thread "
-      "each; "
-      "%d warm-up + median of %d samples (≥ %.0f ms each)\n\n",
+      "symmetric, f16 scales, %s kernels; baselines: the CPU backend's grouped_swiglu in f32 and f16, and f32 as "
+      "Backend::linear calls (oneDNN); one thread each; %d warm-up + median of %d samples (≥ %.0f ms each)\n\n",
       static_cast<long long>(E), static_cast<long long>(K), static_cast<long long>(factor), group,
       kernels::cpu::int4_isa_name(isa), t.warmup, t.reps, t.min_sample_s * 1000);
 
@@ -159,35 +178,43 @@ int run(int argc, char** argv) {
       auto f32 = [&] { b->grouped_swiglu(xs.data(), offsets, f32_refs, d, I, outs.data()); };
       auto f16 = [&] { b->grouped_swiglu(xs.data(), offsets, f16_refs, d, I, outs.data()); };
       auto int4 = [&] { b->grouped_swiglu(xs.data(), offsets, q4_refs, d, I, outs.data()); };
+      std::vector<float> gate(static_cast<size_t>(B * K * I)), up(gate.size());
+      auto f32_onednn = [&] {
+        swiglu_by_linear(*b, xs.data(), offsets, f32_refs, d, I, gate.data(), up.data(), outs.data());
+      };
       const PairedSample ps = time_paired(f32, int4, b.get(), t);
       const PairedSample ph = time_paired(f16, int4, b.get(), t);
-      Row r{d, B, ps.a, ph.a, ps.b, ps.ratio, ph.ratio, {}};
+      const PairedSample po = time_paired(f32_onednn, int4, b.get(), t);
+      Row r{d, B, ps.a, ph.a, ps.b, po.a, ps.ratio, ph.ratio, po.ratio, {}};
       for (size_t e = 0; e + 1 < offsets.size(); ++e) r.expert_rows.push_back(offsets[e + 1] - offsets[e]);
-      std::fprintf(stderr, "[hidden %lld] batch %lld: f32 %.3f ms, f16 %.3f ms, int4 %.3f ms\n",
+      std::fprintf(stderr, "[hidden %lld] batch %lld: f32 %.3f ms, f16 %.3f ms, f32 oneDNN %.3f ms, int4 %.3f ms\n",
                    static_cast<long long>(d), static_cast<long long>(B), r.f32.median * 1e3, r.f16.median * 1e3,
-                   r.q4.median * 1e3);
+                   r.f32_onednn.median * 1e3, r.q4.median * 1e3);
       rows.push_back(r);
     }
   }
 
-  Table table(
-      {"hidden", "batch", "active experts", "f32 ms", "f16 ms", "int4 ms", "int4 vs f32", "int4 vs f16", "spread"});
+  Table table({"hidden", "batch", "active experts", "f32 ms", "f16 ms", "f32 oneDNN ms", "int4 ms", "int4 vs f32",
+               "int4 vs f16", "int4 vs f32 oneDNN", "spread"});
   Json& results = out.set("results", Json::array());
   for (const Row& r : rows) {
     int64_t active = 0;
     for (int64_t n : r.expert_rows) active += n > 0;
     table.add({std::to_string(r.d), std::to_string(r.batch), std::to_string(active), fmt(r.f32.median * 1e3),
-               fmt(r.f16.median * 1e3), fmt(r.q4.median * 1e3), fmt_ratio(r.speedup), fmt_ratio(r.speedup_f16),
-               fmt_pct(std::max({r.f32.spread(), r.f16.spread(), r.q4.spread()}))});
+               fmt(r.f16.median * 1e3), fmt(r.f32_onednn.median * 1e3), fmt(r.q4.median * 1e3), fmt_ratio(r.speedup),
+               fmt_ratio(r.speedup_f16), fmt_ratio(r.speedup_onednn),
+               fmt_pct(std::max({r.f32.spread(), r.f16.spread(), r.f32_onednn.spread(), r.q4.spread()}))});
     Json j = Json::object();
     j.set("hidden", r.d);
     j.set("batch", r.batch);
     j.set("active_experts", active);
     j.set("speedup_int4_vs_f32", r.speedup);
     j.set("speedup_int4_vs_f16", r.speedup_f16);
+    j.set("speedup_int4_vs_f32_onednn", r.speedup_onednn);
     j.set("f32", sample_json(r.f32));
     j.set("f16", sample_json(r.f16));
     j.set("int4", sample_json(r.q4));
+    j.set("f32_onednn", sample_json(r.f32_onednn));
     results.push(j);
   }
   Json& cfg = out.set("layer", Json::object());

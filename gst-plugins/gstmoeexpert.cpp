@@ -9,18 +9,22 @@
  * routing), with the routing read back from the request meta. It needs moe-route upstream, and
  * refuses routing made by an adapter whose experts do not match its own.
  *
- * `device` and `precision` say where the experts run: device=cpu with fp32 weights is the
- * engine's CPU path; CUDA devices, or reduced precision on the CPU, run an expert executor that
- * keeps a cache of experts in `cache-budget` of each device's free memory, spreads the experts
- * over several devices and, every `rebalance-interval` batches, places them again by load. There
- * moe-route preloads each batch's experts as soon as it has routed the batch.
+ * `device` and `precision` say where the experts run: device=cpu with fp32 weights (or a 4-bit
+ * adapter's int4) is the engine's CPU path; CUDA devices, or fp16/bf16 on the CPU, run an expert
+ * executor that keeps a cache of experts in `cache-budget` of each device's free memory, spreads
+ * the experts over several devices and, every `rebalance-interval` batches, places them again by
+ * load. There moe-route preloads each batch's experts as soon as it has routed the batch.
  *
  * The `stats` property counts the rows and batches since the element started, the rows each
  * expert ran on, the batches moe-route preloaded, and each device's cache counters; expert-bytes
- * is the size of the adapter's expert weights (a 4-bit adapter's are ~7× smaller than f32).
+ * is the size of the adapter's expert weights (a 4-bit adapter's are ~7× smaller than f32), and
+ * each device's slot-bytes and resident-bytes what its cache holds.
  *
- * A 4-bit adapter (models/default/adapter-int4, docs/model-formats.md) runs on the plain CPU path,
- * which reads the packed weights; the expert executor refuses it and says why.
+ * precision=int4 runs a 4-bit adapter (models/default/adapter-int4, made by tools/moe-quantize.py;
+ * docs/model-formats.md) as stored: its packed codes and scales are what the CPU path reads and
+ * what the expert executor copies to a device and keeps in its cache (~7× more experts per
+ * budget than f32). An adapter that is not 4-bit is refused with precision=int4. A 4-bit adapter
+ * with fp32, fp16 or bf16 also runs as stored (no widening), which the log says once at start.
  *
  * ## Example launch lines
  * |[
@@ -28,6 +32,12 @@
  *     ! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter \
  *     ! ann-query index=build/demo/catalog.faiss ! zmq-publish
  * ]| The search service, with the experts on the CPU.
+ * |[
+ * gst-launch-1.0 zmq-query ! queue ! moe-encode model=models/default/clip \
+ *     ! moe-route model=models/default/adapter-int4 \
+ *     ! moe-expert model=models/default/adapter-int4 precision=int4 \
+ *     ! ann-query index=build/demo/catalog.faiss ! zmq-publish
+ * ]| The 4-bit adapter's experts, packed, on the CPU (EXPERT_DEVICE=cuda:0 runs them on a GPU).
  * |[
  * gst-launch-1.0 zmq-query ! queue ! moe-encode model=models/default/clip device=auto \
  *     ! moe-route model=models/default/adapter ! queue \
@@ -46,15 +56,15 @@
  * The embeddings are replaced in place (same shape); the tensor data is rewritten, the meta
  * gains the "expert" timing.
  *
- * The expert executor (every setting but device=cpu precision=fp32): the device list is checked
- * when the element starts, but the executor is built when it is first needed (moe-route's
- * executor query, or the caps): elements start from the sink up, so only then have the encoders
- * upstream loaded their weights, and the budget is taken from the memory they left free. The
- * moe-route upstream finds the executor through a custom query and prefetches each batch's
- * experts on its own streaming thread as soon as it has routed the batch; the handle arrives in
- * the meta, this element's streaming thread computes with it and drops it, which unpins the
- * batch's experts. A batch without a handle (no moe-route, or its prefetch failed) is prefetched
- * here.
+ * The expert executor (every setting but device=cpu with fp32, or with a 4-bit adapter): the
+ * device list is checked when the element starts, but the executor is built when it is first
+ * needed (moe-route's executor query, or the caps): elements start from the sink up, so only then
+ * have the encoders upstream loaded their weights, and the budget is taken from the memory they
+ * left free. The moe-route upstream finds the executor through a custom query and prefetches each
+ * batch's experts on its own streaming thread as soon as it has routed the batch; the handle
+ * arrives in the meta, this element's streaming thread computes with it and drops it, which
+ * unpins the batch's experts. A batch without a handle (no moe-route, or its prefetch failed) is
+ * prefetched here.
  */
 #include "gstmoeexpert.h"
 
@@ -135,7 +145,9 @@ GValue device_stats(const moe::ExpertExecutor& executor) {
         "copies-hidden", G_TYPE_UINT64, static_cast<guint64>(c.copies_hidden), "copies-exposed", G_TYPE_UINT64,
         static_cast<guint64>(c.copies_exposed), "exposed-wait-ms", G_TYPE_DOUBLE,
         static_cast<double>(c.exposed_wait_ns) / 1e6, "resident", G_TYPE_UINT64, static_cast<guint64>(c.resident),
-        "pinned", G_TYPE_UINT64, static_cast<guint64>(c.pinned), nullptr);
+        "pinned", G_TYPE_UINT64, static_cast<guint64>(c.pinned), "slot-bytes", G_TYPE_UINT64,
+        static_cast<guint64>(d.slot_bytes), "resident-bytes", G_TYPE_UINT64, static_cast<guint64>(c.resident_bytes),
+        nullptr);
     GValue item = G_VALUE_INIT;
     g_value_init(&item, GST_TYPE_STRUCTURE);
     g_value_take_boxed(&item, s);
@@ -152,7 +164,7 @@ struct _GstMoeExpert {
   // Properties, under the object lock; read when the element starts.
   gchar* model;  // nullptr: unset
   gchar* device;
-  GstMoePrecision precision;
+  GstMoePrecision precision;  // any value of GST_TYPE_MOE_EXPERT_PRECISION
   gdouble cache_budget;
   guint rebalance_interval;
 
@@ -273,7 +285,7 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   const double cache_budget = self->cache_budget;
   const guint rebalance_interval = self->rebalance_interval;
   GST_OBJECT_UNLOCK(self);
-  if (device == "auto") {  // every CUDA device, else the CPU (the plain CPU path when fp32)
+  if (device == "auto") {  // every CUDA device, else the CPU (the plain CPU path in fp32 or int4)
     std::string reason;
     if (moe::resolve_device("auto", &reason) == "cpu") {
       GST_INFO_OBJECT(self, "device 'auto': %s; the experts run on the CPU", reason.c_str());
@@ -286,9 +298,26 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   if (!adapter) return FALSE;
   gstmoe::metrics::observe_model_load("adapter", load_start);
   const moe::MoeConfig& cfg = adapter->layer().config();
+  // 4-bit experts run as stored, whatever precision says (widening them would give up their
+  // saving); int4 asks for exactly that and so refuses other adapters.
+  const bool four_bit = adapter->layer().precision() == moe::kernels::WeightType::Q4;
+  if (precision == GST_MOE_PRECISION_INT4 && !four_bit) {
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
+                      ("precision=int4 runs a 4-bit adapter's experts as stored, and the experts of the MoE adapter "
+                       "'%s' are %s: make a 4-bit adapter with tools/moe-quantize.py (docs/model-formats.md), or "
+                       "choose fp32, fp16 or bf16",
+                       dir.c_str(), moe::kernels::weight_type_name(adapter->layer().precision())),
+                      (nullptr));
+    return FALSE;
+  }
+  if (four_bit && precision != GST_MOE_PRECISION_INT4)
+    GST_INFO_OBJECT(self, "the MoE adapter '%s' holds 4-bit experts: they run as stored (int4), not in %s", dir.c_str(),
+                    gstmoe::precision_nick(precision));
+  const GstMoePrecision runs_in = four_bit ? GST_MOE_PRECISION_INT4 : precision;
 
   std::shared_ptr<LazyExecutor> executor;
-  if (device != "cpu" || precision != GST_MOE_PRECISION_FP32) {  // else: the engine's CPU path
+  // The engine's CPU path on device=cpu in fp32, and for 4-bit experts (it reads them packed).
+  if (device != "cpu" || (runs_in != GST_MOE_PRECISION_FP32 && runs_in != GST_MOE_PRECISION_INT4)) {
     try {
       moe::ExpertExecutor::check_devices(device);
     } catch (const std::exception& e) {
@@ -297,7 +326,7 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
     }
     executor = std::make_shared<LazyExecutor>();
     executor->device = device;
-    executor->options.precision = gstmoe::weight_type(precision);
+    executor->options.precision = gstmoe::weight_type(runs_in);
     executor->options.budget_fraction = cache_budget;
     executor->options.rebalance_interval = static_cast<int>(rebalance_interval);
     executor->adapter = adapter;
@@ -310,8 +339,8 @@ static gboolean gst_moe_expert_start(GstBaseTransform* trans) {
   state->executor = std::move(executor);
   state->rows_fingerprint = state->adapter->fingerprint();
   self->stats->reset(cfg.num_experts);
-  GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts, on %s", dir.c_str(), cfg.hidden_size, cfg.num_experts,
-                  device.c_str());
+  GST_INFO_OBJECT(self, "adapter %s: hidden_size %d, %d experts in %s, on %s", dir.c_str(), cfg.hidden_size,
+                  cfg.num_experts, gstmoe::precision_nick(runs_in), device.c_str());
   GST_OBJECT_LOCK(self);
   self->batches_prefetched = 0;
   self->state = state;
@@ -505,6 +534,8 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   }
   const moe::Tensor x = moe::Tensor::view(moe::DType::F32, {static_cast<int64_t>(rows), st->width}, map.data, nullptr);
   moe::Tensor y;
+  const gstmoe::metrics::ExpertCopyTotals copies_before =
+      executor ? gstmoe::metrics::expert_copy_totals(*executor) : gstmoe::metrics::ExpertCopyTotals{};
   const int64_t t0 = g_get_monotonic_time();
   try {
     y = executor ? executor->run(x, routing, prefetched ? prefetch : nullptr) : st->adapter->apply_experts(x, routing);
@@ -517,7 +548,15 @@ static GstFlowReturn gst_moe_expert_transform_ip(GstBaseTransform* trans, GstBuf
   std::memcpy(map.data, y.raw_data(), y.nbytes());
   gst_buffer_unmap(buf, &map);
 
-  for (gstmoe::RequestRecord& r : records.rows) r.timings_ms.emplace_back("expert", ms);
+  // The batch's copy figures for the requests' cost (gstmoeresult.h): the host waits of this run, and
+  // the copies of a batch that was not prefetched upstream, which run() started itself.
+  const gstmoe::metrics::ExpertCopyTotals copies =
+      executor ? gstmoe::metrics::expert_copy_totals(*executor) : gstmoe::metrics::ExpertCopyTotals{};
+  for (gstmoe::RequestRecord& r : records.rows) {
+    r.timings_ms.emplace_back("expert", ms);
+    r.batch_copy_wait_ms += static_cast<double>(copies.wait_ns - copies_before.wait_ns) / 1e6;
+    if (!prefetched) r.batch_expert_bytes += copies.bytes - copies_before.bytes;
+  }
   self->stats->add_batch(rows, routing);
   gstmoe::metrics::count_expert_run(executor, ms);
   if (prefetched) {
@@ -565,15 +604,19 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
       g_param_spec_enum("precision", "Precision",
                         "Precision of the expert weights on the device (accumulation is always fp32). On device=cpu, "
                         "fp16/bf16 run through the same expert executor as a GPU (weights rounded, copied into a "
-                        "cache of host memory); fp32 is the plain CPU path",
-                        GST_TYPE_MOE_PRECISION, DEFAULT_PRECISION, gstmoe::kPropertyMutableReady));
+                        "cache of host memory); fp32 is the plain CPU path. int4 runs a 4-bit adapter's experts "
+                        "as stored, packed (the plain CPU path on device=cpu; on GPUs copied and cached packed, "
+                        "~7x more experts per cache budget) and refuses an adapter that is not 4-bit "
+                        "(tools/moe-quantize.py makes one). A 4-bit adapter always runs as stored: with fp32, fp16 "
+                        "or bf16 too, as the log says at start",
+                        GST_TYPE_MOE_EXPERT_PRECISION, DEFAULT_PRECISION, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_CACHE_BUDGET,
       g_param_spec_double("cache-budget", "Expert cache budget",
                           "Fraction of each device's free memory that holds experts, measured when the first "
                           "batch's caps arrive (after the encoders upstream loaded their weights); when the experts do "
                           "not fit, the least recently used are evicted and loaded again when routed to. Not used "
-                          "by the plain CPU path (device=cpu precision=fp32)",
+                          "by the plain CPU path (device=cpu with fp32 or a 4-bit adapter)",
                           MIN_CACHE_BUDGET, 1.0, DEFAULT_CACHE_BUDGET, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_REBALANCE_INTERVAL,
@@ -592,9 +635,11 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
           "weights as loaded: packed codes, scales and zero points for 4-bit experts; 0 when stopped), "
           "placement-changes (how often "
           "rebalance-interval moved experts), and devices: per device of the expert executor (none on the plain CPU "
-          "path) the experts it serves, its cache slots and budget-bytes, and the cache counters hits, misses, "
+          "path) the experts it serves, its cache slots, slot-bytes (one expert as cached: packed for 4-bit "
+          "experts) and budget-bytes, and the cache counters hits, misses, "
           "bytes-copied, evictions, copies-hidden (copies finished before the experts were needed), copies-exposed "
-          "(compute had to wait), exposed-wait-ms (host time spent waiting for copies), resident and pinned"));
+          "(compute had to wait), exposed-wait-ms (host time spent waiting for copies), resident, resident-bytes "
+          "(the bytes of the experts it holds now) and pinned"));
 
   gst_element_class_set_static_metadata(
       element_class, "MoE experts", "Filter/Tensor",
@@ -608,7 +653,7 @@ static void gst_moe_expert_class_init(GstMoeExpertClass* klass) {
       "gst-moe developers");
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);
-  gst_type_mark_as_plugin_api(GST_TYPE_MOE_PRECISION, static_cast<GstPluginAPIFlags>(0));
+  gst_type_mark_as_plugin_api(GST_TYPE_MOE_EXPERT_PRECISION, static_cast<GstPluginAPIFlags>(0));
 
   trans_class->start = GST_DEBUG_FUNCPTR(gst_moe_expert_start);
   trans_class->stop = GST_DEBUG_FUNCPTR(gst_moe_expert_stop);

@@ -185,7 +185,7 @@ struct DeviceCounters {
   guint experts = 0;
   gint slots = 0;
   guint64 budget_bytes = 0, hits = 0, misses = 0, bytes_copied = 0, evictions = 0, copies_hidden = 0,
-          copies_exposed = 0, resident = 0, pinned = 0;
+          copies_exposed = 0, resident = 0, pinned = 0, slot_bytes = 0, resident_bytes = 0;
   double exposed_wait_ms = -1;
 };
 struct ExecutorStats {
@@ -221,7 +221,9 @@ ExecutorStats read_executor_stats(Harness& h) {
                                                                     {"copies-hidden", &c.copies_hidden},
                                                                     {"copies-exposed", &c.copies_exposed},
                                                                     {"resident", &c.resident},
-                                                                    {"pinned", &c.pinned}})
+                                                                    {"pinned", &c.pinned},
+                                                                    {"slot-bytes", &c.slot_bytes},
+                                                                    {"resident-bytes", &c.resident_bytes}})
       EXPECT_TRUE(gst_structure_get_uint64(d, field.first, field.second)) << field.first;
     out.devices.push_back(c);
   }
@@ -818,13 +820,77 @@ TEST_F(RouteExpertTest, ReducedPrecisionRunsOnTheExecutorWithPreload) {
     EXPECT_EQ(d.slots, kExperts);  // 85% of the free host memory holds all of them
     EXPECT_GT(d.budget_bytes, 0u);
     EXPECT_EQ(d.hits + d.misses, listed);
-    EXPECT_EQ(d.bytes_copied, d.misses * moe::HostExpertStore::blob_bytes(p.second, kWidth, 24));
+    EXPECT_EQ(d.slot_bytes, moe::HostExpertStore::blob_bytes(p.second, kWidth, 24));
+    EXPECT_EQ(d.bytes_copied, d.misses * d.slot_bytes);
+    EXPECT_EQ(d.resident_bytes, d.resident * d.slot_bytes);
     EXPECT_EQ(d.evictions, 0u);
     EXPECT_EQ(d.resident, d.misses);
     EXPECT_LE(d.copies_hidden + d.copies_exposed, d.misses);
     EXPECT_GE(d.exposed_wait_ms, 0.0);
     EXPECT_EQ(d.pinned, 0u);  // no batch in flight
   }
+}
+
+// precision=int4: the shipped 4-bit adapter runs as stored, on the plain CPU path (the engine's
+// own numbers, bit for bit); fp16 with that adapter runs the same (no widening); an adapter that is
+// not 4-bit is refused, naming it and how to make one.
+TEST_F(RouteExpertTest, Int4RunsAFourBitAdapterAsStoredAndRefusesOthers) {
+  const std::string int4_dir = std::string(MOE_SOURCE_DIR) + "/models/default/adapter-int4";
+  const moe::MoeAdapter int4 = moe::MoeAdapter::load(int4_dir);
+  const int width = int4.layer().config().hidden_size;
+  for (const char* precision : {"int4", "fp16"}) {
+    SCOPED_TRACE(precision);
+    Harness h("moe-route name=route model=\"" + int4_dir + "\" ! " +
+                  expert_line(int4_dir, std::string("precision=") + precision),
+              width);
+    for (unsigned b = 0; b < 2; ++b) {
+      const std::vector<float> rows = random_rows(6, 90 + b, width);
+      const gstmoe::BatchRecords records = records_for(6);
+      ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+      GstBuffer* out = h.pull();
+      ASSERT_NE(out, nullptr);
+      expect_close(buffer_floats(out), int4.apply(as_tensor(rows, width)).embeddings, 0.0);
+      gst_buffer_unref(out);
+    }
+    EXPECT_TRUE(read_executor_stats(h).devices.empty());  // the plain CPU path
+  }
+  const std::string error = start_error(expert_line(adapter_dir(), "precision=int4"));
+  expect_contains(error, adapter_dir());
+  expect_contains(error, "f32");
+  expect_contains(error, "tools/moe-quantize.py");
+  // moe-encode's precision does not offer int4 (its encoder has no 4-bit weights).
+  GEnumClass* encode = G_ENUM_CLASS(g_type_class_ref(GST_TYPE_MOE_PRECISION));
+  EXPECT_EQ(g_enum_get_value_by_nick(encode, "int4"), nullptr);
+  g_type_class_unref(encode);
+}
+
+// On a GPU the executor copies and caches the 4-bit experts packed: its slots are the packed bytes.
+TEST_F(RouteExpertTest, Int4OnCudaCachesThePackedExperts) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  const std::string int4_dir = std::string(MOE_SOURCE_DIR) + "/models/default/adapter-int4";
+  const moe::MoeAdapter int4 = moe::MoeAdapter::load(int4_dir);
+  const int width = int4.layer().config().hidden_size;
+  Harness h("moe-route name=route model=\"" + int4_dir + "\" ! queue ! " +
+                expert_line(int4_dir, "device=cuda:0 precision=int4"),
+            width);
+  for (unsigned b = 0; b < 3; ++b) {
+    const std::vector<float> rows = random_rows(16, 95 + b, width);
+    const gstmoe::BatchRecords records = records_for(16);
+    ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    // CUDA rounds the activations to the scales' type beyond a few rows (backend.h).
+    expect_close(buffer_floats(out), int4.apply(as_tensor(rows, width)).embeddings, 1e-2);
+    gst_buffer_unref(out);
+  }
+  const ExecutorStats stats = read_executor_stats(h);
+  ASSERT_EQ(stats.devices.size(), 1u);
+  const DeviceCounters& d = stats.devices[0];
+  EXPECT_EQ(d.slot_bytes * static_cast<guint64>(int4.layer().config().num_experts),
+            static_cast<guint64>(int4.layer().expert_bytes()));
+  EXPECT_EQ(d.bytes_copied, d.misses * d.slot_bytes);
+  EXPECT_EQ(d.resident_bytes, d.resident * d.slot_bytes);
 }
 
 TEST_F(RouteExpertTest, PreloadCrossesAQueue) {

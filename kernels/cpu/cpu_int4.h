@@ -4,17 +4,23 @@
 // computed once (scale · (q - z), rounded to the scale's type as the format defines them) into
 // registers, each code is looked up there and multiplied into f32 accumulators, several input
 // rows per decoded weight. Large batches dequantise blocks of weight rows to f32 and run the
-// f32 GEMM. Both give the same weights bit for bit as PackedInt4Weight::dequantize
-// (moe/quantized_weights.h), so they differ from x · dequantised(w)ᵀ only in summation order.
-// The instruction set is chosen once per process from the CPU (AVX-512F; AVX2 + FMA + F16C;
-// else plain C++); every function runs on the calling thread only.
+// f32 GEMM: the CPU backend's (oneDNN, its thread pool also dequantising) when one is given, else
+// OpenBLAS on the calling thread. Both give the same weights bit for bit as
+// PackedInt4Weight::dequantize (moe/quantized_weights.h), so they differ from
+// x · dequantised(w)ᵀ only in summation order. The instruction set is chosen once per process
+// from the CPU (AVX-512F; AVX2 + FMA + F16C; else plain C++); without a pool every function runs
+// on the calling thread only.
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "backend.h"
 
 namespace moe::kernels::cpu {
+
+class Gemm;        // cpu_gemm.h
+class ThreadPool;  // cpu_thread_pool.h
 
 enum class Int4Isa : uint8_t { Scalar, Avx2, Avx512 };
 // The best this CPU runs, and its name ("avx512", "avx2", "scalar").
@@ -33,5 +39,14 @@ void dequantize_q4(const Q4Weight& w, int64_t n, int64_t k, float* dst, Int4Isa 
 // w.group_size % 8 == 0. Allocates its scratch (a copy of x, or a block of dequantised rows).
 void linear_q4(const float* x, const Q4Weight& w, const float* bias, float* y, int64_t m, int64_t n, int64_t k,
                Int4Isa isa = int4_best_isa());
+// The same for the CPU backend: beyond kInt4DirectMaxRows rows, blocks of weight rows are
+// dequantised on `pool`'s threads and multiplied by `gemm` (which runs on `pool` too), so large
+// batches cost the f32 GEMM plus the dequantisation, not OpenBLAS's repacking on one thread.
+void linear_q4(const float* x, const Q4Weight& w, const float* bias, float* y, int64_t m, int64_t n, int64_t k,
+               Gemm& gemm, ThreadPool& pool, Int4Isa isa = int4_best_isa());
+// Backend::grouped_swiglu with every expert's weights Q4, through the linear_q4 above.
+void grouped_swiglu_q4(const float* x_sorted, const std::vector<int64_t>& offsets,
+                       const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted,
+                       Gemm& gemm, ThreadPool& pool);
 
 }  // namespace moe::kernels::cpu

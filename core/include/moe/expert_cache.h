@@ -1,11 +1,12 @@
 // gst-moe: a device-side cache of MoE experts with asynchronous prefetch (docs/expert-cache.md).
 //
 // The cache owns a budget of device memory cut into fixed-size slots, one expert each, and maps
-// experts to slots. moe-route calls prefetch() as soon as it has routed a batch: every expert
-// the batch needs is pinned for that batch and the missing ones are copied from the
-// HostExpertStore on the backend's copy queue, while earlier batches still compute. moe-expert
-// calls BatchLease::acquire(e) just before it runs expert e: the compute queue waits for that
-// expert's copy only. Dropping the lease unpins the batch's experts.
+// experts to slots. A slot holds an expert as the store stages it: 4-bit experts stay packed
+// (codes, scales, zero points), so a budget holds ~7x as many of them as of f32 experts. moe-route calls prefetch() as
+// soon as it has routed a batch: every expert the batch needs is pinned for that batch and the missing ones are copied
+// from the HostExpertStore on the backend's copy queue, while earlier batches still compute. moe-expert calls
+// BatchLease::acquire(e) just before it runs expert e: the compute queue waits for that expert's copy only. Dropping
+// the lease unpins the batch's experts.
 //
 // Guarantees:
 //  - An expert pinned by a batch in flight (a live lease) is never evicted, so a slot never
@@ -78,6 +79,7 @@ struct CacheStats {
   // Gauges:
   uint64_t copies_in_flight = 0;    // slots whose latest copy is still running (polled by stats())
   uint64_t resident = 0;            // experts holding a slot (loaded or loading)
+  uint64_t resident_bytes = 0;      // their bytes (resident × slot_bytes; 4-bit experts packed)
   uint64_t pinned = 0;              // experts pinned by at least one lease
   uint64_t batches_in_flight = 0;   // live, unreleased leases
   uint64_t prefetches_waiting = 0;  // prefetch() calls waiting for room right now

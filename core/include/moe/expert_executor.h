@@ -13,7 +13,8 @@
 //
 // The executor owns a Backend and an ExpertCache per device, and one HostExpertStore:
 //  - Staging: every routed expert once, in the first device's staging memory (CUDA:
-//    page-locked and portable, so every device's copy queue reads it asynchronously).
+//    page-locked and portable, so every device's copy queue reads it asynchronously); 4-bit
+//    experts as packed as the checkpoint stores them, so copies and slots are ~7x smaller.
 //  - Caches: per device, a budget of slots that hold any expert (global ids).
 //  - Placement: plan_expert_placement over the cache budgets decides which device serves each
 //    expert (the roomiest device first, hot experts replicated when a load is known). When the
@@ -58,7 +59,10 @@
 namespace moe {
 
 struct ExpertExecutorOptions {
-  // Precision of the expert weights on the devices (accumulation is always f32).
+  // Precision of the expert weights on the devices (accumulation is always f32): f32, f16 or
+  // bf16 converts the layer's experts. A layer with 4-bit experts runs them as stored, packed
+  // (W4A16; precision() says Q4), whatever this says; Q4 here asks for that and is a moe::Error
+  // for a layer whose experts are not 4-bit (tools/moe-quantize.py makes them).
   kernels::WeightType precision = kernels::WeightType::F32;
   // Cache budget of every device: this fraction of its free memory when the executor is built...
   double budget_fraction = 0.85;
@@ -86,7 +90,7 @@ struct ExpertDeviceStats {
   std::vector<int> experts;  // experts placed on the device (global ids, ascending)
   size_t budget_bytes = 0;   // its cache budget
   int slots = 0;             // experts its cache holds at once
-  size_t slot_bytes = 0;     // one expert in the executor's precision
+  size_t slot_bytes = 0;     // one expert in the executor's precision (4-bit: packed)
   CacheStats cache;
 };
 

@@ -21,6 +21,7 @@
 namespace moe {
 
 enum class RoutingKind { Mixtral, Qwen2Moe };
+struct PackedInt4Weight;  // moe/quantized_weights.h
 
 struct MoeConfig {
   int hidden_size = 0;
@@ -95,6 +96,10 @@ class MoeLayer {
   // checkpoint whatever the layer's precision), e.g. to pack them for a device
   // (HostExpertStore). Throws moe::Error when e is outside [0, num_experts).
   const Tensor& expert_weight(int e, ExpertMatrix which) const;
+  // A layer with 4-bit experts (precision() Q4): routed expert e's matrix as the checkpoint packs
+  // it (views into the mmap-ed file), e.g. to stage the packed bytes (HostExpertStore). Throws
+  // moe::Error for other layers and when e is outside [0, num_experts).
+  const PackedInt4Weight& packed_expert_weight(int e, ExpertMatrix which) const;
   // The same for the shared expert (Qwen2-MoE; [shared_expert_intermediate_size, hidden] for
   // w1/w3, the transpose for w2) and its gate [1, hidden]. Throw moe::Error without one.
   const Tensor& shared_expert_weight(ExpertMatrix which) const;

@@ -1,6 +1,7 @@
 #include "moe/expert_cache.h"
 
 #include <algorithm>
+#include <array>
 #include <condition_variable>
 #include <mutex>
 #include <sstream>
@@ -64,6 +65,9 @@ struct BatchLease::Core {
   // every earlier copy into the slot did too (an evicted expert's copy may still be running).
   std::vector<std::shared_ptr<kernels::Event>> slot_copy;
   std::vector<int> free_slots;  // LIFO
+  // 4-bit experts: per slot, the descriptors of the arrays in it (the same whichever expert the
+  // slot holds: every expert has one layout), which acquire()'s weights point to.
+  std::vector<std::array<kernels::Q4Weight, 3>> slot_q4;
   uint64_t tick = 0;
   CacheStats st;  // counters; gauges are filled in by stats()
   uint64_t batches_in_flight = 0;
@@ -149,11 +153,13 @@ kernels::ExpertWeights BatchLease::acquire(int32_t expert) {
   Core& c = *core_;
   std::shared_ptr<kernels::Event> copy;
   void* slot = nullptr;
+  int slot_index = -1;
   bool first = false, done = false;
   {
     std::lock_guard<std::mutex> lock(c.mu);
     Core::Entry& en = c.entries[static_cast<size_t>(expert)];
     // Pinned by this lease: resident, and its slot cannot change until the lease is dropped.
+    slot_index = en.slot;
     slot = c.slot_ptr(en.slot);
     copy = en.copy;
     done = en.copy_done;
@@ -176,7 +182,7 @@ kernels::ExpertWeights BatchLease::acquire(int32_t expert) {
     Core::Entry& en = c.entries[static_cast<size_t>(expert)];
     if (done) en.copy_done = true;
   }
-  return c.store.weights_at(slot);
+  return c.store.weights_at(slot, c.slot_q4.empty() ? nullptr : &c.slot_q4[static_cast<size_t>(slot_index)]);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -209,6 +215,10 @@ ExpertCache::ExpertCache(kernels::Backend& backend, const HostExpertStore& store
   c.slot_owner.assign(static_cast<size_t>(c.slots), -1);
   c.slot_copy.resize(static_cast<size_t>(c.slots));
   for (int s = c.slots - 1; s >= 0; --s) c.free_slots.push_back(s);
+  if (store.weight_type() == kernels::WeightType::Q4) {
+    c.slot_q4.resize(static_cast<size_t>(c.slots));
+    for (int s = 0; s < c.slots; ++s) store.weights_at(c.slot_ptr(s), &c.slot_q4[static_cast<size_t>(s)]);
+  }
 }
 
 ExpertCache::~ExpertCache() = default;
@@ -338,6 +348,7 @@ CacheStats ExpertCache::stats() const {
     if (en.slot >= 0) ++s.resident;
     if (en.pins > 0) ++s.pinned;
   }
+  s.resident_bytes = s.resident * c.slot_bytes;
   s.batches_in_flight = c.batches_in_flight;
   s.prefetches_waiting = c.waiting;
   return s;

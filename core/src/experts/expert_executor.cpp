@@ -165,8 +165,18 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
                                    const ExpertExecutorOptions& options) {
   auto st = std::make_shared<State>();
   st->config = layer.config();
-  st->precision = options.precision;
   const MoeConfig& cfg = st->config;
+  // 4-bit experts run as stored (packed), whatever the options say: widening them would give up
+  // their memory saving; other experts cannot be made 4-bit here.
+  const bool four_bit = layer.precision() == kernels::WeightType::Q4;
+  if (options.precision == kernels::WeightType::Q4 && !four_bit)
+    throw Error("expert executor: int4 runs 4-bit experts as stored, and the experts of '" + cfg.source + "' are " +
+                kernels::weight_type_name(layer.precision()) +
+                ": quantise the adapter first (tools/moe-quantize.py, docs/model-formats.md)");
+  st->precision = four_bit ? kernels::WeightType::Q4 : options.precision;
+  // Qwen2-MoE's shared expert: in the experts' precision, f32 next to 4-bit experts (the layer
+  // keeps a 4-bit shared expert dequantised: it runs for every row, as in MoeLayer).
+  const kernels::WeightType shared_precision = four_bit ? kernels::WeightType::F32 : st->precision;
   if (backends.empty()) throw Error("expert executor: no devices");
   const size_t n = backends.size();
   for (const auto& b : backends)
@@ -174,8 +184,6 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
       throw Error("expert executor: " + backends[0]->name() + " and " + b->name() +
                   " cannot exchange rows (host and device memory): use CPU backends only or CUDA devices only");
   const int E = cfg.num_experts;
-  st->slot_bytes = HostExpertStore::blob_bytes(options.precision, cfg.hidden_size, cfg.intermediate_size);
-  const size_t slot = st->slot_bytes;
   if (options.rebalance_interval < 0)
     throw Error("expert executor: rebalance interval " + std::to_string(options.rebalance_interval) + " < 0");
   st->rebalance_interval = options.rebalance_interval;
@@ -192,6 +200,18 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
     st->devices[d].backend = backends[d].get();
   }
   st->backends = std::move(backends);
+  for (const State::Device& dev : st->devices) {
+    std::string why;
+    if (!dev.backend->supports(
+            {kernels::Op::GroupedSwiglu, {st->precision}, {1, E, cfg.hidden_size, cfg.intermediate_size}}, &why))
+      throw Error("expert executor on " + dev.name + ": " + kernels::weight_type_name(st->precision) +
+                  " experts: " + why);
+  }
+
+  // One staging copy of the experts (4-bit ones packed): its blob is the slot of every cache.
+  st->store = std::make_unique<HostExpertStore>(HostExpertStore::from_layer(*st->backends[0], layer, st->precision));
+  st->slot_bytes = st->store->max_expert_bytes();
+  const size_t slot = st->slot_bytes;
 
   // Budgets, in whole slots.
   if (!options.budget_bytes.empty() && options.budget_bytes.size() != n)
@@ -215,14 +235,14 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
     }
     if (cfg.shared_expert_intermediate_size > 0) {  // the shared expert's copy comes out of the budget
       const size_t shared_bytes =
-          HostExpertStore::blob_bytes(options.precision, cfg.hidden_size, cfg.shared_expert_intermediate_size);
+          HostExpertStore::blob_bytes(shared_precision, cfg.hidden_size, cfg.shared_expert_intermediate_size);
       dev.budget -= std::min(dev.budget, shared_bytes);
     }
     slots[d] = dev.budget / slot;
     if (slots[d] == 0)
       throw Error("expert executor on " + dev.name + ": the cache budget of " + std::to_string(dev.budget) +
                   " bytes holds no expert (one expert takes " + std::to_string(slot) + " bytes in " +
-                  kernels::weight_type_name(options.precision) + "); raise the budget or use a smaller precision");
+                  kernels::weight_type_name(st->precision) + "); raise the budget or use a smaller precision");
     total_slots += slots[d];
   }
 
@@ -248,9 +268,7 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
   // moves an expert's only copy, so caches do not churn on noise.
   for (int e = 0; e < E; ++e) po.primary.push_back(st->placement->devices_of(e)[0]);
 
-  // One staging copy of the experts; a cache per device.
-  st->store =
-      std::make_unique<HostExpertStore>(HostExpertStore::from_layer(*st->backends[0], layer, options.precision));
+  // A cache per device.
   ExpertCacheOptions co;
   co.admission_wait = options.admission_wait;
   for (State::Device& dev : st->devices) {
@@ -258,7 +276,7 @@ std::shared_ptr<State> build_state(const MoeLayer& layer, std::vector<std::uniqu
     dev.cache = std::make_unique<ExpertCache>(*dev.backend, *st->store, co);  // throws if it cannot share staging
   }
   if (cfg.shared_expert_intermediate_size > 0) {  // packed like one expert, copied once, staging freed
-    const HostExpertStore shared(*st->backends[0], options.precision, 1, cfg.hidden_size,
+    const HostExpertStore shared(*st->backends[0], shared_precision, 1, cfg.hidden_size,
                                  cfg.shared_expert_intermediate_size,
                                  [&](int, ExpertMatrix which) { return layer.shared_expert_weight(which); });
     const Tensor& gate = layer.shared_expert_gate();

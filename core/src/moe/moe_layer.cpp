@@ -137,15 +137,17 @@ struct MoeLayer::Impl {
   Expert dev_shared;
   std::vector<Expert> dev_experts;  // keeps the memory behind expert_refs
   std::vector<kernels::ExpertWeights> expert_refs;
-  // 4-bit experts (all or none): the checkpoint's packed tensors (host views) and their
-  // descriptors, which expert_refs point to (sized once: the addresses stay put).
+  // 4-bit experts (all or none): the checkpoint's packed tensors (host views), their copies in
+  // backend memory (non-host backends only) and their descriptors, which expert_refs point to
+  // (sized once: the addresses stay put).
   std::vector<PackedExpert> packed_experts;
+  std::vector<Tensor> dev_packed;
   std::vector<kernels::Q4Weight> q4_refs;
 
   void upload() {
     dev_gate = be.f32(gate);
     if (!packed_experts.empty()) {
-      // The CPU backend reads the packed bytes in place; other backends say why they cannot.
+      // The CPU backend reads the packed bytes in place; others get a copy of the three arrays.
       std::string why;
       if (!be.backend->supports({kernels::Op::GroupedSwiglu,
                                  {kernels::WeightType::Q4},
@@ -154,7 +156,7 @@ struct MoeLayer::Impl {
         throw Error(cfg.source + ": 4-bit experts on " + be.backend->name() + ": " + why);
       q4_refs.reserve(3 * packed_experts.size());
       for (const PackedExpert& p : packed_experts) {
-        for (const PackedInt4Weight* w : {&p.w1, &p.w3, &p.w2}) q4_refs.push_back(w->ref());
+        for (const PackedInt4Weight* w : {&p.w1, &p.w3, &p.w2}) q4_refs.push_back(q4_on_backend(*w));
         const kernels::Q4Weight* q = &q4_refs[q4_refs.size() - 3];
         expert_refs.push_back(
             {{q, kernels::WeightType::Q4}, {q + 1, kernels::WeightType::Q4}, {q + 2, kernels::WeightType::Q4}});
@@ -170,6 +172,21 @@ struct MoeLayer::Impl {
       dev_shared = {be.weight(shared.w1), be.weight(shared.w3), be.weight(shared.w2)};
       dev_shared_gate = be.f32(shared_gate);
     }
+  }
+
+  // `w`'s descriptor over arrays in backend memory.
+  kernels::Q4Weight q4_on_backend(const PackedInt4Weight& w) {
+    kernels::Q4Weight q = w.ref();
+    if (be.backend->is_host_memory()) return q;
+    dev_packed.push_back(be.copy_as_is(w.packed));
+    q.packed = static_cast<const int32_t*>(dev_packed.back().raw_data());
+    dev_packed.push_back(be.copy_as_is(w.scales));
+    q.scales = dev_packed.back().raw_data();
+    if (!w.symmetric()) {
+      dev_packed.push_back(be.copy_as_is(w.zero_points));
+      q.zero_points = static_cast<const int32_t*>(dev_packed.back().raw_data());
+    }
+    return q;
   }
 
   // Router on the backend: x [N, D] -> ids, weights [N, top_k] (backend memory).
@@ -271,6 +288,24 @@ const Tensor& MoeLayer::expert_weight(int e, ExpertMatrix which) const {
       return ex.w2;
   }
   throw Error("expert_weight: unknown matrix " + std::to_string(static_cast<int>(which)));
+}
+
+const PackedInt4Weight& MoeLayer::packed_expert_weight(int e, ExpertMatrix which) const {
+  if (impl_->packed_experts.empty())
+    throw Error("packed_expert_weight: the experts of the MoE layer from '" + impl_->cfg.source + "' are not 4-bit");
+  if (e < 0 || e >= impl_->cfg.num_experts)
+    throw Error("packed_expert_weight: expert " + std::to_string(e) + " outside [0, " +
+                std::to_string(impl_->cfg.num_experts) + ")");
+  const PackedExpert& p = impl_->packed_experts[static_cast<size_t>(e)];
+  switch (which) {
+    case ExpertMatrix::W1:
+      return p.w1;
+    case ExpertMatrix::W3:
+      return p.w3;
+    case ExpertMatrix::W2:
+      return p.w2;
+  }
+  throw Error("packed_expert_weight: unknown matrix " + std::to_string(static_cast<int>(which)));
 }
 
 MoeLayer MoeLayer::load(const MoeConfig& config, const Checkpoint& ck, const std::string& prefix,

@@ -65,32 +65,33 @@ Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
     throw Error("to_backend: " + host.describe() + " is not a host float tensor");
   if (type != DType::F32 && type != DType::F16 && type != DType::BF16)
     throw Error(std::string("to_backend: unsupported type ") + dtype_name(type));
-  kernels::Backend& b = *backend;
-  if (b.is_host_memory() && host.dtype() == type) return host;
+  if (backend->is_host_memory() && host.dtype() == type) return host;
+  if (host.dtype() == type) return upload(host.raw_data(), type, host.shape());
 
   const int64_t n = host.numel();
-  const size_t bytes = dtype_storage_bytes(type, n);
-  // The values in `type`, on the host: `host` itself when no conversion is needed.
-  std::vector<uint16_t> half;
-  const void* src = host.raw_data();
-  Tensor f32;
-  if (host.dtype() != type) {
-    f32 = host.to_f32();
-    const float* v = f32.data<float>();
-    if (type == DType::F32) {
-      src = v;
-    } else {
-      half.resize(static_cast<size_t>(n));
-      for (int64_t i = 0; i < n; ++i) half[i] = type == DType::F16 ? float_to_half(v[i]) : float_to_bf16(v[i]);
-      src = half.data();
-    }
-  }
+  const Tensor f32 = host.to_f32();
+  const float* v = f32.data<float>();
+  if (type == DType::F32) return upload(v, type, host.shape());
+  std::vector<uint16_t> half(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) half[i] = type == DType::F16 ? float_to_half(v[i]) : float_to_bf16(v[i]);
+  return upload(half.data(), type, host.shape());
+}
+
+Tensor ModelBackend::copy_as_is(const Tensor& host) const {
+  if (!host.is_host()) throw Error("copy_as_is: " + host.describe() + " is not in host memory");
+  if (backend->is_host_memory()) return host;
+  return upload(host.raw_data(), host.dtype(), host.shape());
+}
+
+Tensor ModelBackend::upload(const void* src, DType type, const Shape& shape) const {
+  kernels::Backend& b = *backend;
+  const size_t bytes = dtype_storage_bytes(type, shape_numel(shape));
   std::unique_lock<std::mutex> lock;
   if (mutex) lock = std::unique_lock<std::mutex>(*mutex);
   void* dst = b.allocate(bytes);
   try {
     b.copy_from_host(dst, src, bytes);
-    b.synchronize();  // `src` goes out of scope here
+    b.synchronize();  // `src` may go out of scope after the return
   } catch (...) {
     deallocate_noexcept(b, dst);
     throw;
@@ -101,7 +102,7 @@ Tensor ModelBackend::to_backend(const Tensor& host, DType type) const {
     if (guard) held = std::unique_lock<std::mutex>(*guard);
     deallocate_noexcept(*keep, p);
   });
-  return Tensor::view(type, host.shape(), dst, std::move(owner), b.is_host_memory() ? Placement{} : placement);
+  return Tensor::view(type, shape, dst, std::move(owner), b.is_host_memory() ? Placement{} : placement);
 }
 
 Tensor ModelBackend::linear_weight(const Tensor& host) const {

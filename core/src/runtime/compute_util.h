@@ -57,6 +57,13 @@ struct ModelBackend {
   // once for oneDNN) until the returned tensor is released.
   Tensor linear_weight(const Tensor& host) const;
   Tensor f32(const Tensor& host) const { return to_backend(host, DType::F32); }
+  // `host` (any dtype) byte for byte in backend memory: `host` itself on host-memory backends,
+  // else an uploaded copy owned by the returned tensor (e.g. 4-bit packed codes and their scales).
+  Tensor copy_as_is(const Tensor& host) const;
+
+ private:
+  // A copy of `src` (`shape` values of `type`, host memory) uploaded to the backend.
+  Tensor upload(const void* src, DType type, const Shape& shape) const;
 };
 
 // A tensor in backend memory (from ModelBackend::to_backend) as the operations take it.
