@@ -80,7 +80,14 @@ def main():
         for r in doc["results"]:
             extra = " ".join(f"{k}={v}" for k, v in r.get("fields", {}).items())  # the catalog line's own
             print(f'  {r["rank"]:2d}. {r["score"]:.3f}  {r.get("id") or ""}  {r["caption"] or r["uri"]}  {extra}'.rstrip())
-        print("  experts: " + ", ".join(f'#{e["expert"]} ({e["weight"]:.2f})' for e in doc["experts"]))
+        if doc["experts"]:  # empty when the service runs without an adapter (ADAPTER=none)
+            print("  experts: " + ", ".join(f'#{e["expert"]} ({e["weight"]:.2f})' for e in doc["experts"]))
+        cost = doc.get("cost")  # null without moe-encode; absent from services older than it
+        line = f'  {doc["timings_ms"]["total"]:.1f} ms'
+        if cost:
+            line += f' (compute {cost["compute_ms"]:.2f} ms, copy {cost["copy_ms"]:.2f} ms, wait {cost["wait_ms"]:.2f} ms'
+            line += f', batch of {cost["batch_rows"]})'
+        print(line)
     if pending:
         print(f"\nno answer within {args.timeout}s for: {', '.join(pending)}", file=sys.stderr)
         return 1

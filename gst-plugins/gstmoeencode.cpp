@@ -20,10 +20,18 @@
  * when a usable CUDA device exists) with its Linear weights in `precision`; elements naming the
  * same model, device and precision share it. These three can only be changed in the NULL state.
  *
+ * A query cache of `cache-bytes` (least recently used entries go first; 0 disables it) keeps the
+ * embeddings of recent requests: a text that tokenises like an earlier one, or an image request
+ * with the same file bytes, gets the earlier embedding, bit for bit, without an encoder call, as
+ * long as the model, device and precision are the same (they are part of every key). Video frames
+ * are not cached. Hits still travel in their batch, so moe-route routes them again: routing is
+ * cheap, and this way the cache never needs to know the router's settings.
+ *
  * The `stats` property counts, since the element started: the requests and the batches, the
  * batches by size, the requests that failed here, the time spent in the encoder, the time the
- * requests spent queued (total and longest), and the requests that queued longer than
- * max-latency.
+ * requests spent queued (total and longest), the requests that queued longer than
+ * max-latency, and the query cache's hits, misses, evictions and refusals; it also gives what the
+ * cache holds now.
  *
  * ## Example launch lines
  * |[
@@ -54,11 +62,24 @@
  * push from the worker or ahead of an event is returned by the next chain call (and posted at
  * once when fatal); a flush drops what is queued.
  *
+ * Why the cache keys on token ids: they are the text as the encoder sees it, after the
+ * tokenizer's normalisation (ftfy fixes, whitespace collapsed, lower case) and its truncation to
+ * the model's context, so every text that must embed alike does, and nothing else can (a key of
+ * normalised text would need the tokenizer's special-token splitting to be exact). Tokenising is
+ * cheap next to the encoder. Image requests key on a SHA-256 of their file, so a hit is not even
+ * decoded. Video frames are not cached: live frames are practically never bit-identical, and
+ * hashing each (37 ms for a 1080p frame with GLib's SHA-256 here) would cost more than it could
+ * save. A key's size is bounded (the model's context, 77 ids for CLIP), so a huge text costs the
+ * cache no more than a short one. Requests are looked up on arrival, by the streaming thread, and
+ * stored once encoded, by the worker: a request that arrives while its twin is still queued or
+ * being encoded misses too.
+ *
  * Lifetimes: the model is loaded at NULL->READY (open) and kept until READY->NULL (close), so it
- * outlives runs, beside the counters; the queue, the worker and the stream's state are the
- * running state (EncodeState), made by start (READY->PAUSED) and deleted by stop (PAUSED->READY).
- * Locks, outermost first: push_lock, the object lock (properties, counters, the two pointers),
- * EncodeState::lock (queue and batcher).
+ * outlives runs, beside the counters; the query cache lives as long as the element; the queue,
+ * the worker and the stream's state are the running state (EncodeState), made by start
+ * (READY->PAUSED) and deleted by stop (PAUSED->READY). Locks, outermost first: push_lock, the
+ * object lock (properties, counters, the two pointers), EncodeState::lock (queue and batcher);
+ * the query cache's own lock is taken under any of them and takes none.
  */
 #include "gstmoeencode.h"
 
@@ -84,13 +105,26 @@
 #include "moe/error.h"
 #include "moe/image_decode.h"
 #include "moe/model_cache.h"
+#include "moe/query_cache.h"
+#include "moe_build_config.h"
 
 GST_DEBUG_CATEGORY_STATIC(gst_moe_encode_debug);
 #define GST_CAT_DEFAULT gst_moe_encode_debug
 
-enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_THREADS, PROP_MAX_BATCH, PROP_MAX_LATENCY, PROP_STATS };
+enum {
+  PROP_0,
+  PROP_MODEL,
+  PROP_DEVICE,
+  PROP_PRECISION,
+  PROP_THREADS,
+  PROP_MAX_BATCH,
+  PROP_MAX_LATENCY,
+  PROP_CACHE_BYTES,
+  PROP_STATS
+};
 
-#define DEFAULT_MODEL nullptr
+// The shipped model where `meson install` puts it, so an installed moe-encode runs without model=.
+#define DEFAULT_MODEL MOE_DATA_DIR "/models/default/clip"
 #define DEFAULT_DEVICE "cpu"
 #define DEFAULT_PRECISION GST_MOE_PRECISION_FP32
 #define DEFAULT_THREADS 0  // the cores this process may use
@@ -100,6 +134,8 @@ enum { PROP_0, PROP_MODEL, PROP_DEVICE, PROP_PRECISION, PROP_THREADS, PROP_MAX_B
 #define MAX_MAX_BATCH 4096
 #define DEFAULT_MAX_LATENCY (10 * GST_MSECOND)
 #define MAX_MAX_LATENCY (3600 * GST_SECOND)
+// ~25,000 queries of a 512-wide model (2 KiB of embedding, ~0.4 KiB of key and bookkeeping each).
+#define DEFAULT_CACHE_BYTES (G_GUINT64_CONSTANT(64) << 20)
 
 #define MOE_ENCODE_VIDEO_FORMATS \
   "{ RGB, RGBx, xRGB, BGR, BGRx, xBGR, RGBA, BGRA, ARGB, ABGR, I420, YV12, NV12, NV21, YUY2, UYVY, GRAY8 }"
@@ -117,13 +153,18 @@ struct EncodeModel {
   std::shared_ptr<const moe::ClipModel> clip;
   std::string name;  // the directory's basename: the encoder the meta names
   int width = 0;     // projection_dim
+  // What the query cache's keys name: the weights' fingerprint, the device and the precision.
+  std::string cache_version;
 };
 
 // One entry of the queue: a request, already turned into what the engine takes, or one that
 // failed (here on arrival, or upstream) and only travels on to be answered.
 struct Pending {
   gstmoe::RequestRecord record;       // record.text is what text requests encode
-  moe::RgbImage image;                // image requests
+  std::vector<int32_t> token_ids;     // text requests: the text as the encoder takes it
+  moe::RgbImage image;                // image requests that were not found in the query cache
+  std::vector<float> cached;          // its embedding, when the query cache had it
+  std::string cache_key;              // a miss: where its embedding goes in the query cache
   std::string error;                  // set when it failed: it then only travels as a failure
   std::string failed_stage = kStage;  // where it failed: here, or the upstream stage named in the meta
   const char* error_code = moe::error_code::kInternal;  // its error document's code
@@ -133,8 +174,13 @@ struct Pending {
 // What one run works with: created by start() from the loaded model and the batch limits,
 // deleted by stop().
 struct EncodeState {
-  EncodeState(const EncodeModel& loaded, const moe::BatchLimits& limits)
-      : model(loaded.clip), encoder_name(loaded.name), width(static_cast<size_t>(loaded.width)), batcher(limits) {
+  EncodeState(const EncodeModel& loaded, moe::QueryCache* query_cache, const moe::BatchLimits& limits)
+      : model(loaded.clip),
+        encoder_name(loaded.name),
+        width(static_cast<size_t>(loaded.width)),
+        cache_version(loaded.cache_version),
+        cache(query_cache),
+        batcher(limits) {
     gst_video_info_init(&video_info);
     gst_segment_init(&segment, GST_FORMAT_TIME);
   }
@@ -147,6 +193,8 @@ struct EncodeState {
   const std::shared_ptr<const moe::ClipModel> model;
   const std::string encoder_name;
   const size_t width;
+  const std::string cache_version;
+  moe::QueryCache* const cache;  // the element's, which outlives the run
 
   // The stream, streaming thread only (serialised by the sink pad's stream lock).
   InputKind kind = InputKind::None;
@@ -191,12 +239,20 @@ struct _GstMoeEncode {
   guint threads;
   guint max_batch;
   guint64 max_latency;
+  guint64 cache_bytes;
 
   // Behind `stats`, under the object lock: reset at start, kept after stop. While a run lasts the
   // batcher's counters are its own (EncodeState::batcher); stop keeps its last ones here.
   moe::BatcherStats* batcher_stats;
   guint64 rows_failed;  // requests that failed here, on arrival or in the engine
   gdouble encode_ms;    // time in engine calls
+
+  // The query cache, from init to finalize: its entries outlive runs and model changes (their keys
+  // name the model version, so a new model misses). It has its own lock. Under the object lock:
+  // its counters at start (`stats` counts from there) and at their last report to the metrics.
+  moe::QueryCache* query_cache;
+  moe::QueryCacheStats* cache_at_start;
+  moe::QueryCacheStats* cache_reported;
 
   // Between open() and close(), nullptr otherwise; under the object lock (read by caps queries).
   EncodeModel* loaded;
@@ -240,6 +296,13 @@ static void update_batch_limits(GstMoeEncode* self) {
   st->wake.notify_all();  // a larger batch leaves room for a waiting streaming thread
 }
 
+// Reports what the query cache did since the last report to the metrics; the caller holds the object lock.
+static void report_query_cache(GstMoeEncode* self) {
+  const moe::QueryCacheStats now = self->query_cache->stats();
+  gstmoe::metrics::count_query_cache(*self->cache_reported, now);
+  *self->cache_reported = now;
+}
+
 static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
   GstMoeEncode* self = GST_MOE_ENCODE(object);
   bool refused = false;
@@ -275,6 +338,11 @@ static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GV
       self->max_latency = g_value_get_uint64(value);
       update_batch_limits(self);
       break;
+    case PROP_CACHE_BYTES:
+      self->cache_bytes = g_value_get_uint64(value);
+      self->query_cache->set_capacity(self->cache_bytes);  // the running worker's next lookup sees it
+      report_query_cache(self);                            // the evictions
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -303,11 +371,17 @@ static GstStructure* encode_stats(GstMoeEncode* self) {
     g_value_set_uint64(&v, n);
     gst_value_array_append_and_take_value(&by_size, &v);
   }
+  const moe::QueryCacheStats c = self->query_cache->stats();
+  const moe::QueryCacheStats& c0 = *self->cache_at_start;
   GstStructure* s = gst_structure_new(
       "moe-encode-stats", "requests", G_TYPE_UINT64, static_cast<guint64>(b.requests), "batches", G_TYPE_UINT64,
       static_cast<guint64>(b.batches), "rows-failed", G_TYPE_UINT64, self->rows_failed, "encode-ms", G_TYPE_DOUBLE,
       self->encode_ms, "queue-wait-ms", G_TYPE_DOUBLE, b.wait_ms_total, "queue-wait-max-ms", G_TYPE_DOUBLE,
-      b.wait_ms_max, "late", G_TYPE_UINT64, static_cast<guint64>(b.late), nullptr);
+      b.wait_ms_max, "late", G_TYPE_UINT64, static_cast<guint64>(b.late), "cache-hits", G_TYPE_UINT64,
+      static_cast<guint64>(c.hits - c0.hits), "cache-misses", G_TYPE_UINT64, static_cast<guint64>(c.misses - c0.misses),
+      "cache-evictions", G_TYPE_UINT64, static_cast<guint64>(c.evictions - c0.evictions), "cache-refused",
+      G_TYPE_UINT64, static_cast<guint64>(c.refused - c0.refused), "cache-entries", G_TYPE_UINT64,
+      static_cast<guint64>(c.entries), "cache-held-bytes", G_TYPE_UINT64, static_cast<guint64>(c.bytes), nullptr);
   gst_structure_take_value(s, "batches-by-size", &by_size);
   return s;
 }
@@ -333,6 +407,9 @@ static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* 
       break;
     case PROP_MAX_LATENCY:
       g_value_set_uint64(value, self->max_latency);
+      break;
+    case PROP_CACHE_BYTES:
+      g_value_set_uint64(value, self->cache_bytes);
       break;
     case PROP_STATS:
       g_value_take_boxed(value, encode_stats(self));
@@ -381,6 +458,13 @@ static gboolean gst_moe_encode_open(GstMoeEncode* self) {
       GST_ELEMENT_ERROR(
           self, RESOURCE, SETTINGS, ("Cannot load the CLIP model: %s", e.what()),
           ("model=%s device=%s precision=%s", path.c_str(), options.device.c_str(), gstmoe::precision_nick(precision)));
+    else if (path == DEFAULT_MODEL)
+      GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND,
+                        ("No CLIP model: 'model' is not set and the default, the shipped model of an installed "
+                         "gst-moe (%s), is not there: set 'model' to a CLIP directory, or install gst-moe "
+                         "(meson install)",
+                         path.c_str()),
+                        ("%s", e.what()));
     else
       GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND, ("Cannot load the CLIP model: %s", e.what()),
                         ("model directory '%s' does not exist", path.c_str()));
@@ -391,6 +475,8 @@ static gboolean gst_moe_encode_open(GstMoeEncode* self) {
   loaded->name = base;
   g_free(base);
   loaded->width = loaded->clip->config().projection_dim;
+  loaded->cache_version =
+      loaded->clip->fingerprint() + "/" + loaded->clip->device() + "/" + gstmoe::precision_nick(precision);
   GST_INFO_OBJECT(self, "loaded CLIP model %s on %s with %s weights (projection_dim %d; %s)", path.c_str(),
                   loaded->clip->device().c_str(), gstmoe::precision_nick(precision), loaded->width, reason.c_str());
   GST_OBJECT_LOCK(self);
@@ -412,8 +498,9 @@ static void gst_moe_encode_close(GstMoeEncode* self) {
 // from here.
 static void gst_moe_encode_start(GstMoeEncode* self) {
   GST_OBJECT_LOCK(self);
-  auto* st = new EncodeState(*self->loaded, batch_limits(self));
+  auto* st = new EncodeState(*self->loaded, self->query_cache, batch_limits(self));
   *self->batcher_stats = moe::BatcherStats();
+  *self->cache_at_start = self->query_cache->stats();
   self->rows_failed = 0;
   self->encode_ms = 0.0;
   self->state = st;
@@ -564,11 +651,28 @@ static std::string buffer_bytes(GstBuffer* buf) {
   return bytes;
 }
 
-// Checks a text request here, since the engine would reject invalid UTF-8 for the whole batch.
-static void set_text(Pending* p, const std::string& text) {
+// Looks a request up in the query cache (when enabled): a hit carries its embedding from here on,
+// a miss the key its embedding will be stored under.
+static void look_up(EncodeState* st, Pending* p, std::string key) {
+  if (!st->cache->lookup(key, &p->cached)) p->cache_key = std::move(key);
+}
+
+static bool caching(EncodeState* st) { return st->cache->stats().capacity_bytes > 0; }
+
+// Checks a text request here, since the engine would reject invalid UTF-8 for the whole batch,
+// and tokenises it here rather than in encode_texts, so that its ids key the query cache.
+static void set_text(EncodeState* st, Pending* p, const std::string& text) {
   const gchar* end = nullptr;
   if (g_utf8_validate_len(text.data(), text.size(), &end)) {
     p->record.text = text;
+    const moe::ClipModel& model = *st->model;
+    try {  // as encode_texts does
+      p->token_ids = model.tokenizer().encode(text, static_cast<size_t>(model.config().text.max_position_embeddings));
+    } catch (const std::exception& e) {  // no tokenizer in the model directory
+      p->error = "text request '" + p->record.id + "' cannot be encoded: " + e.what();
+      return;
+    }
+    if (caching(st)) look_up(st, p, moe::QueryCache::text_key(st->cache_version, p->token_ids));
     return;
   }
   const std::string offset = std::to_string(end - text.data());
@@ -583,12 +687,18 @@ static void set_text(Pending* p, const std::string& text) {
   g_free(valid);
 }
 
-static void set_encoded_image(Pending* p, GstBuffer* buf) {
+// Decodes an image request, unless the query cache has the embedding of the same file bytes.
+static void set_encoded_image(EncodeState* st, Pending* p, GstBuffer* buf) {
   std::string what = "image request '" + p->record.id + "'";
   if (!p->record.uri.empty()) what += " (" + p->record.uri + ")";
   GstMapInfo map;
   if (!gst_buffer_map(buf, &map, GST_MAP_READ)) {
     p->error = what + ": cannot map the buffer";
+    return;
+  }
+  if (caching(st)) look_up(st, p, moe::QueryCache::image_file_key(st->cache_version, map.data, map.size));
+  if (!p->cached.empty()) {
+    gst_buffer_unmap(buf, &map);
     return;
   }
   try {
@@ -656,20 +766,24 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st
   switch (st->kind) {
     case InputKind::Text:
       p.record.modality = gstmoe::Modality::Text;
-      set_text(&p, buffer_bytes(buf));
+      set_text(st, &p, buffer_bytes(buf));
       break;
     case InputKind::Video: {
       const guint64 frame = st->frames++;
       p.record.modality = gstmoe::Modality::Image;
       if (p.record.uri.empty()) p.record.uri = frame_uri(self, st, buf, frame);
+      // Each frame keeps its own time: the batch buffer carries only its first frame's PTS.
+      p.record.pts = GST_BUFFER_PTS(buf);
+      if (GST_CLOCK_TIME_IS_VALID(p.record.pts) && st->segment.format == GST_FORMAT_TIME)
+        p.record.stream_time = gst_segment_to_stream_time(&st->segment, GST_FORMAT_TIME, p.record.pts);
       frame_to_rgb(st, buf, &p.image, &p.error);
       break;
     }
     case InputKind::Request:
       if (p.record.modality == gstmoe::Modality::Text)
-        set_text(&p, buffer_bytes(buf));
+        set_text(st, &p, buffer_bytes(buf));
       else
-        set_encoded_image(&p, buf);
+        set_encoded_image(st, &p, buf);
       break;
     case InputKind::None:  // refused by the chain function
       break;
@@ -680,29 +794,30 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st
 
 /* ----- encoding ----- */
 
-// Encodes a batch into one tensor buffer: texts with one encode_texts call, images with one
-// encode_images call, rows in arrival order; failures go to the meta's failed list.
+// Encodes a batch into one tensor buffer: the texts the query cache did not hold with one
+// encode_token_ids call, such images with one encode_images call, rows in arrival order; failures
+// go to the meta's failed list, the misses' embeddings to the query cache.
 static GstBuffer* encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<Pending>& batch) {
   const size_t width = st->width;
   const int64_t start = g_get_monotonic_time();
+  const moe::ClipModel& model = *st->model;
 
-  std::vector<std::string> texts;
+  std::vector<std::vector<int32_t>> token_ids;
   std::vector<moe::ImageView> images;
-  std::vector<size_t> slot(batch.size());  // index into texts or images
+  std::vector<size_t> slot(batch.size());  // index into token_ids or images; unused for hits
   for (size_t i = 0; i < batch.size(); ++i) {
-    const Pending& p = batch[i];
-    if (!p.error.empty()) continue;
+    Pending& p = batch[i];
+    if (!p.error.empty() || !p.cached.empty()) continue;
     if (p.record.modality == gstmoe::Modality::Text) {
-      slot[i] = texts.size();
-      texts.push_back(p.record.text);
+      slot[i] = token_ids.size();
+      token_ids.push_back(std::move(p.token_ids));
     } else {
       slot[i] = images.size();
       images.push_back(p.image.view());
     }
   }
-  const moe::ClipModel& model = *st->model;
   const moe::BatchRows text_rows =
-      moe::run_isolating_failures(texts, width, [&](const auto& v) { return model.encode_texts(v).embeds; });
+      moe::run_isolating_failures(token_ids, width, [&](const auto& v) { return model.encode_token_ids(v).embeds; });
   const moe::BatchRows image_rows =
       moe::run_isolating_failures(images, width, [&](const auto& v) { return model.encode_images(v).embeds; });
   const int64_t end = g_get_monotonic_time();
@@ -717,8 +832,9 @@ static GstBuffer* encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<
   for (size_t i = 0; i < batch.size(); ++i) {
     Pending& p = batch[i];
     const bool is_text = p.record.modality == gstmoe::Modality::Text;
+    const bool hit = !p.cached.empty();
     const moe::BatchRows& rows = is_text ? text_rows : image_rows;
-    if (p.error.empty() && !rows.errors[slot[i]].empty())
+    if (p.error.empty() && !hit && !rows.errors[slot[i]].empty())
       p.error = std::string(is_text ? "text" : "image") + " request '" + p.record.id +
                 "' cannot be encoded: " + rows.errors[slot[i]];
     if (!p.error.empty()) {
@@ -726,14 +842,19 @@ static GstBuffer* encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<
       records.failed.push_back({std::move(p.record), std::move(p.failed_stage), std::move(p.error), p.error_code});
       continue;
     }
+    const float* embedding = hit ? p.cached.data() : rows.values.data() + slot[i] * width;
+    if (!p.cache_key.empty()) st->cache->insert(p.cache_key, embedding, width);
+    // A hit leaves with its batch, after the encoder: its latency includes the batch's encoding.
     p.record.timings_ms.emplace_back("queue", gstmoe::elapsed_ms(p.record.arrival_mono_us, start));
     p.record.timings_ms.emplace_back("encode", encode_ms);
     records.rows.push_back(std::move(p.record));
-    row_data.push_back(rows.values.data() + slot[i] * width);
+    row_data.push_back(embedding);
   }
+  for (gstmoe::RequestRecord& r : records.rows) r.batch_rows = records.rows.size();
   GST_OBJECT_LOCK(self);
   self->rows_failed += failed_here;
   self->encode_ms += encode_ms;
+  report_query_cache(self);
   GST_OBJECT_UNLOCK(self);
 
   GstBuffer* out;
@@ -1023,6 +1144,13 @@ static void gst_moe_encode_finalize(GObject* object) {
   g_free(self->model);
   g_free(self->device);
   delete self->batcher_stats;
+  // Its entries leave the metrics' bytes with it.
+  moe::QueryCacheStats gone = *self->cache_reported;
+  gone.bytes = 0;
+  gstmoe::metrics::count_query_cache(*self->cache_reported, gone);
+  delete self->query_cache;
+  delete self->cache_at_start;
+  delete self->cache_reported;
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -1042,7 +1170,8 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       g_param_spec_string("model", "Model",
                           "Hugging Face CLIP model directory (config.json, model.safetensors, vocab.json, merges.txt, "
                           "preprocessor_config.json); loaded when going to READY, shared with other elements naming "
-                          "the same directory, device and precision; can only be changed in the NULL state",
+                          "the same directory, device and precision; can only be changed in the NULL state; the "
+                          "default is the shipped model as installed",
                           DEFAULT_MODEL, rw_null));
   g_object_class_install_property(
       gobject_class, PROP_DEVICE,
@@ -1081,13 +1210,24 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
                           "batches never wait for more requests while the encoder is idle",
                           0, MAX_MAX_LATENCY, DEFAULT_MAX_LATENCY, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
+      gobject_class, PROP_CACHE_BYTES,
+      g_param_spec_uint64("cache-bytes", "Query cache bytes",
+                          "Memory for the query-embedding cache (embeddings, keys and bookkeeping): a text that "
+                          "tokenises like an earlier one, or an image request with the same file bytes, encoded by "
+                          "the same model, device and precision, takes the earlier embedding (bit-identical) instead "
+                          "of an encoder call (video frames are not cached); least recently used entries go first. "
+                          "0: no cache. A smaller value evicts at once; the entries outlive state changes",
+                          0, G_MAXUINT64, DEFAULT_CACHE_BYTES, gstmoe::kPropertyMutablePlaying));
+  g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(
           "moe-encode-stats, since the element started: requests (queued, including those that failed before "
           "or on arrival), batches (encoded), batches-by-size (array: [i] counts batches of 2^i to 2^(i+1)-1 "
           "requests), rows-failed (requests that failed here), encode-ms (time in engine calls), queue-wait-ms "
           "and queue-wait-max-ms (from arrival to the batch leaving: total and longest), late (requests that "
-          "queued longer than max-latency)"));
+          "queued longer than max-latency), cache-hits, cache-misses, cache-evictions and cache-refused (query cache "
+          "lookups that found an embedding, lookups that did not, entries dropped to stay within cache-bytes, "
+          "entries larger than cache-bytes), cache-entries and cache-held-bytes (what the cache holds now)"));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);
@@ -1119,9 +1259,13 @@ static void gst_moe_encode_init(GstMoeEncode* self) {
   self->threads = DEFAULT_THREADS;
   self->max_batch = DEFAULT_MAX_BATCH;
   self->max_latency = DEFAULT_MAX_LATENCY;
+  self->cache_bytes = DEFAULT_CACHE_BYTES;
   self->batcher_stats = new moe::BatcherStats();
   self->rows_failed = 0;
   self->encode_ms = 0.0;
+  self->query_cache = new moe::QueryCache(DEFAULT_CACHE_BYTES);
+  self->cache_at_start = new moe::QueryCacheStats();
+  self->cache_reported = new moe::QueryCacheStats();
   self->loaded = nullptr;
   self->state = nullptr;
 }

@@ -24,8 +24,10 @@
 #include <thread>
 #include <vector>
 
+#include "gstmoeresult.h"
 #include "moe/expert_executor.h"
 #include "moe/moe_layer.h"
+#include "moe/query_cache.h"
 #include "moe/routing_policy.h"
 
 GST_DEBUG_CATEGORY_STATIC(moe_metrics_debug);
@@ -197,6 +199,43 @@ struct PluginMetrics {
           .Help("Messages the PUB socket refused (a subscriber's full queue is not seen here: it shows as a seq gap)")
           .Register(*registry)
           .Add({});
+  Family<Counter>& cost = prometheus::BuildCounter()
+                              .Name("gstmoe_request_cost_seconds_total")
+                              .Help(
+                                  "The answered requests' shares of what their batches cost (docs/operations.md): "
+                                  "compute (stage times split over each batch's rows, less "
+                                  "copy), copy (host time waiting for expert copies, split likewise), wait (each "
+                                  "request's own queueing time)")
+                              .Register(*registry);
+  Counter& cost_compute = cost.Add({{"kind", "compute"}});
+  Counter& cost_copy = cost.Add({{"kind", "copy"}});
+  Counter& cost_wait = cost.Add({{"kind", "wait"}});
+  Counter& expert_loaded_bytes =
+      prometheus::BuildCounter()
+          .Name("gstmoe_request_expert_loaded_bytes_total")
+          .Help("Expert weight bytes the answered requests' batches had copied to devices, split over their rows")
+          .Register(*registry)
+          .Add({});
+  Counter& query_cache_hits = prometheus::BuildCounter()
+                                  .Name("gstmoe_query_cache_hits_total")
+                                  .Help("moe-encode requests whose embedding came from its query cache")
+                                  .Register(*registry)
+                                  .Add({});
+  Counter& query_cache_misses = prometheus::BuildCounter()
+                                    .Name("gstmoe_query_cache_misses_total")
+                                    .Help("moe-encode requests looked up in its query cache and encoded")
+                                    .Register(*registry)
+                                    .Add({});
+  Counter& query_cache_evictions = prometheus::BuildCounter()
+                                       .Name("gstmoe_query_cache_evictions_total")
+                                       .Help("Query cache entries dropped to stay within cache-bytes")
+                                       .Register(*registry)
+                                       .Add({});
+  Gauge& query_cache_bytes = prometheus::BuildGauge()
+                                 .Name("gstmoe_query_cache_bytes")
+                                 .Help("Memory held by the entries of the moe-encode query caches")
+                                 .Register(*registry)
+                                 .Add({});
   Family<Histogram>& model_load = prometheus::BuildHistogram()
                                       .Name("gstmoe_model_load_seconds")
                                       .Help(
@@ -387,6 +426,12 @@ void count_result(const RequestRecord& request, int64_t now_mono_us) {
   for (const auto& [stage, ms] : request.timings_ms) r.stage(stage).Observe(ms * kSecondsPerMs);
   if (request.arrival_mono_us != 0)
     r.request_duration.Observe(elapsed_ms(request.arrival_mono_us, now_mono_us) * kSecondsPerMs);
+  RequestCost cost;
+  if (!request_cost(request, &cost)) return;
+  r.cost_compute.Increment(cost.compute_ms * kSecondsPerMs);
+  r.cost_copy.Increment(cost.copy_ms * kSecondsPerMs);
+  r.cost_wait.Increment(cost.wait_ms * kSecondsPerMs);
+  r.expert_loaded_bytes.Increment(cost.expert_bytes);
 }
 
 void count_error(const FailedRequest& failed) {
@@ -405,6 +450,14 @@ void count_encoded_batch(size_t requests, double encode_ms) {
   PluginMetrics& r = plugin_metrics();
   r.batch_requests.Observe(static_cast<double>(requests));
   r.busy.Add({{"stage", "encode"}}).Increment(encode_ms * kSecondsPerMs);
+}
+
+void count_query_cache(const moe::QueryCacheStats& before, const moe::QueryCacheStats& after) {
+  PluginMetrics& r = plugin_metrics();
+  r.query_cache_hits.Increment(static_cast<double>(after.hits - before.hits));
+  r.query_cache_misses.Increment(static_cast<double>(after.misses - before.misses));
+  r.query_cache_evictions.Increment(static_cast<double>(after.evictions - before.evictions));
+  r.query_cache_bytes.Increment(static_cast<double>(after.bytes) - static_cast<double>(before.bytes));
 }
 
 void count_routing(const moe::Routing& routing, const moe::ExpertLoad& before, const moe::ExpertLoad& after,
@@ -471,6 +524,15 @@ void count_publish(bool accepted, size_t bytes, double publish_ms) {
   }
   r.published.Increment();
   r.published_bytes.Increment(static_cast<double>(bytes));
+}
+
+ExpertCopyTotals expert_copy_totals(const moe::ExpertExecutor& executor) {
+  ExpertCopyTotals totals;
+  for (const moe::ExpertDeviceStats& d : executor.stats()) {
+    totals.bytes += d.cache.bytes_copied;
+    totals.wait_ns += d.cache.exposed_wait_ns;
+  }
+  return totals;
 }
 
 void observe_model_load(const char* model, int64_t started_mono_us) {

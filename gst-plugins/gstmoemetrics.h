@@ -17,6 +17,7 @@
 #include "gstmoemeta.h"
 
 namespace moe {
+struct QueryCacheStats;
 struct Routing;
 struct ExpertLoad;
 class ExpertExecutor;
@@ -37,11 +38,15 @@ bool serve(GstElement* element, const std::string& address, std::shared_ptr<Serv
 
 // The reports. Stage names are the meta's timing stages (queue, encode, route, expert, search)
 // and "publish"; error stages are the elements' names (FailedRequest::stage).
-void count_result(const RequestRecord& request, int64_t now_mono_us);  // a result document left ann-query
-void count_error(const FailedRequest& failed);                         // an error document left ann-query
-void count_indexed(size_t rows);                                       // rows added to an index being built
-void count_search(double search_ms);                                   // one batch searched
-void count_encoded_batch(size_t requests, double encode_ms);           // one batch taken by moe-encode
+// A result document left ann-query; its request's cost share (gstmoeresult.h) is added to the cost counters.
+void count_result(const RequestRecord& request, int64_t now_mono_us);
+void count_error(const FailedRequest& failed);                // an error document left ann-query
+void count_indexed(size_t rows);                              // rows added to an index being built
+void count_search(double search_ms);                          // one batch searched
+void count_encoded_batch(size_t requests, double encode_ms);  // one batch taken by moe-encode
+// What a moe-encode query cache did between two of its stats() readings (`after` - `before`; the
+// bytes may shrink).
+void count_query_cache(const moe::QueryCacheStats& before, const moe::QueryCacheStats& after);
 // One batch routed by moe-route: rows per expert, and the overflows and drops between the router's
 // load figures `before` and `after` the batch.
 void count_routing(const moe::Routing& routing, const moe::ExpertLoad& before, const moe::ExpertLoad& after,
@@ -49,6 +54,13 @@ void count_routing(const moe::Routing& routing, const moe::ExpertLoad& before, c
 // One batch run by moe-expert, with its executor (null on the plain CPU path) for the cache counters.
 void count_expert_run(const std::shared_ptr<moe::ExpertExecutor>& executor, double expert_ms);
 void count_publish(bool accepted, size_t bytes, double publish_ms);  // one message given to zmq-publish's socket
+// The copy work an expert executor has done so far, summed over its devices: per-batch figures are
+// the difference of two readings (moe-route around its prefetch, moe-expert around its run).
+struct ExpertCopyTotals {
+  uint64_t bytes = 0;    // CacheStats::bytes_copied
+  uint64_t wait_ns = 0;  // CacheStats::exposed_wait_ns
+};
+ExpertCopyTotals expert_copy_totals(const moe::ExpertExecutor& executor);
 // A model loaded (or taken from the process-wide cache) since `started_mono_us`: model is "encoder",
 // "adapter" or "experts" (an expert executor placing the experts on its devices).
 void observe_model_load(const char* model, int64_t started_mono_us);

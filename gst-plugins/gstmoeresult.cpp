@@ -150,6 +150,9 @@ void request_members(JsonBuilder* b, const char* type, const RequestRecord& r) {
 
 void arrival_member(JsonBuilder* b, const RequestRecord& r) {
   member_string_or_null(b, "arrival_time", r.arrival_wall_us > 0 ? rfc3339_utc(r.arrival_wall_us) : std::string());
+  // Video frames only: each frame's own time, not its batch's.
+  if (GST_CLOCK_TIME_IS_VALID(r.pts)) member_int(b, "pts_ns", static_cast<int64_t>(r.pts));
+  if (GST_CLOCK_TIME_IS_VALID(r.stream_time)) member_int(b, "stream_time_ns", static_cast<int64_t>(r.stream_time));
 }
 
 }  // namespace
@@ -165,6 +168,24 @@ std::string rfc3339_utc(int64_t wall_us) {
   std::string out = text ? text : "";
   g_free(text);
   return out;
+}
+
+bool request_cost(const RequestRecord& r, RequestCost* cost) {
+  if (r.batch_rows == 0) return false;
+  const double rows = static_cast<double>(r.batch_rows);
+  RequestCost c;
+  double batch_ms = 0;
+  for (const auto& [stage, ms] : r.timings_ms) {
+    if (stage == "queue")
+      c.wait_ms += ms;
+    else
+      batch_ms += ms;
+  }
+  c.copy_ms = r.batch_copy_wait_ms / rows;
+  c.compute_ms = std::max(0.0, batch_ms / rows - c.copy_ms);
+  c.expert_bytes = static_cast<double>(r.batch_expert_bytes) / rows;
+  *cost = c;
+  return true;
 }
 
 std::string result_document(const RequestRecord& r, int k, const std::vector<ResultHit>& hits, const ModelIds& model,
@@ -222,6 +243,20 @@ std::string result_document(const RequestRecord& r, int k, const std::vector<Res
     if (stage != "total") member_number(b, stage.c_str(), ms, 3);
   member_number(b, "total", elapsed_ms(r.arrival_mono_us, now_mono_us), 3);
   json_builder_end_object(b);
+
+  json_builder_set_member_name(b, "cost");
+  RequestCost cost;
+  if (request_cost(r, &cost)) {
+    json_builder_begin_object(b);
+    member_number(b, "compute_ms", cost.compute_ms, 3);
+    member_number(b, "copy_ms", cost.copy_ms, 3);
+    member_number(b, "wait_ms", cost.wait_ms, 3);
+    member_int(b, "expert_bytes_loaded", std::llround(cost.expert_bytes));
+    member_int(b, "batch_rows", static_cast<int64_t>(r.batch_rows));
+    json_builder_end_object(b);
+  } else {
+    json_builder_add_null_value(b);
+  }
 
   arrival_member(b, r);
   json_builder_end_object(b);

@@ -2,7 +2,7 @@
  * zmq-publish). docs/zmq-schema.md is the reference subscribers program against; every field
  * written here is described there.
  *
- *   result       one per answered request: the hits, routing, model identifiers, timings
+ *   result       one per answered request: the hits, routing, model identifiers, timings, cost
  *   error        one per failed request: the stage that failed it and why
  *   index-built  one per build run (ann-query mode=build), at EOS
  *
@@ -42,6 +42,21 @@ struct ModelIds {
   std::string adapter;  // basename of the MoE adapter directory
   std::string index;    // basename of the index file
 };
+
+// A request's share of what its batch cost the machine (the result document's "cost", and the
+// Prometheus gstmoe_request_cost_seconds_total and gstmoe_request_expert_loaded_bytes_total): every
+// stage's batch time, the host time its batch waited for expert copies and the expert bytes its
+// batch had copied are split evenly over the batch's rows, so that the shares of all requests add
+// up to the machine's busy time; the wait is the request's own.
+struct RequestCost {
+  double compute_ms = 0;    // its share of the stages' batch times (all but "queue"), less copy_ms
+  double copy_ms = 0;       // its share of the host time its batch waited for expert copies
+  double wait_ms = 0;       // its own time queued for a batch (the "queue" stage)
+  double expert_bytes = 0;  // its share of the expert weight bytes its batch had copied to devices
+};
+
+// False, leaving `cost` as it is, when the request's batch is unknown (no moe-encode upstream).
+bool request_cost(const RequestRecord& request, RequestCost* cost);
 
 // The result document for `request`: `k` is the number of results that was asked for (hits may
 // be fewer when the index is smaller). timings_ms gets "total" = arrival to `now_mono_us`

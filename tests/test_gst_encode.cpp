@@ -656,11 +656,38 @@ TEST(MoeEncode, BadModelPathFailsStateChangeNamingThePath) {
 }
 
 TEST(MoeEncode, NoModelIsASettingsError) {
-  GError* err = failed_state_change("moe-encode", {}, GST_STATE_READY);
+  GError* err = failed_state_change("moe-encode", {{"model", ""}}, GST_STATE_READY);
   ASSERT_NE(err, nullptr);
   const std::string message = err->message;
   EXPECT_NE(message.find("model"), std::string::npos) << message;
   EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_SETTINGS)) << message;
+  g_error_free(err);
+}
+
+// Without model=, moe-encode loads the shipped model where `meson install` puts it; from a build
+// folder that was never installed, the error says so and how to go on.
+TEST(MoeEncode, DefaultModelIsTheInstalledShippedModel) {
+  const std::string installed = std::string(MOE_DATA_DIR) + "/models/default/clip";
+  GstElement* e = gst_element_factory_make("moe-encode", nullptr);
+  gchar* model = nullptr;
+  g_object_get(e, "model", &model, nullptr);
+  EXPECT_STREQ(model, installed.c_str());
+  g_free(model);
+  gst_object_unref(e);
+  if (g_file_test((installed + "/config.json").c_str(), G_FILE_TEST_EXISTS)) {
+    GstElement* pipeline = gst_parse_launch("moe-encode", nullptr);
+    ASSERT_NE(pipeline, nullptr);
+    EXPECT_EQ(gst_element_set_state(pipeline, GST_STATE_READY), GST_STATE_CHANGE_SUCCESS);
+    gst_element_set_state(pipeline, GST_STATE_NULL);
+    gst_object_unref(pipeline);
+    return;
+  }
+  GError* err = failed_state_change("moe-encode", {}, GST_STATE_READY);
+  ASSERT_NE(err, nullptr);
+  const std::string message = err->message;
+  EXPECT_TRUE(g_error_matches(err, GST_RESOURCE_ERROR, GST_RESOURCE_ERROR_NOT_FOUND)) << message;
+  EXPECT_NE(message.find(installed), std::string::npos) << message;
+  EXPECT_NE(message.find("meson install"), std::string::npos) << message;
   g_error_free(err);
 }
 
@@ -806,7 +833,7 @@ TEST(MoeEncode, PropertiesSayWhenTheyMayChange) {
     ASSERT_NE(p, nullptr) << only_in_null;
     EXPECT_EQ(p->flags & kMutable, 0u) << only_in_null << ": loaded when going to READY";
   }
-  for (const char* any_state : {"max-batch", "max-latency"}) {
+  for (const char* any_state : {"max-batch", "max-latency", "cache-bytes"}) {
     GParamSpec* p = g_object_class_find_property(klass, any_state);
     ASSERT_NE(p, nullptr) << any_state;
     EXPECT_TRUE(p->flags & GST_PARAM_MUTABLE_PLAYING) << any_state << ": read as the data flows";
@@ -915,6 +942,185 @@ TEST(MoeEncode, StatsAreReadableBeforeStart) {
   EXPECT_EQ(stat_u64(s, "rows-failed"), 0u);
   gst_structure_free(s);
   gst_object_unref(e);
+}
+
+/* ----- the query cache ----- */
+
+// Pushes `texts` through an element with `cache_bytes`, each once the previous one's batch is out
+// (so every miss is encoded alone, as without a cache, and stored before the next text is looked
+// up), and returns the rows; `stats` gets the element's stats.
+void encode_one_by_one(guint64 cache_bytes, const std::vector<std::string>& texts, Output* out, GstStructure** stats) {
+  GstHarness* h = encode_harness(1, kHour, "text/x-raw, format=(string)utf8");
+  g_object_set(h->element, "cache-bytes", cache_bytes, nullptr);
+  for (const std::string& t : texts) {
+    ASSERT_EQ(gst_harness_push(h, text_buffer(t)), GST_FLOW_OK);
+    Output b;
+    ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &b));
+    ASSERT_EQ(b.rows(), 1u) << t;
+    EXPECT_EQ(b.records.rows[0].batch_rows, 1u) << t;
+    out->data.insert(out->data.end(), b.data.begin(), b.data.end());
+    out->records.rows.push_back(b.records.rows[0]);
+  }
+  *stats = stats_of(h->element);
+  gst_harness_teardown(h);
+}
+
+TEST(MoeEncode, QueryCacheHitsAreBitIdenticalToEncoding) {
+  // "A  Red MUG" tokenises like "a red mug" (whitespace collapsed, lower case): a hit.
+  const std::vector<std::string> texts = {"a red mug", "A  Red MUG", "sunset", "a red mug", "sunset over the sea"};
+  Output uncached, cached;
+  GstStructure *off = nullptr, *on = nullptr;
+  ASSERT_NO_FATAL_FAILURE(encode_one_by_one(0, texts, &uncached, &off));
+  ASSERT_NO_FATAL_FAILURE(encode_one_by_one(1 << 20, texts, &cached, &on));
+  ASSERT_EQ(cached.rows(), texts.size());
+  ASSERT_EQ(uncached.rows(), texts.size());
+  EXPECT_EQ(cached.data, uncached.data) << "the same floats, bit for bit";
+  const moe::Tensor want = model()->encode_texts(texts).embeds;
+  for (size_t r = 0; r < texts.size(); ++r)
+    EXPECT_LE(max_abs_diff(cached.row(r), want, static_cast<int64_t>(r)), kTolerance) << texts[r];
+
+  EXPECT_EQ(stat_u64(on, "cache-hits"), 2u);
+  EXPECT_EQ(stat_u64(on, "cache-misses"), 3u);
+  EXPECT_EQ(stat_u64(on, "cache-entries"), 3u);
+  EXPECT_GT(stat_u64(on, "cache-held-bytes"), 0u);
+  EXPECT_EQ(stat_u64(on, "cache-evictions"), 0u);
+  // Disabled: nothing is looked up or held.
+  EXPECT_EQ(stat_u64(off, "cache-hits"), 0u);
+  EXPECT_EQ(stat_u64(off, "cache-misses"), 0u);
+  EXPECT_EQ(stat_u64(off, "cache-held-bytes"), 0u);
+  gst_structure_free(off);
+  gst_structure_free(on);
+}
+
+// Image requests key on their file's bytes; video frames are not cached (live frames are never
+// bit-identical, and hashing each one would cost more than it saves).
+TEST(MoeEncode, QueryCacheHitsRepeatedImageFilesNotVideoFrames) {
+  const int w = 32, h_px = 24;
+  const std::vector<uint8_t> a = pattern_rgb(w, h_px, 1), b = pattern_rgb(w, h_px, 2);
+  const std::vector<uint8_t> png_a = make_png(a, w, h_px, 3), png_b = make_png(b, w, h_px, 3);
+  GstHarness* h = encode_harness(1, kHour, GST_MOE_REQUEST_CAPS);
+  Output out;
+  for (const std::vector<uint8_t>* png : {&png_a, &png_b, &png_a}) {
+    ASSERT_EQ(gst_harness_push(h, request_buffer(*png, request("img", gstmoe::Modality::Image))), GST_FLOW_OK);
+    Output one;
+    ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &one));
+    out.data.insert(out.data.end(), one.data.begin(), one.data.end());
+  }
+  ASSERT_EQ(out.rows(), 3u);
+  EXPECT_TRUE(std::equal(out.row(0), out.row(0) + kWidth, out.row(2))) << "the repeated file, bit for bit";
+  const moe::Tensor want = model()->encode_images({view_of(a, w, h_px)}).embeds;
+  EXPECT_LE(max_abs_diff(out.row(2), want, 0), kTolerance);
+  GstStructure* s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "cache-hits"), 1u);
+  EXPECT_EQ(stat_u64(s, "cache-misses"), 2u);
+  gst_structure_free(s);
+  gst_harness_teardown(h);
+
+  GstVideoInfo info;
+  gst_video_info_set_format(&info, GST_VIDEO_FORMAT_RGB, w, h_px);
+  h = encode_harness(1, kHour, nullptr);
+  gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
+  for (int i = 0; i < 2; ++i) {
+    GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
+    for (int y = 0; y < h_px; ++y)
+      gst_buffer_fill(buf, static_cast<gsize>(y) * GST_VIDEO_INFO_PLANE_STRIDE(&info, 0), a.data() + y * w * 3, w * 3);
+    ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
+  }
+  Output frames;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &frames));
+  ASSERT_EQ(frames.rows(), 2u);
+  s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "cache-hits") + stat_u64(s, "cache-misses"), 0u);
+  EXPECT_EQ(stat_u64(s, "cache-entries"), 0u);
+  gst_structure_free(s);
+  gst_harness_teardown(h);
+}
+
+// The cache outlives state changes, and its keys name the model version: another precision misses,
+// the first one hits again.
+TEST(MoeEncode, QueryCacheMissesWhenThePrecisionChanges) {
+  GstElement* pipeline = gst_parse_launch(
+      ("appsrc name=in format=time caps=text/x-raw,format=utf8 ! moe-encode name=enc model=" + kModelDir +
+       " max-batch=1 ! appsink name=out sync=false")
+          .c_str(),
+      nullptr);
+  ASSERT_NE(pipeline, nullptr);
+  GstElement* in = gst_bin_get_by_name(GST_BIN(pipeline), "in");
+  GstElement* enc = gst_bin_get_by_name(GST_BIN(pipeline), "enc");
+  GstElement* out = gst_bin_get_by_name(GST_BIN(pipeline), "out");
+  moe::ComputeOptions half;
+  half.precision = moe::kernels::WeightType::BF16;
+  const moe::Tensor want_f32 = model()->encode_texts({"a red mug"}).embeds;
+  const moe::Tensor want_bf16 = moe::shared_clip_model(kModelDir, half)->encode_texts({"a red mug"}).embeds;
+  struct Run {
+    const char* precision;
+    const moe::Tensor* want;
+    guint64 hits, misses, entries;
+  };
+  for (const Run& run :
+       {Run{"fp32", &want_f32, 0, 1, 1}, Run{"bf16", &want_bf16, 0, 1, 2}, Run{"fp32", &want_f32, 1, 0, 2}}) {
+    gst_util_set_object_arg(G_OBJECT(enc), "precision", run.precision);
+    ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+    ASSERT_EQ(gst_app_src_push_buffer(GST_APP_SRC(in), text_buffer("a red mug")), GST_FLOW_OK);
+    ASSERT_EQ(gst_app_src_end_of_stream(GST_APP_SRC(in)), GST_FLOW_OK);
+    GstSample* sample = gst_app_sink_pull_sample(GST_APP_SINK(out));
+    ASSERT_NE(sample, nullptr);
+    Output o;
+    ASSERT_NO_FATAL_FAILURE(take(gst_buffer_ref(gst_sample_get_buffer(sample)), &o));
+    gst_sample_unref(sample);
+    ASSERT_EQ(o.rows(), 1u);
+    EXPECT_LE(max_abs_diff(o.row(0), *run.want, 0), kTolerance) << run.precision;
+    GstStructure* s = stats_of(enc);
+    EXPECT_EQ(stat_u64(s, "cache-hits"), run.hits) << run.precision;
+    EXPECT_EQ(stat_u64(s, "cache-misses"), run.misses) << run.precision;
+    EXPECT_EQ(stat_u64(s, "cache-entries"), run.entries) << run.precision;
+    gst_structure_free(s);
+    ASSERT_EQ(gst_element_set_state(pipeline, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
+  }
+  gst_object_unref(in);
+  gst_object_unref(enc);
+  gst_object_unref(out);
+  gst_object_unref(pipeline);
+}
+
+TEST(MoeEncode, QueryCacheStaysWithinCacheBytesWhateverTheTexts) {
+  std::string huge;
+  for (int i = 0; i < 100000; ++i) huge += "mug" + std::to_string(i % 97) + " ";  // ~600 KB, ~300k tokens
+  GstHarness* h = encode_harness(1, kHour, "text/x-raw, format=(string)utf8");
+  ASSERT_EQ(gst_harness_push(h, text_buffer("mug")), GST_FLOW_OK);
+  Output first;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &first));
+  GstStructure* s = stats_of(h->element);
+  const guint64 short_entry = stat_u64(s, "cache-held-bytes");
+  gst_structure_free(s);
+  ASSERT_EQ(gst_harness_push(h, text_buffer(huge)), GST_FLOW_OK);
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
+  ASSERT_EQ(out.rows(), 1u);
+  s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "cache-entries"), 2u);
+  // The key is the truncated ids: a huge text's entry is no larger than a short one's can grow to.
+  EXPECT_LE(stat_u64(s, "cache-held-bytes") - short_entry, short_entry + 77 * sizeof(int32_t));
+  gst_structure_free(s);
+
+  // A bound smaller than one entry: everything held is evicted at once, nothing more is cached,
+  // and the answers are the same.
+  g_object_set(h->element, "cache-bytes", G_GUINT64_CONSTANT(64), nullptr);
+  gst_harness_teardown(h);
+  h = encode_harness(1, kHour, "text/x-raw, format=(string)utf8");
+  g_object_set(h->element, "cache-bytes", G_GUINT64_CONSTANT(64), nullptr);
+  ASSERT_EQ(gst_harness_push(h, text_buffer(huge)), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, text_buffer(huge)), GST_FLOW_OK);
+  Output tiny;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &tiny));
+  ASSERT_EQ(tiny.rows(), 2u);
+  for (size_t r = 0; r < 2; ++r) EXPECT_TRUE(std::equal(out.row(0), out.row(0) + kWidth, tiny.row(r))) << r;
+  s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "cache-refused"), 2u);
+  EXPECT_EQ(stat_u64(s, "cache-hits"), 0u);
+  EXPECT_EQ(stat_u64(s, "cache-held-bytes"), 0u);
+  gst_structure_free(s);
+  gst_harness_teardown(h);
 }
 
 /* ----- this binary's elements ----- */

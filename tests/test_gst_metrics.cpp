@@ -168,6 +168,8 @@ class QueryPipeline {
     gst_app_src_push_buffer(GST_APP_SRC(src), gst_buffer_new_memdup(text.data(), text.size()));
     gst_object_unref(src);
   }
+  // Back to NULL, ready to play again (the elements keep what outlives runs, e.g. moe-encode's cache).
+  void stop() { gst_element_set_state(pipeline_, GST_STATE_NULL); }
   // Ends the stream and waits until every request was answered (EOS at the sink); false on an error.
   bool finish() {
     GstElement* src = gst_bin_get_by_name(GST_BIN(pipeline_), "src");
@@ -265,6 +267,52 @@ TEST_F(Metrics, ScrapeCountsRequestsAndStages) {
   EXPECT_GE(value(after, R"(gstmoe_model_load_seconds_count{model="encoder"})"), 1);
   EXPECT_GE(value(after, R"(gstmoe_model_load_seconds_count{model="adapter"})"), 1);
   EXPECT_GT(value(after, "gstmoe_process_resident_memory_bytes"), 1e6);
+
+  // The requests' cost shares add up to the stages' busy time (a batch's time split over its
+  // rows; only the encoder's few microseconds on a batch of the failed request alone go to no
+  // one), and the wait to the queue times; on the CPU path nothing is copied.
+  double busy = 0;
+  for (const char* stage : {"encode", "route", "expert", "search"})
+    busy += delta(std::string("gstmoe_stage_busy_seconds_total{stage=\"") + stage + "\"}");
+  const double compute = delta(R"(gstmoe_request_cost_seconds_total{kind="compute"})");
+  EXPECT_NEAR(compute, busy, 1e-3 * busy + 1e-4) << text;
+  EXPECT_NEAR(delta(R"(gstmoe_request_cost_seconds_total{kind="wait"})"),
+              delta(R"(gstmoe_stage_duration_seconds_sum{stage="queue"})"), 1e-9);
+  EXPECT_EQ(delta(R"(gstmoe_request_cost_seconds_total{kind="copy"})"), 0);
+  EXPECT_EQ(delta("gstmoe_request_expert_loaded_bytes_total"), 0);
+  // Nine different texts: nine misses (the failed request is not looked up).
+  EXPECT_EQ(delta("gstmoe_query_cache_misses_total"), kRequests);
+  EXPECT_EQ(delta("gstmoe_query_cache_hits_total"), 0);
+  EXPECT_GT(delta("gstmoe_query_cache_bytes"), 0);
+}
+
+// moe-encode's query cache outlives a restart: the same texts hit the second time, and the
+// evictions and bytes follow cache-bytes.
+TEST_F(Metrics, QueryCacheCountsHitsMissesAndBytes) {
+  const int port = free_port();
+  QueryPipeline pipeline(port);
+  Samples before, first, second;
+  ASSERT_TRUE(pipeline.play());
+  ASSERT_TRUE(scrape(port, &before));
+  for (int i = 0; i < 3; ++i) pipeline.push("cached query " + std::to_string(i));
+  ASSERT_TRUE(pipeline.finish());
+  ASSERT_TRUE(scrape(port, &first));
+  pipeline.stop();
+  ASSERT_TRUE(pipeline.play());
+  for (int i = 0; i < 3; ++i) pipeline.push("cached query " + std::to_string(i));
+  ASSERT_TRUE(pipeline.finish());
+  std::string text;
+  ASSERT_TRUE(scrape(port, &second, &text));
+  const auto delta = [](const Samples& a, const Samples& b, const char* sample) {
+    return value(b, sample) - value(a, sample);
+  };
+  EXPECT_EQ(delta(before, first, "gstmoe_query_cache_misses_total"), 3) << text;
+  EXPECT_EQ(delta(before, first, "gstmoe_query_cache_hits_total"), 0);
+  EXPECT_EQ(delta(first, second, "gstmoe_query_cache_hits_total"), 3) << text;
+  EXPECT_EQ(delta(first, second, "gstmoe_query_cache_misses_total"), 0);
+  EXPECT_EQ(delta(first, second, "gstmoe_query_cache_bytes"), 0) << "hits add nothing";
+  EXPECT_GT(delta(before, first, "gstmoe_query_cache_bytes"), 0);
+  EXPECT_EQ(delta(before, second, "gstmoe_query_cache_evictions_total"), 0);
 }
 
 // With an expert executor (fp16 experts: the GPU code path on the CPU), the executor's cache counters
@@ -289,6 +337,11 @@ TEST_F(Metrics, ExpertCacheCountersComeFromTheExecutor) {
   EXPECT_GT(value(after, R"(gstmoe_expert_cache_resident_bytes{device="cpu"})"), 0);
   EXPECT_GE(value(after, R"(gstmoe_model_load_seconds_count{model="experts"})"), 1);
   EXPECT_EQ(delta(R"(gstmoe_requests_total{outcome="result"})"), 6);
+  // Every copied byte, and every second waited for a copy, is some request's cost.
+  const double copied = delta(R"(gstmoe_expert_cache_copied_bytes_total{device="cpu"})");
+  EXPECT_NEAR(delta("gstmoe_request_expert_loaded_bytes_total"), copied, 1e-6 * copied) << text;
+  EXPECT_NEAR(delta(R"(gstmoe_request_cost_seconds_total{kind="copy"})"),
+              delta(R"(gstmoe_expert_cache_wait_seconds_total{device="cpu"})"), 1e-9);
 }
 
 // Debian's promtool lints the scrape (names, units, types, help) after some traffic.

@@ -2,7 +2,8 @@
 // temporary directory, or tcp://127.0.0.1 on a port the kernel picked).
 //
 // Delivery waits are bounded (receive timeouts of several seconds) so that a broken element fails
-// the test instead of hanging it; nothing asserts how fast anything is.
+// the test instead of hanging it; nothing asserts how fast anything is. Also the `cost` object of
+// the result documents these elements carry (gstmoeresult.h).
 #include <gst/check/gstharness.h>
 #include <gst/gst.h>
 #include <gtest/gtest.h>
@@ -24,6 +25,7 @@
 #include <zmq_addon.hpp>
 
 #include "gstmoemeta.h"
+#include "gstmoeresult.h"
 #include "gstmoezmq.h"
 #include "gstzmqpublish.h"
 #include "gstzmqquery.h"
@@ -1361,3 +1363,42 @@ TEST_F(ZmqTest, CurvePublishServesAllowedSubscribersOnly) {
 }
 
 }  // namespace
+
+// The result document's cost: the batch's stage times, copy wait and expert bytes split evenly over
+// its rows, compute without the copy wait, the queue time the request's own; null without a batch.
+TEST(ResultDocument, CostSharesTheBatchEvenly) {
+  gstmoe::RequestRecord r;
+  r.id = "q1";
+  r.text = "red mug";
+  r.arrival_mono_us = 1000;
+  r.timings_ms = {{"queue", 0.5}, {"encode", 8.0}, {"route", 0.4}, {"expert", 2.0}, {"search", 1.6}};
+  r.batch_rows = 4;
+  r.batch_copy_wait_ms = 1.2;
+  r.batch_expert_bytes = 1002;
+  gstmoe::RequestCost cost;
+  ASSERT_TRUE(gstmoe::request_cost(r, &cost));
+  EXPECT_DOUBLE_EQ(cost.compute_ms, 12.0 / 4 - 0.3);
+  EXPECT_DOUBLE_EQ(cost.copy_ms, 0.3);
+  EXPECT_DOUBLE_EQ(cost.wait_ms, 0.5);
+  EXPECT_DOUBLE_EQ(cost.expert_bytes, 250.5);
+
+  const std::string doc = gstmoe::result_document(r, 1, {}, {}, 2000);
+  JsonNode* root = json_from_string(doc.c_str(), nullptr);
+  ASSERT_NE(root, nullptr) << doc;
+  JsonObject* c = json_object_get_object_member(json_node_get_object(root), "cost");
+  ASSERT_NE(c, nullptr) << doc;
+  EXPECT_DOUBLE_EQ(json_object_get_double_member(c, "compute_ms"), 2.7) << doc;
+  EXPECT_DOUBLE_EQ(json_object_get_double_member(c, "copy_ms"), 0.3);
+  EXPECT_DOUBLE_EQ(json_object_get_double_member(c, "wait_ms"), 0.5);
+  EXPECT_EQ(json_object_get_int_member(c, "expert_bytes_loaded"), 251) << "rounded";
+  EXPECT_EQ(json_object_get_int_member(c, "batch_rows"), 4);
+  json_node_unref(root);
+
+  r.batch_rows = 0;  // no moe-encode upstream: no batch to share
+  EXPECT_FALSE(gstmoe::request_cost(r, &cost));
+  root = json_from_string(gstmoe::result_document(r, 1, {}, {}, 2000).c_str(), nullptr);
+  JsonObject* o = json_node_get_object(root);
+  EXPECT_TRUE(json_object_has_member(o, "cost"));
+  EXPECT_TRUE(json_object_get_null_member(o, "cost"));
+  json_node_unref(root);
+}
