@@ -16,13 +16,29 @@
  * With mode=build it adds every row to a new index (the request's id, uri, text and catalog fields
  * become the item; a row whose id is already in the index gets a duplicate_id error document
  * naming both uris instead), of `index-type` flat or hnsw, and at end of stream writes INDEX and
- * INDEX.items.jsonl, recording the encoder and adapter of its rows, then sends one index-built
- * document. Rows from
- * other models than the first rows' stop the build. docs/zmq-schema.md describes the documents.
+ * INDEX.items.jsonl, recording the encoder and adapter of its rows, then sends the error documents
+ * of the build's failed requests and one index-built document. Rows from other models than the
+ * first rows' stop the build. docs/zmq-schema.md describes the documents.
+ *
+ * A build reports its progress on the bus: every `progress-items` requests a GST_MESSAGE_PROGRESS
+ * with code "index-build" (start, then continue), and at end of stream a last one (complete, or
+ * error when nothing is written) whose text names each failed item and its reason; gst-launch-1.0
+ * prints them. Their structures carry done, added, failed, total (the items upstream announces as
+ * its duration in GST_FORMAT_DEFAULT, as moe-catalog-src does; -1 unknown), rate (items/s),
+ * eta-s (-1 unknown), elapsed-s and, with a total, percent.
+ *
+ * Vectors from elsewhere (NNStreamer, an ONNX model, an application's appsrc) are searched too:
+ * a buffer without gst-moe's request meta is rows of float32 vectors, each a request of its own
+ * (modality "tensor", id "0", "1", ... counted over the element's life, the buffer's PTS as its
+ * pts_ns). Besides application/x-moe-tensor (dtype=f32, width=W), the sink takes NNStreamer's
+ * other/tensors (format=static, num_tensors=1, types=float32, dimensions=W:R, innermost first: R
+ * rows of W) and other/tensor (type=float32, dimension=W:R). Other types, formats, several
+ * tensors, or a dimension string that is not W[:R...] within bounds (W up to 65536) are refused
+ * at caps time with an error naming the caps field, and so is a width other than the index's.
  *
  * The `stats` property counts, since the element started, the requests received, the result and
  * error documents sent, the requests refused for their models, the rows added to a build, the
- * batches, and the time spent searching.
+ * batches, and the time spent searching; in a build also its progress (total, rate, eta-s).
  *
  * ## Example launch lines
  * |[
@@ -36,10 +52,23 @@
  *     ! moe-route model=models/default/adapter ! moe-expert model=models/default/adapter \
  *     ! ann-query index=build/demo/catalog.faiss k=5 ! zmq-publish
  * ]| Answers ZeroMQ requests with their 5 nearest catalog items.
+ * |[
+ * echo -n "red striped mug" > /tmp/query.txt
+ * gst-launch-1.0 filesrc location=/tmp/query.txt ! text/x-raw,format=utf8 \
+ *     ! moe-encode model=models/default/clip ! moe-route model=models/default/adapter \
+ *     ! moe-expert model=models/default/adapter ! filesink location=/tmp/queries.f32
+ * gst-launch-1.0 filesrc location=/tmp/queries.f32 blocksize=512 \
+ *     ! 'other/tensors,format=static,num_tensors=1,types=float32,dimensions=(string)128:1' \
+ *     ! ann-query index=build/demo/catalog.faiss k=3 ! filesink location=/dev/stdout
+ * ]| Writes a query's 128-wide float32 vector to a file, then searches the file's vectors (any
+ * producer's: numpy's tofile(), NNStreamer's tensor_sink, ...) as NNStreamer would send them,
+ * without gst-moe's meta: one result document per vector, modality "tensor".
  */
 
 /* Each output buffer carries a GstMoeBatchMeta with exactly the request it answers (one row, or
- * one failed entry), so downstream elements can route per request. The index-built summary is
+ * one failed entry), so downstream elements can route per request. An input buffer without a meta
+ * gets its request records made here (plain_batch); the meta is an optimisation that carries ids,
+ * routing and timings from upstream, not a requirement. The index-built summary is
  * not a request and carries no meta.
  *
  * Provenance: vectors are comparable only when the same encoder and adapter made them, and the
@@ -54,6 +83,7 @@
 #include <glib/gstdio.h>
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <optional>
 #include <string>
@@ -83,6 +113,7 @@ enum {
   PROP_EF_SEARCH,
   PROP_DEVICE,
   PROP_URI_BASE,
+  PROP_PROGRESS_ITEMS,
   PROP_STATS,
 };
 
@@ -95,8 +126,13 @@ enum {
 #define DEFAULT_EF_CONSTRUCTION 80
 #define DEFAULT_EF_SEARCH 64
 #define DEFAULT_DEVICE "cpu"
+#define DEFAULT_PROGRESS_ITEMS 32
+#define PROGRESS_CODE "index-build"
 
 namespace {
+
+// Failed items the build summary names (it counts all of them; their error documents list all).
+constexpr size_t kMaxNamedFailures = 50;
 
 // What one run works with: created by start() (READY->PAUSED), destroyed by stop()
 // (PAUSED->READY); only the streaming thread touches it while the pads are active.
@@ -116,6 +152,35 @@ struct AnnQueryState {
   bool unchecked_logged = false;                 // search mode: the first batch of unknown origin was logged
   // Build mode: id -> uri of the items added, to refuse a second item with one of their ids.
   std::unordered_map<std::string, std::string> built_uris;
+  // Build mode: progress. Error documents wait for EOS (see finish_build).
+  int64_t build_start_us = 0;  // monotonic, when the element started
+  int64_t total = -1;          // requests upstream announced (duration in items), -1: unknown
+  bool total_queried = false;  // asked upstream once, at the first buffer
+  guint progress_items = DEFAULT_PROGRESS_ITEMS;
+  uint64_t done = 0;                       // requests taken: rows added or failed
+  uint64_t progress_posted = 0;            // `done` at the last progress message
+  std::vector<std::string> failure_lines;  // "<file>: <reason> [<code>]", the first kMaxNamedFailures
+  GstBufferList* held_errors = gst_buffer_list_new();
+  // The caps last refused (their error is posted): upstream retries a refused sticky caps event
+  // before each buffer and event, and one error says it all (several made gst-launch hang).
+  GstCaps* refused_caps = nullptr;
+
+  AnnQueryState() = default;
+  AnnQueryState(const AnnQueryState&) = delete;
+  AnnQueryState& operator=(const AnnQueryState&) = delete;
+  ~AnnQueryState() {
+    gst_buffer_list_unref(held_errors);
+    gst_caps_replace(&refused_caps, nullptr);
+  }
+};
+
+// Where an index build stands, for its progress messages and `stats`.
+struct BuildProgress {
+  uint64_t done = 0, added = 0, failed = 0;
+  int64_t total = -1;    // -1: unknown
+  double elapsed_s = 0;  // since the element started
+  double rate = 0;       // requests per second so far
+  double eta_s = -1;     // -1: unknown (no total, or nothing done yet)
 };
 
 }  // namespace
@@ -136,22 +201,27 @@ struct _GstAnnQuery {
   guint ef_search;
   gchar* device;
   gchar* uri_base;
+  guint progress_items;
 
   // Behind `stats`, under the object lock: reset at start, kept after stop.
-  guint64 requests;   // rows and failed requests received
-  guint64 results;    // result documents sent
-  guint64 errors;     // error documents sent
-  guint64 refused;    // requests refused because other models made them
-  guint64 added;      // rows added to the index being built
-  guint64 batches;    // tensor buffers received
-  gdouble search_ms;  // time spent in index searches
+  guint64 requests;        // rows and failed requests received
+  guint64 results;         // result documents sent
+  guint64 errors;          // error documents sent
+  guint64 refused;         // requests refused because other models made them
+  guint64 added;           // rows added to the index being built
+  guint64 batches;         // tensor buffers received
+  gdouble search_ms;       // time spent in index searches
+  BuildProgress progress;  // build mode
+  // The id of the next row that arrives without a request meta, counted over the element's life
+  // (streaming thread only), so ids stay unique across restarts.
+  guint64 next_id;
 
   // Between start() and stop(), nullptr otherwise (see AnnQueryState).
   AnnQueryState* state;
 };
 
 static GstStaticPadTemplate sink_template =
-    GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
+    GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_OPEN_TENSOR_CAPS));
 static GstStaticPadTemplate src_template =
     GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_JSON_CAPS));
 
@@ -226,6 +296,9 @@ static void gst_ann_query_set_property(GObject* object, guint prop_id, const GVa
       g_free(self->uri_base);
       self->uri_base = g_value_dup_string(value);
       break;
+    case PROP_PROGRESS_ITEMS:
+      self->progress_items = g_value_get_uint(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -264,12 +337,17 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_URI_BASE:
       g_value_set_string(value, self->uri_base);
       break;
+    case PROP_PROGRESS_ITEMS:
+      g_value_set_uint(value, self->progress_items);
+      break;
     case PROP_STATS:
       g_value_take_boxed(
           value, gst_structure_new("ann-query-stats", "requests", G_TYPE_UINT64, self->requests, "results",
                                    G_TYPE_UINT64, self->results, "errors", G_TYPE_UINT64, self->errors, "refused",
                                    G_TYPE_UINT64, self->refused, "added", G_TYPE_UINT64, self->added, "batches",
-                                   G_TYPE_UINT64, self->batches, "search-ms", G_TYPE_DOUBLE, self->search_ms, nullptr));
+                                   G_TYPE_UINT64, self->batches, "search-ms", G_TYPE_DOUBLE, self->search_ms, "total",
+                                   G_TYPE_INT64, self->progress.total, "rate", G_TYPE_DOUBLE, self->progress.rate,
+                                   "eta-s", G_TYPE_DOUBLE, self->progress.eta_s, nullptr));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -286,7 +364,10 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
   GST_OBJECT_LOCK(self);
   self->requests = self->results = self->errors = self->refused = self->added = self->batches = 0;
   self->search_ms = 0;
+  self->progress = BuildProgress();
   s->mode = self->mode;
+  s->progress_items = self->progress_items;
+  s->build_start_us = g_get_monotonic_time();
   s->index_path = self->index_path ? self->index_path : "";
   s->build.type = self->index_type == GST_ANN_QUERY_INDEX_TYPE_HNSW ? moe::AnnIndexType::Hnsw : moe::AnnIndexType::Flat;
   s->build.hnsw_m = static_cast<int>(self->hnsw_m);
@@ -386,12 +467,17 @@ static GstStateChangeReturn gst_ann_query_change_state(GstElement* element, GstS
 
 /* ---- output ---------------------------------------------------------------------------- */
 
-// One application/json buffer holding `doc`, stamped like the input buffer it answers.
-static GstBuffer* json_buffer(const std::string& doc, GstBuffer* in) {
+// One application/json buffer holding `doc`, stamped like the input buffer it answers, or with
+// the PTS of the request's own frame (`request`, when set: a batch buffer has its first frame's).
+static GstBuffer* json_buffer(const std::string& doc, GstBuffer* in, const gstmoe::RequestRecord* request = nullptr) {
   GstBuffer* out = gst_buffer_new_memdup(doc.data(), doc.size());
   if (in) {
     GST_BUFFER_PTS(out) = GST_BUFFER_PTS(in);
     GST_BUFFER_DTS(out) = GST_BUFFER_DTS(in);
+  }
+  if (request && GST_CLOCK_TIME_IS_VALID(request->pts)) {
+    GST_BUFFER_PTS(out) = request->pts;
+    GST_BUFFER_DTS(out) = GST_CLOCK_TIME_NONE;
   }
   return out;
 }
@@ -409,7 +495,7 @@ static gstmoe::BatchRecords models_of(const gstmoe::BatchRecords& batch) {
 // Adds a buffer with the error document of `failed` and a meta holding just that entry.
 static void add_error_buffer(GstBufferList* list, gstmoe::FailedRequest failed, const gstmoe::BatchRecords& batch,
                              GstBuffer* in) {
-  GstBuffer* out = json_buffer(gstmoe::error_document(failed), in);
+  GstBuffer* out = json_buffer(gstmoe::error_document(failed), in, &failed.request);
   gstmoe::metrics::count_error(failed);
   gstmoe::BatchRecords single = models_of(batch);
   single.failed.push_back(std::move(failed));
@@ -510,7 +596,7 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
                          item.fields, hits[i][j].score});
     }
     const int64_t now = g_get_monotonic_time();
-    GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, now), in);
+    GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, now), in, &row);
     gstmoe::metrics::count_result(row, now);
     gstmoe::BatchRecords single = models_of(batch);
     single.rows.push_back(std::move(row));
@@ -557,13 +643,132 @@ static size_t collect_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchRec
   }
 }
 
-// At EOS: writes the index and pushes the summary. FALSE (with an element error) on failure.
+/* ---- build progress ------------------------------------------------------------------- */
+
+// Where the build stands now; also what `stats` shows.
+static BuildProgress build_progress(GstAnnQuery* self, const AnnQueryState& s) {
+  BuildProgress p;
+  p.added = s.index ? static_cast<uint64_t>(s.index->size()) : 0;
+  p.failed = static_cast<uint64_t>(s.build_failed);
+  p.done = p.added + p.failed;
+  p.total = s.total;
+  p.elapsed_s = static_cast<double>(g_get_monotonic_time() - s.build_start_us) / G_USEC_PER_SEC;
+  p.rate = p.elapsed_s > 0 ? static_cast<double>(p.done) / p.elapsed_s : 0;
+  if (p.total >= 0 && p.rate > 0)
+    p.eta_s = static_cast<double>(std::max<int64_t>(0, p.total - static_cast<int64_t>(p.done))) / p.rate;
+  GST_OBJECT_LOCK(self);
+  self->progress = p;
+  GST_OBJECT_UNLOCK(self);
+  return p;
+}
+
+// Posts a GST_MESSAGE_PROGRESS with code "index-build", `text` for people (gst-launch prints it)
+// and the figures for programs: done, added, failed, total, rate, eta-s, elapsed-s (and percent,
+// when the total is known).
+static void post_progress(GstAnnQuery* self, GstProgressType type, const BuildProgress& p, const std::string& text) {
+  GstMessage* msg = gst_message_new_progress(GST_OBJECT(self), type, PROGRESS_CODE, text.c_str());
+  GstStructure* st = gst_message_writable_structure(msg);
+  gst_structure_set(st, "done", G_TYPE_UINT64, p.done, "added", G_TYPE_UINT64, p.added, "failed", G_TYPE_UINT64,
+                    p.failed, "total", G_TYPE_INT64, p.total, "rate", G_TYPE_DOUBLE, p.rate, "eta-s", G_TYPE_DOUBLE,
+                    p.eta_s, "elapsed-s", G_TYPE_DOUBLE, p.elapsed_s, nullptr);
+  if (p.total > 0)
+    gst_structure_set(st, "percent", G_TYPE_INT,
+                      static_cast<int>(std::min<uint64_t>(100, p.done * 100 / static_cast<uint64_t>(p.total))),
+                      nullptr);
+  gst_element_post_message(GST_ELEMENT(self), msg);
+}
+
+// "32 of 90 items (35%), 1 failed, 12.5 items/s, about 5 s left"; without a total, "32 items, ...".
+static std::string progress_text(const BuildProgress& p) {
+  gchar* text;
+  if (p.total > 0) {
+    const std::string eta = p.eta_s < 0   ? std::string()
+                            : p.eta_s < 1 ? std::string(", under a second left")
+                                          : ", about " + std::to_string(std::llround(p.eta_s)) + " s left";
+    text = g_strdup_printf("%" G_GUINT64_FORMAT " of %" G_GINT64_FORMAT " items (%d%%), %" G_GUINT64_FORMAT
+                           " failed, %.1f items/s%s",
+                           p.done, p.total, static_cast<int>(std::min<uint64_t>(100, p.done * 100 / p.total)), p.failed,
+                           p.rate, eta.c_str());
+  } else {
+    text = g_strdup_printf("%" G_GUINT64_FORMAT " items, %" G_GUINT64_FORMAT " failed, %.1f items/s", p.done, p.failed,
+                           p.rate);
+  }
+  std::string out = text;
+  g_free(text);
+  return out;
+}
+
+// After each batch: the total (asked upstream once; moe-catalog-src answers it) and, every
+// `progress-items` requests, a progress message.
+static void report_progress(GstAnnQuery* self, AnnQueryState& s) {
+  if (!s.total_queried) {
+    s.total_queried = true;
+    gint64 items = -1;
+    if (gst_pad_peer_query_duration(self->sinkpad, GST_FORMAT_DEFAULT, &items) && items >= 0) s.total = items;
+  }
+  const BuildProgress p = build_progress(self, s);
+  if (s.progress_items == 0 || p.done < s.progress_posted + s.progress_items) return;
+  post_progress(self, s.progress_posted == 0 ? GST_PROGRESS_TYPE_START : GST_PROGRESS_TYPE_CONTINUE, p,
+                progress_text(p));
+  s.progress_posted = p.done;
+}
+
+// Keeps a line naming a failed item for the summary: its file (or uri, or id) and the reason.
+static void note_failure(AnnQueryState& s, const gstmoe::FailedRequest& f) {
+  if (s.failure_lines.size() >= kMaxNamedFailures) return;
+  std::string what;
+  gchar* file = g_str_has_prefix(f.request.uri.c_str(), "file://")
+                    ? g_filename_from_uri(f.request.uri.c_str(), nullptr, nullptr)
+                    : nullptr;
+  if (file != nullptr)
+    what = file;
+  else if (!f.request.uri.empty())
+    what = f.request.uri;
+  else
+    what = "request '" + f.request.id + "'";
+  g_free(file);
+  s.failure_lines.push_back(what + ": " + f.reason + " [" + (f.code != nullptr ? f.code : "") + "]");
+}
+
+// The summary of a finished (or failed) build: `head`, then each failed item on a line of its own.
+static std::string build_summary(const AnnQueryState& s, const BuildProgress& p, const std::string& head) {
+  std::string text = head;
+  if (p.failed == 0) return text;
+  text += "; " + std::to_string(p.failed) + " failed:";
+  for (const std::string& line : s.failure_lines) text += "\n  " + line;
+  if (p.failed > s.failure_lines.size())
+    text += "\n  ... and " + std::to_string(p.failed - s.failure_lines.size()) + " more (each has its error document)";
+  return text;
+}
+
+// Sends the error documents held back during the build.
+static void send_held_errors(GstAnnQuery* self, AnnQueryState& s) {
+  GstBufferList* held = s.held_errors;
+  s.held_errors = gst_buffer_list_new();
+  if (gst_buffer_list_length(held) == 0) {
+    gst_buffer_list_unref(held);
+    return;
+  }
+  const GstFlowReturn ret = gst_pad_push_list(self->srcpad, held);
+  if (ret != GST_FLOW_OK) GST_DEBUG_OBJECT(self, "error documents not delivered: %s", gst_flow_get_name(ret));
+}
+
+// At EOS: writes the index, posts the summary (a progress message), sends the error documents
+// held back and then the index-built document. FALSE (with an element error) on failure.
+//
+// Why the error documents wait: the first buffer a sink receives prerolls it, and gst-launch does
+// not set a prerolled pipeline PLAYING while an operation reports progress, so a build sending an
+// early error document to fakesink would stall in PAUSED. Sent after the summary, they cannot.
 static gboolean finish_build(GstAnnQuery* self, AnnQueryState& s) {
   if (s.build_refused) {  // the element error is posted: an index of mixed models is worse than none
     GST_DEBUG_OBJECT(self, "not writing '%s': it was given rows from other models", s.index_path.c_str());
     return FALSE;
   }
+  const BuildProgress p = build_progress(self, s);
   if (!s.index || s.index->size() == 0) {
+    post_progress(self, GST_PROGRESS_TYPE_ERROR, p,
+                  build_summary(s, p, "nothing indexed: " + s.index_path + " is not written"));
+    send_held_errors(self, s);
     GST_ELEMENT_ERROR(self, STREAM, FAILED,
                       ("no items to index: the stream ended before any row reached ann-query (%" G_GINT64_FORMAT
                        " failed requests); '%s' is not written",
@@ -581,11 +786,19 @@ static gboolean finish_build(GstAnnQuery* self, AnnQueryState& s) {
   try {
     s.index->save(s.index_path);
   } catch (const moe::Error& e) {
+    post_progress(self, GST_PROGRESS_TYPE_ERROR, p, build_summary(s, p, std::string("not written: ") + e.what()));
+    send_held_errors(self, s);
     GST_ELEMENT_ERROR(self, RESOURCE, WRITE, ("%s", e.what()), ("writing the ANN index '%s'", s.index_path.c_str()));
     return FALSE;
   }
   GST_INFO_OBJECT(self, "wrote %" G_GINT64_FORMAT " items of dimension %d to %s", s.index->size(), s.index->dim(),
                   s.index_path.c_str());
+  gchar* head =
+      g_strdup_printf("indexed %" G_GUINT64_FORMAT " of %" G_GUINT64_FORMAT " items into %s in %.1f s (%.1f items/s)",
+                      p.added, p.done, s.index_path.c_str(), p.elapsed_s, p.rate);
+  post_progress(self, GST_PROGRESS_TYPE_COMPLETE, p, build_summary(s, p, head));
+  g_free(head);
+  send_held_errors(self, s);
   const std::string doc = gstmoe::index_built_document(s.index_path, s.index->size(), s.index->dim(),
                                                        moe::ann_index_type_name(s.index->type()), s.build_failed);
   const GstFlowReturn ret = gst_pad_push(self->srcpad, json_buffer(doc, nullptr));
@@ -595,6 +808,32 @@ static gboolean finish_build(GstAnnQuery* self, AnnQueryState& s) {
 
 /* ---- pads ------------------------------------------------------------------------------ */
 
+// The requests of a buffer of plain vectors (no request meta): one per row of s.width floats, of
+// modality tensor, with the next ids and the buffer's PTS. False after posting an error when the
+// buffer is not a whole number of rows.
+static bool plain_batch(GstAnnQuery* self, const AnnQueryState& s, GstBuffer* in, gstmoe::BatchRecords* batch) {
+  const gsize size = gst_buffer_get_size(in);
+  const gsize row_bytes = static_cast<gsize>(s.width) * sizeof(float);
+  if (size % row_bytes != 0) {
+    GST_ELEMENT_ERROR(self, STREAM, FORMAT,
+                      ("Tensor buffer of %" G_GSIZE_FORMAT " bytes is not a whole number of %d-wide float32 vectors "
+                       "(%" G_GSIZE_FORMAT " bytes each)",
+                       size, s.width, row_bytes),
+                      (nullptr));
+    return false;
+  }
+  const int64_t wall = g_get_real_time(), mono = g_get_monotonic_time();
+  batch->rows.resize(size / row_bytes);
+  for (gstmoe::RequestRecord& r : batch->rows) {
+    r.id = std::to_string(self->next_id++);
+    r.modality = gstmoe::Modality::Tensor;
+    r.arrival_wall_us = wall;
+    r.arrival_mono_us = mono;
+    r.pts = GST_BUFFER_PTS(in);
+  }
+  return true;
+}
+
 static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* in) {
   GstAnnQuery* self = GST_ANN_QUERY(parent);
   AnnQueryState& s = *self->state;
@@ -603,14 +842,15 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
     gst_buffer_unref(in);
     return GST_FLOW_NOT_NEGOTIATED;
   }
-  GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(in);
-  if (!meta || !meta->records) {
-    GST_ELEMENT_ERROR(self, STREAM, FORMAT, ("Tensor buffer without request records"),
-                      ("ann-query answers requests and needs the GstMoeBatchMeta that moe-encode attaches"));
+  // A meta without records (a partial copy of a buffer) tells nothing either.
+  const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(in);
+  gstmoe::BatchRecords batch;
+  if (meta && meta->records) {
+    batch = *meta->records;
+  } else if (!plain_batch(self, s, in, &batch)) {
     gst_buffer_unref(in);
     return GST_FLOW_ERROR;
   }
-  gstmoe::BatchRecords batch = *meta->records;
   const size_t requests = batch.rows.size() + batch.failed.size();
 
   GstMapInfo map;
@@ -652,9 +892,14 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
     }
     added = collect_rows(self, s, batch, vectors);
     s.build_failed += static_cast<int64_t>(batch.failed.size());
+    for (const gstmoe::FailedRequest& f : batch.failed) note_failure(s, f);
   }
   const guint results = gst_buffer_list_length(list);  // so far only result documents
-  for (gstmoe::FailedRequest& f : batch.failed) add_error_buffer(list, std::move(f), batch, in);
+  // A build holds its error documents back until EOS (finish_build says why), unless it stops here.
+  const bool hold_errors = s.mode == GST_ANN_QUERY_MODE_BUILD && !refused;
+  if (refused) send_held_errors(self, s);
+  for (gstmoe::FailedRequest& f : batch.failed)
+    add_error_buffer(hold_errors ? s.held_errors : list, std::move(f), batch, in);
   gst_buffer_unmap(in, &map);
   gst_buffer_unref(in);
 
@@ -669,6 +914,7 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
   GST_OBJECT_UNLOCK(self);
   gstmoe::metrics::count_search(search_ms);
   gstmoe::metrics::count_indexed(added);
+  if (s.mode == GST_ANN_QUERY_MODE_BUILD && !refused) report_progress(self, s);
 
   GstFlowReturn ret = GST_FLOW_OK;
   if (gst_buffer_list_length(list) == 0)
@@ -682,9 +928,12 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
 // middle of a build) and announces application/json downstream.
 static gboolean handle_caps(GstAnnQuery* self, AnnQueryState& s, GstCaps* caps) {
   int width = 0;
-  if (!gstmoe::parse_tensor_caps(caps, &width)) {
-    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Unsupported input caps"),
-                      ("expected fixed " GST_MOE_TENSOR_MEDIA_TYPE " f32 caps, got %" GST_PTR_FORMAT, caps));
+  std::string why;
+  if (!gstmoe::parse_open_tensor_caps(caps, &width, &why)) {
+    // The caps are not echoed: a hostile dimension string could be long (`why` quotes it clipped).
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Unsupported input caps: %s", why.c_str()),
+                      ("ann-query takes " GST_MOE_TENSOR_MEDIA_TYPE " (dtype=f32) or one static float32 NNStreamer "
+                       "tensor (" GST_MOE_NNS_TENSORS_MEDIA_TYPE " or " GST_MOE_NNS_TENSOR_MEDIA_TYPE ")"));
     return FALSE;
   }
   if (s.mode == GST_ANN_QUERY_MODE_SEARCH && width != s.index->dim()) {
@@ -731,7 +980,9 @@ static gboolean gst_ann_query_sink_event(GstPad* pad, GstObject* parent, GstEven
     case GST_EVENT_CAPS: {
       GstCaps* caps = nullptr;
       gst_event_parse_caps(event, &caps);
-      const gboolean ok = handle_caps(self, *s, caps);
+      const bool retried = s->refused_caps && gst_caps_is_equal(caps, s->refused_caps);
+      const gboolean ok = !retried && handle_caps(self, *s, caps);
+      if (!ok) gst_caps_replace(&s->refused_caps, caps);
       gst_event_unref(event);
       return ok;
     }
@@ -826,13 +1077,23 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
                           "default): uris as the index was built with them",
                           nullptr, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
+      gobject_class, PROP_PROGRESS_ITEMS,
+      g_param_spec_uint("progress-items", "Progress interval",
+                        "mode=build: post a progress message (GST_MESSAGE_PROGRESS, code \"index-build\": its text "
+                        "for people, and the fields done, added, failed, total (-1: unknown), rate (items/s), eta-s "
+                        "(-1: unknown), elapsed-s) each time this many more requests were taken; 0: only the final "
+                        "summary, which is posted at end of stream in any case (type complete, or error when nothing "
+                        "is written) and names each failed item with its reason",
+                        0, G_MAXUINT, DEFAULT_PROGRESS_ITEMS, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(
           "ann-query-stats: requests (rows and failed requests received), results (result documents sent), errors "
           "(error documents sent: for requests that failed upstream, failed here or were refused), refused "
           "(requests refused because other models than the index's made them, or than the first rows' in a build), "
           "added (rows added to the index being built), batches (tensor buffers received), search-ms (time spent "
-          "searching the index); reset at start"));
+          "searching the index); in a build also total (items upstream announced, -1: unknown), rate (items taken "
+          "per second since the start) and eta-s (seconds left at that rate, -1: unknown); reset at start"));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);
@@ -844,7 +1105,8 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
       "index (their fingerprints, recorded in INDEX.items.jsonl). With mode=build it instead adds every row (the "
       "request's id, uri and text become the item) to a new index, writes INDEX and INDEX.items.jsonl with the "
       "encoder and adapter of its rows at end of stream and sends one index-built document; rows from other models "
-      "than the first rows' stop the build.\n"
+      "than the first rows' stop the build. Plain float32 vectors without gst-moe's request meta (NNStreamer's "
+      "other/tensors or other/tensor, float32, dimensions=W:R) are searched too, one request per row.\n"
       "Build: gst-launch-1.0 moe-catalog-src location=photos/ ! moe-encode model=clip/ ! moe-route model=adapter/ "
       "! moe-expert model=adapter/ ! ann-query mode=build index=catalog.faiss ! fakesink\n"
       "Search: gst-launch-1.0 zmq-query ! moe-encode model=clip/ ! moe-route model=adapter/ ! "
@@ -873,4 +1135,7 @@ static void gst_ann_query_init(GstAnnQuery* self) {
   self->ef_construction = DEFAULT_EF_CONSTRUCTION;
   self->ef_search = DEFAULT_EF_SEARCH;
   self->device = g_strdup(DEFAULT_DEVICE);
+  self->progress_items = DEFAULT_PROGRESS_ITEMS;
+  self->progress = BuildProgress();
+  self->next_id = 0;
 }

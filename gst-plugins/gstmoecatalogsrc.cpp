@@ -6,16 +6,19 @@
  * moe-catalog-src reads an image catalog and sends one application/x-moe-request buffer per
  * item, as zmq-query sends image requests: the image file's bytes, with a GstMoeBatchMeta row
  * giving the item's id, its file:// uri and its caption (which ann-query stores with the item
- * when it builds an index). `location` is a folder of images (taken in name order) or a JSON
- * Lines catalog, one {"path": ..., "caption": ..., "id": ...} per line; a folder holding a
- * catalog.jsonl means that catalog.
+ * when it builds an index). `location` is a folder of images (taken in name order; with
+ * `recursive`, its subfolders' too), one image file, or a JSON Lines catalog, one {"path": ...,
+ * "caption": ..., "id": ...} per line; a folder holding a catalog.jsonl means that catalog. What a
+ * folder holds besides images (other files; subfolders, unless `recursive`) is skipped with one
+ * warning message naming them. The element answers duration queries in items (GST_FORMAT_DEFAULT),
+ * which ann-query's build progress uses as its total.
  *
  * An item that cannot be read (a missing file, a malformed catalog line) does not stop the build:
  * it travels on as a failed request (an empty buffer whose meta carries it), and ann-query
  * reports it like any other.
  *
  * The `stats` property counts, since the element started, the items of the catalog, those sent as
- * image requests and those sent as failed requests.
+ * image requests, those sent as failed requests and the folder entries skipped.
  *
  * ## Example launch lines
  * |[
@@ -39,8 +42,11 @@
  */
 #include "gstmoecatalogsrc.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <memory>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,9 +60,10 @@
 GST_DEBUG_CATEGORY_STATIC(gst_moe_catalog_src_debug);
 #define GST_CAT_DEFAULT gst_moe_catalog_src_debug
 
-enum { PROP_0, PROP_LOCATION, PROP_STATS };
+enum { PROP_0, PROP_LOCATION, PROP_RECURSIVE, PROP_STATS };
 
 #define DEFAULT_LOCATION nullptr
+#define DEFAULT_RECURSIVE FALSE
 
 namespace {
 
@@ -64,6 +71,10 @@ constexpr const char* kStage = "moe-catalog-src";
 constexpr const char* kCatalogName = "catalog.jsonl";
 constexpr const char* kImageExtensions[] = {"png", "jpg", "jpeg", "bmp",  "gif", "ppm",
                                             "pgm", "pbm", "pnm",  "webp", "tif", "tiff"};
+// Folder levels below `location` that recursive=true enters (a bound, should links make it deep).
+constexpr int kMaxFolderDepth = 16;
+// Skipped entries that the warning names (it counts all of them).
+constexpr size_t kMaxNamedSkips = 20;
 
 // id, absolute path, caption; `error` set for a malformed catalog line.
 using CatalogItem = moe::CatalogEntry;
@@ -82,11 +93,13 @@ struct _GstMoeCatalogSrc {
 
   // Properties, under the object lock; read when the element starts.
   gchar* location;  // nullptr: unset
+  gboolean recursive;
 
   // Behind `stats`, under the object lock: reset at start, kept after stop.
-  guint64 items;   // in the catalog read at start
-  guint64 sent;    // items sent as image requests
-  guint64 failed;  // items sent as failed requests
+  guint64 items;    // in the catalog read at start
+  guint64 sent;     // items sent as image requests
+  guint64 failed;   // items sent as failed requests
+  guint64 skipped;  // folder entries left out: not images, subfolders (unless recursive), loops
 
   // Between start() and stop(), nullptr otherwise (see CatalogState).
   CatalogState* state;
@@ -120,12 +133,20 @@ static void gst_moe_catalog_src_set_property(GObject* object, guint prop_id, con
       self->location = location && *location ? g_strdup(location) : nullptr;
       break;
     }
+    case PROP_RECURSIVE:
+      if (GST_STATE(self) > GST_STATE_READY)
+        refused = true;
+      else
+        self->recursive = g_value_get_boolean(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
   }
   GST_OBJECT_UNLOCK(self);
-  if (refused) g_warning("moe-catalog-src: changing 'location' is only possible in the NULL or READY state");
+  if (refused)
+    g_warning("moe-catalog-src: changing '%s' is only possible in the NULL or READY state",
+              g_param_spec_get_name(pspec));
 }
 
 static void gst_moe_catalog_src_get_property(GObject* object, guint prop_id, GValue* value, GParamSpec* pspec) {
@@ -135,10 +156,13 @@ static void gst_moe_catalog_src_get_property(GObject* object, guint prop_id, GVa
     case PROP_LOCATION:
       g_value_set_string(value, self->location);
       break;
+    case PROP_RECURSIVE:
+      g_value_set_boolean(value, self->recursive);
+      break;
     case PROP_STATS:
-      g_value_take_boxed(
-          value, gst_structure_new("moe-catalog-src-stats", "items", G_TYPE_UINT64, self->items, "sent", G_TYPE_UINT64,
-                                   self->sent, "failed", G_TYPE_UINT64, self->failed, nullptr));
+      g_value_take_boxed(value, gst_structure_new("moe-catalog-src-stats", "items", G_TYPE_UINT64, self->items, "sent",
+                                                  G_TYPE_UINT64, self->sent, "failed", G_TYPE_UINT64, self->failed,
+                                                  "skipped", G_TYPE_UINT64, self->skipped, nullptr));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -162,8 +186,29 @@ static bool has_image_extension(const std::string& name) {
   return std::any_of(std::begin(kImageExtensions), std::end(kImageExtensions), [&](const char* e) { return ext == e; });
 }
 
-// The image files of a folder, in name order. Returns false with `error` set if it cannot be listed.
-static bool list_folder(const std::string& dir, std::vector<CatalogItem>* items, std::string* error) {
+// What listing a folder found besides its images, for the warning that names them.
+struct Skipped {
+  size_t count = 0;
+  std::vector<std::string> named;  // the first kMaxNamedSkips, "<relative path> (<why>)"
+  void add(const std::string& what) {
+    if (named.size() < kMaxNamedSkips) named.push_back(what);
+    ++count;
+  }
+};
+
+// Lists the images under `dir` (its path below the location is `relative`, "" at the top), in
+// name order, into `items`: subfolders too when `recursive`, down to kMaxFolderDepth levels and
+// never a folder twice (`visited`: device and inode of the folders entered, so symlink loops end).
+// What it leaves out goes to `skipped`. Returns false with `error` set if `dir` cannot be listed
+// (a subfolder that cannot be listed is skipped instead).
+static bool list_folder(const std::string& dir, const std::string& relative, bool recursive, int depth,
+                        std::set<std::pair<dev_t, ino_t>>* visited, std::vector<CatalogItem>* items, Skipped* skipped,
+                        std::string* error) {
+  struct stat st;
+  if (stat(dir.c_str(), &st) == 0 && !visited->insert({st.st_dev, st.st_ino}).second) {
+    skipped->add(relative + "/ (already listed: a symlink loop or a second link to it)");
+    return true;
+  }
   GError* err = nullptr;
   GDir* d = g_dir_open(dir.c_str(), 0, &err);
   if (d == nullptr) {
@@ -172,17 +217,34 @@ static bool list_folder(const std::string& dir, std::vector<CatalogItem>* items,
     return false;
   }
   std::vector<std::string> names;
-  while (const gchar* name = g_dir_read_name(d)) {
-    const std::string path = take_string(g_build_filename(dir.c_str(), name, nullptr));
-    if (has_image_extension(name) && g_file_test(path.c_str(), G_FILE_TEST_IS_REGULAR)) names.emplace_back(name);
-  }
+  while (const gchar* name = g_dir_read_name(d)) names.emplace_back(name);
   g_dir_close(d);
   std::sort(names.begin(), names.end());
   for (const std::string& name : names) {
-    CatalogItem item;
-    item.path = take_string(g_build_filename(dir.c_str(), name.c_str(), nullptr));
-    item.id = moe::catalog_id_from_path(name);
-    items->push_back(std::move(item));
+    const std::string path = take_string(g_build_filename(dir.c_str(), name.c_str(), nullptr));
+    const std::string shown = relative.empty() ? name : relative + "/" + name;
+    if (g_file_test(path.c_str(), G_FILE_TEST_IS_DIR)) {
+      if (!recursive) {
+        skipped->add(shown + "/ (a subfolder: set recursive=true to index subfolders)");
+      } else if (depth >= kMaxFolderDepth) {
+        skipped->add(shown + "/ (deeper than " + std::to_string(kMaxFolderDepth) + " folder levels)");
+      } else {
+        std::string sub_error;
+        if (!list_folder(path, shown, recursive, depth + 1, visited, items, skipped, &sub_error))
+          skipped->add(shown + "/ (cannot be listed: " + sub_error + ")");
+      }
+    } else if (!has_image_extension(name)) {
+      skipped->add(shown + " (not an image file by its extension)");
+    } else if (!g_file_test(path.c_str(), G_FILE_TEST_IS_REGULAR)) {
+      skipped->add(shown + " (not a regular file)");
+    } else {
+      CatalogItem item;
+      item.path = path;
+      // Below the top folder the id keeps the folder names: a/cat.jpg and b/cat.jpg are two items.
+      item.id = moe::catalog_id_from_path(name);
+      if (!relative.empty()) item.id = relative + "/" + item.id;
+      items->push_back(std::move(item));
+    }
   }
   return true;
 }
@@ -220,12 +282,14 @@ static gboolean gst_moe_catalog_src_start(GstBaseSrc* src) {
   GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(src);
   GST_OBJECT_LOCK(self);
   const std::string location = self->location ? self->location : "";
-  self->items = self->sent = self->failed = 0;
+  const bool recursive = self->recursive;
+  self->items = self->sent = self->failed = self->skipped = 0;
   GST_OBJECT_UNLOCK(self);
 
   if (location.empty()) {
     GST_ELEMENT_ERROR(self, RESOURCE, NOT_FOUND,
-                      ("No catalog location set: set 'location' to a folder or a .jsonl file"), (nullptr));
+                      ("No catalog location set: set 'location' to a folder, an image file or a .jsonl file"),
+                      (nullptr));
     return FALSE;
   }
   const std::string path = take_string(g_canonicalize_filename(location.c_str(), nullptr));
@@ -237,14 +301,23 @@ static gboolean gst_moe_catalog_src_start(GstBaseSrc* src) {
   std::string file = path;  // what was read, for messages
   bool ok;
   std::string error;
+  Skipped skipped;
   if (g_file_test(path.c_str(), G_FILE_TEST_IS_DIR)) {
     const std::string catalog = take_string(g_build_filename(path.c_str(), kCatalogName, nullptr));
     if (g_file_test(catalog.c_str(), G_FILE_TEST_EXISTS)) {
       file = catalog;
       ok = read_catalog(catalog, &state->items, &error);
     } else {
-      ok = list_folder(path, &state->items, &error);
+      std::set<std::pair<dev_t, ino_t>> visited;
+      ok = list_folder(path, "", recursive, 0, &visited, &state->items, &skipped, &error);
     }
+  } else if (has_image_extension(path)) {
+    // One image: the user means that image, not a catalog in an unusual file.
+    CatalogItem item;
+    item.path = path;
+    item.id = moe::catalog_id_from_path(path);
+    state->items.push_back(std::move(item));
+    ok = true;
   } else {
     ok = read_catalog(path, &state->items, &error);
   }
@@ -254,8 +327,20 @@ static gboolean gst_moe_catalog_src_start(GstBaseSrc* src) {
     return FALSE;
   }
   GST_INFO_OBJECT(self, "%zu catalog items from %s", state->items.size(), file.c_str());
+  if (skipped.count > 0) {
+    // Said where users look (gst-launch prints warnings): a file left out silently looks indexed.
+    std::string names;
+    for (const std::string& s : skipped.named) names += "\n  " + s;
+    if (skipped.count > skipped.named.size())
+      names += "\n  ... and " + std::to_string(skipped.count - skipped.named.size()) + " more";
+    GST_ELEMENT_WARNING(self, RESOURCE, READ,
+                        ("Skipped %zu entries of the folder '%s' (indexing its %zu images):%s", skipped.count,
+                         path.c_str(), state->items.size(), names.c_str()),
+                        (nullptr));
+  }
   GST_OBJECT_LOCK(self);
   self->items = state->items.size();
+  self->skipped = skipped.count;
   self->state = state.release();
   GST_OBJECT_UNLOCK(self);
   return TRUE;
@@ -269,6 +354,26 @@ static gboolean gst_moe_catalog_src_stop(GstBaseSrc* src) {
   GST_OBJECT_UNLOCK(self);
   delete state;
   return TRUE;
+}
+
+// Answers the duration in items (GST_FORMAT_DEFAULT) once the catalog is read: an index build
+// downstream (ann-query) reports its progress against it.
+static gboolean gst_moe_catalog_src_query(GstBaseSrc* src, GstQuery* query) {
+  GstMoeCatalogSrc* self = GST_MOE_CATALOG_SRC(src);
+  if (GST_QUERY_TYPE(query) == GST_QUERY_DURATION) {
+    GstFormat format;
+    gst_query_parse_duration(query, &format, nullptr);
+    if (format == GST_FORMAT_DEFAULT) {
+      GST_OBJECT_LOCK(self);
+      const bool known = self->state != nullptr;
+      const guint64 items = self->items;
+      GST_OBJECT_UNLOCK(self);
+      if (!known) return FALSE;
+      gst_query_set_duration(query, format, static_cast<gint64>(items));
+      return TRUE;
+    }
+  }
+  return GST_BASE_SRC_CLASS(parent_class)->query(src, query);
 }
 
 /* ----- items ----- */
@@ -344,14 +449,24 @@ static void gst_moe_catalog_src_class_init(GstMoeCatalogSrcClass* klass) {
       g_param_spec_string(
           "location", "Location",
           "A folder of images (png, jpg, jpeg, bmp, gif, ppm, webp, tif, tiff; taken in name order; its catalog.jsonl "
-          "instead when it has one) or a JSON Lines catalog: one {\"path\": ..., \"caption\": ..., \"id\": ...} per "
-          "line, paths relative to the catalog's folder, id defaulting to the file name without extension",
+          "instead when it has one; other files and subfolders are skipped with a warning naming them, unless "
+          "'recursive'), one image file (by its extension), or a JSON Lines catalog: one {\"path\": ..., "
+          "\"caption\": ..., \"id\": ...} per line, paths relative to the catalog's folder, id defaulting to the file "
+          "name without extension (below the top folder, with its folder: sub/cat)",
           DEFAULT_LOCATION, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_RECURSIVE,
+      g_param_spec_boolean("recursive", "Recursive",
+                           "When 'location' is a folder without a catalog.jsonl, also index the images of its "
+                           "subfolders, in name order, down to 16 levels; a folder reached twice (a symlink loop) is "
+                           "listed once",
+                           DEFAULT_RECURSIVE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec("moe-catalog-src-stats, since the element started: items (in the catalog), sent (items "
                                "sent as image requests), failed (items sent as failed requests: a malformed catalog "
-                               "line, or an image file that cannot be read)"));
+                               "line, or an image file that cannot be read), skipped (folder entries left out: files "
+                               "without an image extension, subfolders unless recursive, folders reached twice)"));
 
   gst_element_class_add_static_pad_template(element_class, &src_template);
   gst_element_class_set_static_metadata(
@@ -364,12 +479,14 @@ static void gst_moe_catalog_src_class_init(GstMoeCatalogSrcClass* klass) {
 
   basesrc_class->start = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_start);
   basesrc_class->stop = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_stop);
+  basesrc_class->query = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_query);
   pushsrc_class->create = GST_DEBUG_FUNCPTR(gst_moe_catalog_src_create);
 }
 
 static void gst_moe_catalog_src_init(GstMoeCatalogSrc* self) {
   self->location = g_strdup(DEFAULT_LOCATION);
-  self->items = self->sent = self->failed = 0;
+  self->recursive = DEFAULT_RECURSIVE;
+  self->items = self->sent = self->failed = self->skipped = 0;
   self->state = nullptr;
   // Buffers count items, not bytes or time.
   gst_base_src_set_format(GST_BASE_SRC(self), GST_FORMAT_DEFAULT);

@@ -519,7 +519,11 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   if (std::shared_ptr<moe::ExpertExecutor> executor =
           gstmoe::adapter::query_executor(GST_BASE_TRANSFORM_SRC_PAD(trans))) {
     try {
+      const gstmoe::metrics::ExpertCopyTotals before = gstmoe::metrics::expert_copy_totals(*executor);
       records.expert_prefetch = executor->prefetch(routing);  // may wait while moe-expert catches up
+      // The copies this batch's misses started (moe-expert's runs of prefetched batches copy nothing).
+      const uint64_t copied = gstmoe::metrics::expert_copy_totals(*executor).bytes - before.bytes;
+      for (gstmoe::RequestRecord& r : records.rows) r.batch_expert_bytes += copied;
     } catch (const std::exception& e) {
       // Not fatal here: moe-expert loads the experts itself and reports when that fails too.
       GST_WARNING_OBJECT(self, "cannot preload the experts of %zu rows: %s", rows, e.what());

@@ -1,17 +1,22 @@
 // ann-query: build an index from a tensor stream, search it, and the documents it sends.
 #include <gst/check/gstharness.h>
 #include <gst/gst.h>
+#include <gst/video/video.h>
 #include <gtest/gtest.h>
 #include <json-glib/json-glib.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "backend.h"
 #include "gstannquery.h"
+#include "gstmoecatalogsrc.h"
+#include "gstmoeencode.h"
 #include "gstmoemeta.h"
 #include "gstmoeresult.h"
 #include "moe/ann_index.h"
@@ -29,6 +34,8 @@ void init_once() {
   static const bool done = [] {
     gst_init(nullptr, nullptr);
     GST_ELEMENT_REGISTER(ann_query, nullptr);
+    GST_ELEMENT_REGISTER(moe_catalog_src, nullptr);
+    GST_ELEMENT_REGISTER(moe_encode, nullptr);
     return true;
   }();
   (void)done;
@@ -236,20 +243,23 @@ class AnnQueryTest : public ::testing::Test {
       models.stamp(batch);
       EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, first, batch)), GST_FLOW_OK);
     }
-    // The failed request is answered as it arrives, before EOS.
-    std::vector<GstBuffer*> early = pull_all(h);
-    EXPECT_EQ(early.size(), 1u);
-    if (!early.empty()) {
-      Json err(early[0]);
+    // The failed request is answered at EOS, before the summary (a build holds its error
+    // documents back: a sink prerolled by one would stall gst-launch while progress is reported).
+    EXPECT_EQ(gst_harness_buffers_received(h), 0u);
+    EXPECT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+    std::vector<GstBuffer*> docs = pull_all(h);
+    EXPECT_EQ(docs.size(), 2u);
+    if (docs.size() != 2) {
+      unref_all(docs);
+      return nullptr;
+    }
+    {
+      Json err(docs[0]);
       EXPECT_EQ(Json::str(err.obj(), "type"), "error");
       EXPECT_EQ(Json::str(err.obj(), "id"), "broken-image");
     }
-    unref_all(early);
-    EXPECT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
-    std::vector<GstBuffer*> summary = pull_all(h);
-    EXPECT_EQ(summary.size(), 1u);
-    for (size_t i = 1; i < summary.size(); ++i) gst_buffer_unref(summary[i]);
-    return summary.empty() ? nullptr : summary[0];
+    gst_buffer_unref(docs[0]);
+    return docs[1];
   }
 
   // A harness searching the index at `path`, caps set.
@@ -478,8 +488,11 @@ TEST_F(AnnQueryTest, BuildRefusesDuplicateIdsNamingBothFiles) {
   second.rows = {item("bird", "bird.png"), item("dog", "sub/dog.png")};  // against an earlier batch
   ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 3, second)), GST_FLOW_OK);
 
-  std::vector<GstBuffer*> errors = pull_all(h);
-  ASSERT_EQ(errors.size(), 2u);
+  EXPECT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  std::vector<GstBuffer*> errors = pull_all(h);  // the two error documents, then the summary
+  ASSERT_EQ(errors.size(), 3u);
+  std::vector<GstBuffer*> summary = {errors.back()};
+  errors.pop_back();
   const std::vector<std::pair<std::string, std::string>> expected = {{"cat.png", "cat.jpg"},
                                                                      {"sub/dog.png", "dog.png"}};
   for (size_t i = 0; i < errors.size(); ++i) {
@@ -494,9 +507,6 @@ TEST_F(AnnQueryTest, BuildRefusesDuplicateIdsNamingBothFiles) {
         << reason;
   }
   unref_all(errors);
-  EXPECT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
-  std::vector<GstBuffer*> summary = pull_all(h);
-  ASSERT_EQ(summary.size(), 1u);
   {
     Json doc(summary[0]);
     EXPECT_EQ(Json::integer(doc.obj(), "items"), 3);
@@ -1049,6 +1059,563 @@ TEST_F(AnnQueryTest, PropertiesDocumentTheirRanges) {
   g_object_get(element, "mode", &mode, nullptr);
   EXPECT_EQ(mode, GST_ANN_QUERY_MODE_BUILD);
   gst_object_unref(element);
+}
+
+/* ----- watching a build: progress, the summary, what the catalog skips ----- */
+
+// The progress messages on `bus` so far.
+std::vector<GstMessage*> progress_messages(GstBus* bus) {
+  std::vector<GstMessage*> out;
+  while (GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_PROGRESS)) out.push_back(msg);
+  return out;
+}
+
+struct Progress {
+  GstProgressType type;
+  std::string code, text;
+  guint64 done = 0, added = 0, failed = 0;
+  gint64 total = 0;
+  double rate = 0, eta_s = 0;
+};
+
+Progress parse_progress(GstMessage* msg) {
+  Progress p;
+  gchar *code = nullptr, *text = nullptr;
+  gst_message_parse_progress(msg, &p.type, &code, &text);
+  p.code = code;
+  p.text = text;
+  g_free(code);
+  g_free(text);
+  const GstStructure* st = gst_message_get_structure(msg);
+  EXPECT_TRUE(gst_structure_get_uint64(st, "done", &p.done) && gst_structure_get_uint64(st, "added", &p.added) &&
+              gst_structure_get_uint64(st, "failed", &p.failed) && gst_structure_get_int64(st, "total", &p.total) &&
+              gst_structure_get_double(st, "rate", &p.rate) && gst_structure_get_double(st, "eta-s", &p.eta_s))
+      << gst_structure_to_string(st);
+  return p;
+}
+
+std::vector<Progress> take_progress(GstBus* bus) {
+  std::vector<Progress> out;
+  for (GstMessage* msg : progress_messages(bus)) {
+    out.push_back(parse_progress(msg));
+    gst_message_unref(msg);
+  }
+  return out;
+}
+
+// Every `progress-items` requests a progress message with the figures; at EOS a complete one whose
+// text names each failed item and its reason; stats show the same.
+TEST_F(AnnQueryTest, BuildReportsProgressAndNamesFailuresInItsSummary) {
+  const std::string path = dir_.file("progress.faiss");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), "progress-items", 20u, nullptr));
+  set_tensor_caps(h, kWidth);
+  for (int first = 0; first < kItems; first += 10) {  // requests taken: 10, 20, 31, 41, 51
+    gstmoe::BatchRecords batch;
+    for (int i = first; i < first + 10; ++i) batch.rows.push_back(catalog_record(i));
+    if (first == 20) batch.failed.push_back(failed_request("broken-image"));
+    ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, first, batch)), GST_FLOW_OK);
+  }
+  std::vector<Progress> during = take_progress(bus_);
+  ASSERT_EQ(during.size(), 2u);
+  EXPECT_EQ(during[0].type, GST_PROGRESS_TYPE_START);
+  EXPECT_EQ(during[1].type, GST_PROGRESS_TYPE_CONTINUE);
+  EXPECT_EQ(during[0].done, 20u);
+  EXPECT_EQ(during[0].failed, 0u);
+  EXPECT_EQ(during[1].done, 41u);
+  EXPECT_EQ(during[1].added, 40u);
+  EXPECT_EQ(during[1].failed, 1u);
+  for (const Progress& p : during) {
+    EXPECT_EQ(p.code, "index-build");
+    EXPECT_EQ(p.total, -1) << "the harness announces no duration";
+    EXPECT_EQ(p.eta_s, -1.0);
+    EXPECT_GT(p.rate, 0.0);
+    EXPECT_NE(p.text.find(std::to_string(p.done) + " items, " + std::to_string(p.failed) + " failed, "),
+              std::string::npos)
+        << p.text;
+  }
+
+  GstStructure* stats = nullptr;
+  g_object_get(h->element, "stats", &stats, nullptr);
+  gint64 total = 0;
+  double rate = 0;
+  EXPECT_TRUE(gst_structure_get_int64(stats, "total", &total));
+  EXPECT_TRUE(gst_structure_get_double(stats, "rate", &rate));
+  EXPECT_EQ(total, -1);
+  EXPECT_GT(rate, 0.0);
+  gst_structure_free(stats);
+
+  EXPECT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  const std::vector<Progress> end = take_progress(bus_);
+  ASSERT_EQ(end.size(), 1u);
+  EXPECT_EQ(end[0].type, GST_PROGRESS_TYPE_COMPLETE);
+  EXPECT_EQ(end[0].done, 51u);
+  EXPECT_EQ(end[0].added, 50u);
+  EXPECT_NE(end[0].text.find("indexed 50 of 51 items into " + path), std::string::npos) << end[0].text;
+  EXPECT_NE(end[0].text.find("; 1 failed:\n  /nope.jpg: image file '/nope.jpg' cannot be read: No such file or "
+                             "directory [image_unavailable]"),
+            std::string::npos)
+      << end[0].text;
+  std::vector<GstBuffer*> docs = pull_all(h);
+  EXPECT_EQ(docs.size(), 2u);  // the error document, then the index-built one
+  unref_all(docs);
+}
+
+TEST_F(AnnQueryTest, BuildWithoutItemsSaysWhichFailedBeforeItsError) {
+  const std::string path = dir_.file("none.faiss");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), nullptr));
+  set_tensor_caps(h, kWidth);
+  gstmoe::BatchRecords batch;
+  batch.failed.push_back(failed_request("broken-image"));
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+  EXPECT_FALSE(gst_harness_push_event(h, gst_event_new_eos()));
+  // The summary comes first, then the error.
+  GstMessage* summary = gst_bus_pop_filtered(bus_, GST_MESSAGE_PROGRESS);
+  ASSERT_NE(summary, nullptr);
+  const Progress end = parse_progress(summary);
+  gst_message_unref(summary);
+  EXPECT_EQ(end.type, GST_PROGRESS_TYPE_ERROR);
+  EXPECT_NE(end.text.find("nothing indexed"), std::string::npos) << end.text;
+  EXPECT_NE(end.text.find("/nope.jpg: "), std::string::npos) << end.text;
+  EXPECT_NE(bus_error().find("no items to index"), std::string::npos);
+  std::vector<GstBuffer*> docs = pull_all(h);
+  EXPECT_EQ(docs.size(), 1u);  // the failed request's error document still goes out
+  unref_all(docs);
+}
+
+// A folder with images, a text file, a bad image, a subfolder two levels deep and a symlink
+// back to the top.
+struct ImageFolder {
+  TempDir dir;
+  ImageFolder() {
+    const std::vector<uint8_t> png = moe::test::make_png(std::vector<uint8_t>(6 * 4 * 3, 90), 6, 4, 3);
+    std::filesystem::create_directories(dir.file("sub/deeper"));
+    for (const char* name : {"a.png", "b.PNG", "sub/c.png", "sub/deeper/d.png"}) dir.write(name, png);
+    dir.write("notes.txt", "not an image");
+    std::filesystem::create_directory_symlink("..", dir.file("sub/loop"));
+  }
+};
+
+// What moe-catalog-src sends for `location`: the ids of its requests, the folder entries it
+// skipped (stats, and the warning naming them) and the duration it announces.
+struct Listing {
+  std::vector<std::string> ids;
+  guint64 skipped = 0;
+  std::string warning;
+  gint64 duration = -1;
+};
+
+Listing list_catalog(GstBus* bus, const std::string& location, bool recursive) {
+  GstElement* src = gst_element_factory_make("moe-catalog-src", nullptr);
+  g_object_set(src, "location", location.c_str(), "recursive", recursive, nullptr);
+  gst_element_set_bus(src, bus);
+  GstHarness* h = gst_harness_new_with_element(src, nullptr, "src");
+  gst_object_unref(src);
+  gst_harness_play(h);
+  Listing l;
+  GstStructure* stats = nullptr;
+  g_object_get(h->element, "stats", &stats, nullptr);
+  guint64 items = 0;
+  EXPECT_TRUE(gst_structure_get_uint64(stats, "items", &items) &&
+              gst_structure_get_uint64(stats, "skipped", &l.skipped));
+  gst_structure_free(stats);
+  EXPECT_TRUE(gst_element_query_duration(h->element, GST_FORMAT_DEFAULT, &l.duration));
+  for (guint64 i = 0; i < items; ++i) {
+    GstBuffer* buf = gst_harness_pull(h);
+    if (buf == nullptr) break;
+    const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+    EXPECT_TRUE(meta && meta->records->rows.size() == 1) << "item " << i << " could not be read";
+    if (meta && meta->records->rows.size() == 1) l.ids.push_back(meta->records->rows[0].id);
+    EXPECT_GT(gst_buffer_get_size(buf), 0u);
+    gst_buffer_unref(buf);
+  }
+  if (GstMessage* msg = gst_bus_pop_filtered(bus, GST_MESSAGE_WARNING)) {
+    GError* err = nullptr;
+    gst_message_parse_warning(msg, &err, nullptr);
+    l.warning = err->message;
+    g_error_free(err);
+    gst_message_unref(msg);
+  }
+  gst_harness_teardown(h);
+  return l;
+}
+
+TEST_F(AnnQueryTest, CatalogFolderSkipsSubfoldersAndOtherFilesSayingSo) {
+  ImageFolder folder;
+  const Listing l = list_catalog(bus_, folder.dir.path(), false);
+  EXPECT_EQ(l.ids, (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(l.duration, 2);
+  EXPECT_EQ(l.skipped, 2u);
+  EXPECT_NE(l.warning.find("Skipped 2 entries"), std::string::npos) << l.warning;
+  EXPECT_NE(l.warning.find("notes.txt (not an image file by its extension)"), std::string::npos) << l.warning;
+  EXPECT_NE(l.warning.find("sub/ (a subfolder: set recursive=true"), std::string::npos) << l.warning;
+}
+
+TEST_F(AnnQueryTest, RecursiveCatalogFolderTakesSubfoldersOnceEach) {
+  ImageFolder folder;
+  const Listing l = list_catalog(bus_, folder.dir.path(), true);
+  // Below the top folder an id keeps its folders; the symlink back to the top is not followed twice.
+  EXPECT_EQ(l.ids, (std::vector<std::string>{"a", "b", "sub/c", "sub/deeper/d"}));
+  EXPECT_EQ(l.duration, 4);
+  EXPECT_EQ(l.skipped, 2u);
+  EXPECT_NE(l.warning.find("notes.txt"), std::string::npos) << l.warning;
+  EXPECT_NE(l.warning.find("sub/loop/ (already listed"), std::string::npos) << l.warning;
+}
+
+TEST_F(AnnQueryTest, CatalogLocationMayBeOneImageFile) {
+  ImageFolder folder;
+  const Listing l = list_catalog(bus_, folder.dir.file("sub/c.png"), false);
+  EXPECT_EQ(l.ids, (std::vector<std::string>{"c"}));
+  EXPECT_EQ(l.duration, 1);
+  EXPECT_EQ(l.skipped, 0u);
+  EXPECT_EQ(l.warning, "");
+}
+
+// moe-catalog-src ! moe-encode ! ann-query: the build's progress counts against the catalog's
+// size, which the source announces through moe-encode.
+TEST_F(AnnQueryTest, CatalogBuildProgressKnowsItsTotal) {
+  ImageFolder folder;
+  folder.dir.write("broken.png", "not a png");
+  const std::string index = dir_.file("folder.faiss");
+  GError* err = nullptr;
+  GstElement* pipeline =
+      gst_parse_launch(("moe-catalog-src recursive=true location=" + folder.dir.path() +
+                        " ! moe-encode max-batch=2 model=" + moe::test::fixture_path("clip_tiny_bpe") +
+                        " ! ann-query mode=build progress-items=2 index=" + index + " ! fakesink")
+                           .c_str(),
+                       &err);
+  ASSERT_EQ(err, nullptr) << err->message;
+  ASSERT_EQ(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_ASYNC);
+  GstBus* bus = gst_element_get_bus(pipeline);
+  std::vector<Progress> seen;
+  for (;;) {
+    GstMessage* msg = gst_bus_timed_pop_filtered(
+        bus, 120 * GST_SECOND, static_cast<GstMessageType>(GST_MESSAGE_PROGRESS | GST_MESSAGE_EOS | GST_MESSAGE_ERROR));
+    ASSERT_NE(msg, nullptr) << "no EOS";
+    const GstMessageType type = GST_MESSAGE_TYPE(msg);
+    if (type == GST_MESSAGE_PROGRESS) seen.push_back(parse_progress(msg));
+    std::string error;
+    if (type == GST_MESSAGE_ERROR) {
+      GError* e = nullptr;
+      gst_message_parse_error(msg, &e, nullptr);
+      error = e->message;
+      g_error_free(e);
+    }
+    gst_message_unref(msg);
+    ASSERT_EQ(error, "");
+    if (type == GST_MESSAGE_EOS) break;
+  }
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(bus);
+  gst_object_unref(pipeline);
+
+  ASSERT_GE(seen.size(), 2u);
+  for (const Progress& p : seen) EXPECT_EQ(p.total, 5) << p.text;
+  const Progress& last = seen.back();
+  EXPECT_EQ(last.type, GST_PROGRESS_TYPE_COMPLETE);
+  EXPECT_EQ(last.added, 4u);
+  EXPECT_EQ(last.failed, 1u);
+  EXPECT_NE(last.text.find(folder.dir.file("broken.png") + ": "), std::string::npos) << last.text;
+  EXPECT_NE(last.text.find("[image_undecodable]"), std::string::npos) << last.text;
+  EXPECT_EQ(moe::AnnIndex::load(index).size(), 4);
+}
+
+/* ----- frame times ----- */
+
+// A document's text, parsed.
+std::unique_ptr<Json> parse_document(const std::string& text) {
+  GstBuffer* buf = gst_buffer_new_memdup(text.data(), text.size());
+  auto doc = std::make_unique<Json>(buf);
+  gst_buffer_unref(buf);
+  return doc;
+}
+
+// Video frames that leave moe-encode in one batch keep their own PTS and stream time, and their
+// result documents carry them.
+TEST_F(AnnQueryTest, FramesOfOneBatchKeepTheirOwnTimes) {
+  GstElement* encode = gst_element_factory_make("moe-encode", nullptr);
+  g_object_set(encode, "model", moe::test::fixture_path("clip_tiny_bpe").c_str(), "max-batch", 4u, nullptr);
+  GstHarness* h = gst_harness_new_with_element(encode, "sink", "src");
+  gst_object_unref(encode);
+  harnesses_.push_back(h);
+  GstVideoInfo info;
+  gst_video_info_set_format(&info, GST_VIDEO_FORMAT_RGB, 16, 12);
+  GST_VIDEO_INFO_FPS_N(&info) = 25;
+  GST_VIDEO_INFO_FPS_D(&info) = 1;
+  gst_harness_set_src_caps(h, gst_video_info_to_caps(&info));
+  GstSegment segment;  // the stream's time starts at 5 s
+  gst_segment_init(&segment, GST_FORMAT_TIME);
+  segment.time = 5 * GST_SECOND;
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_segment(&segment)));
+
+  // The first frame's batch is held on the way out, so the next two queue and leave together.
+  struct Gate {
+    std::atomic<bool> held{false};
+  } gate;
+  GstPad* src = gst_element_get_static_pad(h->element, "src");
+  const gulong probe = gst_pad_add_probe(
+      src, static_cast<GstPadProbeType>(GST_PAD_PROBE_TYPE_BLOCK | GST_PAD_PROBE_TYPE_BUFFER),
+      [](GstPad*, GstPadProbeInfo*, gpointer data) {
+        static_cast<Gate*>(data)->held = true;
+        return GST_PAD_PROBE_OK;
+      },
+      &gate, nullptr);
+  const GstClockTime frame = 40 * GST_MSECOND;
+  auto push_frame = [&](int n) {
+    GstBuffer* buf = gst_buffer_new_allocate(nullptr, info.size, nullptr);
+    gst_buffer_memset(buf, 0, static_cast<guint8>(40 * n), info.size);
+    GST_BUFFER_PTS(buf) = n * frame;
+    return gst_harness_push(h, buf);
+  };
+  ASSERT_EQ(push_frame(0), GST_FLOW_OK);
+  for (int i = 0; i < 6000 && !gate.held; ++i) g_usleep(10000);
+  ASSERT_TRUE(gate.held) << "the first batch never left";
+  ASSERT_EQ(push_frame(1), GST_FLOW_OK);
+  ASSERT_EQ(push_frame(2), GST_FLOW_OK);
+  gst_pad_remove_probe(src, probe);
+  gst_object_unref(src);
+
+  GstBuffer* first = gst_harness_pull(h);
+  GstBuffer* rest = gst_harness_pull(h);
+  ASSERT_NE(first, nullptr);
+  ASSERT_NE(rest, nullptr);
+  const gstmoe::BatchRecords batch = *gst_buffer_get_moe_batch_meta(rest)->records;
+  ASSERT_EQ(batch.rows.size(), 2u) << "the two queued frames left as one batch ("
+                                   << (batch.failed.empty() ? std::string() : batch.failed[0].reason) << ")";
+  EXPECT_EQ(GST_BUFFER_PTS(rest), frame);  // the batch buffer: its first frame's
+  for (size_t r = 0; r < 2; ++r) {
+    const GstClockTime pts = (r + 1) * frame;
+    EXPECT_EQ(batch.rows[r].pts, pts);
+    EXPECT_EQ(batch.rows[r].stream_time, 5 * GST_SECOND + pts);
+    const auto doc = parse_document(gstmoe::result_document(batch.rows[r], 1, {}, {}, g_get_monotonic_time()));
+    EXPECT_EQ(Json::integer(doc->obj(), "pts_ns"), static_cast<int64_t>(pts));
+    EXPECT_EQ(Json::integer(doc->obj(), "stream_time_ns"), static_cast<int64_t>(5 * GST_SECOND + pts));
+  }
+  gst_buffer_unref(first);
+  gst_buffer_unref(rest);
+
+  // Requests that are not frames carry no times.
+  const auto text_doc = parse_document(gstmoe::result_document(text_request("q"), 1, {}, {}, g_get_monotonic_time()));
+  EXPECT_FALSE(json_object_has_member(text_doc->obj(), "pts_ns"));
+  EXPECT_FALSE(json_object_has_member(text_doc->obj(), "stream_time_ns"));
+}
+
+// ann-query stamps each answer with its own frame's PTS, not the batch buffer's (its first frame's).
+TEST_F(AnnQueryTest, AnswersToFramesCarryTheirOwnPts) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstHarness* h = search_harness(path, 1);
+  gstmoe::BatchRecords batch;
+  for (int i = 1; i <= 2; ++i) {
+    gstmoe::RequestRecord frame = catalog_record(i);
+    frame.pts = i * 40 * GST_MSECOND;
+    frame.stream_time = frame.pts;
+    batch.rows.push_back(frame);
+  }
+  GstBuffer* in = tensor_buffer(catalog_, 1, batch);
+  GST_BUFFER_PTS(in) = 40 * GST_MSECOND;
+  ASSERT_EQ(gst_harness_push(h, in), GST_FLOW_OK);
+  std::vector<GstBuffer*> docs = pull_all(h);
+  ASSERT_EQ(docs.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const GstClockTime pts = (i + 1) * 40 * GST_MSECOND;
+    EXPECT_EQ(GST_BUFFER_PTS(docs[i]), pts);
+    Json doc(docs[i]);
+    EXPECT_EQ(Json::integer(doc.obj(), "pts_ns"), static_cast<int64_t>(pts));
+  }
+  unref_all(docs);
+}
+
+/* ---- plain tensors: no request meta (NNStreamer, ONNX, applications) -------------------- */
+
+// Rows [first, first + rows) of `vectors` in a buffer without a request meta, stamped `pts`.
+GstBuffer* plain_buffer(const std::vector<float>& vectors, int first, int rows, GstClockTime pts) {
+  GstBuffer* buf = gst_buffer_new_memdup(vectors.data() + static_cast<size_t>(first) * kWidth,
+                                         static_cast<size_t>(rows) * kWidth * sizeof(float));
+  GST_BUFFER_PTS(buf) = pts;
+  return buf;
+}
+
+// The (item, score) hits of a result document, best first.
+std::vector<std::pair<int64_t, double>> hits_of(const Json& doc) {
+  std::vector<std::pair<int64_t, double>> hits;
+  JsonArray* results = Json::array(doc.obj(), "results");
+  for (guint j = 0; results && j < json_array_get_length(results); ++j) {
+    JsonObject* hit = json_array_get_object_element(results, j);
+    hits.emplace_back(Json::integer(hit, "item"), Json::number(hit, "score"));
+  }
+  return hits;
+}
+
+TEST_F(AnnQueryTest, PlainVectorsAreSearchedLikeRequestsWithAMeta) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstHarness* h = search_harness(path, 5);
+  // Vectors off the catalog, so that the hits are not just the stored items themselves.
+  const std::vector<float> queries = random_unit_vectors(4, kWidth, 7);
+
+  gstmoe::BatchRecords batch;
+  for (int i = 0; i < 4; ++i) batch.rows.push_back(text_request("q" + std::to_string(i)));
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(queries, 0, batch)), GST_FLOW_OK);
+  std::vector<GstBuffer*> with_meta = pull_all(h);
+  ASSERT_EQ(with_meta.size(), 4u);
+
+  // The same four vectors with no meta: one buffer of one row, one of three.
+  ASSERT_EQ(gst_harness_push(h, plain_buffer(queries, 0, 1, 3 * GST_SECOND)), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, plain_buffer(queries, 1, 3, 4 * GST_SECOND)), GST_FLOW_OK);
+  std::vector<GstBuffer*> plain = pull_all(h);
+  ASSERT_EQ(plain.size(), 4u);
+
+  for (int i = 0; i < 4; ++i) {
+    const GstClockTime pts = (i == 0 ? 3 : 4) * GST_SECOND;
+    EXPECT_EQ(GST_BUFFER_PTS(plain[i]), pts);
+    Json expected(with_meta[i]);
+    Json doc(plain[i]);
+    JsonObject* o = doc.obj();
+    EXPECT_EQ(Json::str(o, "type"), "result");
+    EXPECT_EQ(Json::str(o, "id"), std::to_string(i));  // rows counted since the element was made
+    EXPECT_EQ(Json::str(o, "modality"), "tensor");
+    EXPECT_TRUE(Json::is_null(o, "query"));
+    EXPECT_TRUE(Json::is_null(o, "uri"));
+    EXPECT_EQ(Json::integer(o, "k"), 5);
+    EXPECT_EQ(Json::integer(o, "pts_ns"), static_cast<int64_t>(pts));
+    EXPECT_EQ(json_array_get_length(Json::array(o, "experts")), 0u);
+    const auto hits = hits_of(doc), expected_hits = hits_of(expected);
+    ASSERT_EQ(hits.size(), 5u) << doc.text();
+    ASSERT_EQ(hits.size(), expected_hits.size());
+    for (size_t j = 0; j < hits.size(); ++j) {
+      EXPECT_EQ(hits[j].first, expected_hits[j].first) << "row " << i << " rank " << j + 1;
+      EXPECT_DOUBLE_EQ(hits[j].second, expected_hits[j].second);
+    }
+    // The answer carries the request made for the row, for elements downstream.
+    const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(plain[i]);
+    ASSERT_NE(meta, nullptr);
+    ASSERT_EQ(meta->records->rows.size(), 1u);
+    EXPECT_EQ(meta->records->rows[0].id, std::to_string(i));
+  }
+  unref_all(with_meta);
+  unref_all(plain);
+
+  // A buffer that is not whole vectors is an error naming its size and the width.
+  EXPECT_EQ(gst_harness_push(h, gst_buffer_new_allocate(nullptr, kWidth * sizeof(float) + 2, nullptr)), GST_FLOW_ERROR);
+  const std::string error = bus_error();
+  EXPECT_NE(error.find("66 bytes"), std::string::npos) << error;
+  EXPECT_NE(error.find("16-wide"), std::string::npos) << error;
+}
+
+TEST_F(AnnQueryTest, NnstreamerTensorsGiveOneDocumentPerRow) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  const moe::AnnIndex index = moe::AnnIndex::load(path);
+  const auto expected = index.search(catalog_.data(), 6, 1);
+
+  // NNStreamer's caps as tensor_converter writes them: the width first, then 2 rows per buffer.
+  GstHarness* h = harness(make_element("index", path.c_str(), "k", 1u, nullptr));
+  gst_harness_set_src_caps_str(
+      h, "other/tensors,format=static,num_tensors=1,types=float32,dimensions=(string)16:2,framerate=(fraction)0/1");
+  for (int b = 0; b < 3; ++b)
+    ASSERT_EQ(gst_harness_push(h, plain_buffer(catalog_, 2 * b, 2, b * 100 * GST_MSECOND)), GST_FLOW_OK);
+  std::vector<GstBuffer*> docs = pull_all(h);
+  ASSERT_EQ(docs.size(), 6u);
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(GST_BUFFER_PTS(docs[i]), (i / 2) * 100 * GST_MSECOND);
+    Json doc(docs[i]);
+    EXPECT_EQ(Json::str(doc.obj(), "id"), std::to_string(i));
+    const auto hits = hits_of(doc);
+    ASSERT_EQ(hits.size(), 1u) << doc.text();
+    EXPECT_EQ(hits[0].first, expected[i][0].item);
+    EXPECT_EQ(hits[0].first, i);  // a stored vector finds its own item
+  }
+  unref_all(docs);
+
+  // The older other/tensor caps, 4-D as NNStreamer 1.x wrote them.
+  GstHarness* old = harness(make_element("index", path.c_str(), "k", 1u, nullptr));
+  gst_harness_set_src_caps_str(old, "other/tensor,type=float32,dimension=(string)16:1:1:1");
+  ASSERT_EQ(gst_harness_push(old, plain_buffer(catalog_, 9, 1, 0)), GST_FLOW_OK);
+  docs = pull_all(old);
+  ASSERT_EQ(docs.size(), 1u);
+  EXPECT_EQ(hits_of(Json(docs[0])).at(0).first, 9);
+  unref_all(docs);
+}
+
+// The error a search element posts when it is given `caps` (its index is kWidth wide).
+class AnnQueryCapsTest : public AnnQueryTest {
+ protected:
+  void SetUp() override {
+    AnnQueryTest::SetUp();
+    path_ = dir_.file("catalog.faiss");
+    gst_buffer_unref(build_index(path_));
+    while (GstMessage* m = gst_bus_pop(bus_)) gst_message_unref(m);
+  }
+  std::string refusal(const std::string& caps) {
+    GstHarness* h = harness(make_element("index", path_.c_str(), nullptr));
+    GstCaps* c = gst_caps_from_string(caps.c_str());
+    EXPECT_NE(c, nullptr) << caps;
+    if (!c) return "";
+    GstPad* sink = gst_element_get_static_pad(h->element, "sink");
+    EXPECT_FALSE(gst_pad_send_event(sink, gst_event_new_caps(c))) << caps << " was accepted";
+    gst_object_unref(sink);
+    return bus_error();
+  }
+  std::string path_;
+};
+
+TEST_F(AnnQueryCapsTest, OtherTypesFormatsAndWidthsAreRefusedNamingTheField) {
+  struct Case {
+    std::string caps;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {"other/tensors,format=static,num_tensors=1,types=uint8,dimensions=(string)16:1",
+       {"'types'", "\"uint8\"", "float32"}},
+      {"other/tensor,type=float64,dimension=16", {"'type'", "\"float64\""}},
+      {"other/tensors,format=static,num_tensors=1,dimensions=(string)16:1", {"'types' is missing"}},
+      {"other/tensors,format=flexible,num_tensors=1,types=float32", {"'format'", "\"flexible\"", "static"}},
+      {"other/tensors,format=static,num_tensors=2,types=float32.float32,dimensions=(string)16:1.16:1",
+       {"'num_tensors'"}},
+      {"other/tensors,format=static,num_tensors=1,types=float32", {"'dimensions' is missing"}},
+      // The index's width is 16: 8-wide vectors are refused naming both.
+      {"other/tensors,format=static,num_tensors=1,types=float32,dimensions=(string)8:2",
+       {"width 8", "dimension 16", path_}},
+  };
+  for (const Case& c : cases) {
+    const std::string error = refusal(c.caps);
+    for (const std::string& part : c.says) EXPECT_NE(error.find(part), std::string::npos) << c.caps << "\n" << error;
+  }
+}
+
+TEST_F(AnnQueryCapsTest, HostileDimensionStringsAreRefused) {
+  const std::string head = "other/tensors,format=static,num_tensors=1,types=float32,dimensions=(string)";
+  std::string rank17 = "16";
+  for (int i = 0; i < 16; ++i) rank17 += ":1";
+  const std::string long_digits(5000, '9');
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"\"\"", "must list 1 to 16 dimensions"},
+      {"x", "dimension 1 must be a whole number from 1 to 65536 (the vector width)"},
+      {"16:x", "dimension 2 must be a whole number from 1 to 1048576"},
+      {"16::2", "dimension 2"},
+      {"\"-16:1\"", "dimension 1"},
+      {"\" 16:1\"", "dimension 1"},
+      {"0:1", "dimension 1"},
+      {"65537:1", "from 1 to 65536"},
+      {"18446744073709551617:1", "dimension 1"},  // 2^64 + 1
+      {"16:1024:1024:2", "more than 1048576 rows"},
+      {"16:4294967295", "dimension 2"},
+      {"\"16:1,16:1\"", "more than one tensor"},
+      {rank17, "1 to 16 dimensions"},
+      {long_digits, "dimension 1"},
+  };
+  for (const auto& [dims, says] : cases) {
+    const std::string error = refusal(head + dims);
+    EXPECT_NE(error.find("'dimensions'"), std::string::npos) << dims << "\n" << error;
+    EXPECT_NE(error.find(says), std::string::npos) << dims << "\n" << error;
+    EXPECT_LT(error.size(), 2000u) << "the hostile string is echoed whole";
+  }
+  // Within the bounds: 16 dimensions, 1048576 rows.
+  std::string rank16 = "16:1024:1024";
+  for (int i = 0; i < 13; ++i) rank16 += ":1";
+  GstHarness* h = harness(make_element("index", path_.c_str(), nullptr));
+  gst_harness_set_src_caps_str(h, (head + rank16).c_str());
+  EXPECT_EQ(bus_error(), "");
 }
 
 }  // namespace

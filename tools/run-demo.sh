@@ -2,7 +2,9 @@
 # The main job, from a fresh clone: installs packages (idempotent), builds the plugin, indexes the
 # shipped demo catalog with the index-build pipeline, starts the query service pipeline, sends a
 # handful of text queries and one image query over ZeroMQ, prints each query's top results with
-# the experts used, and writes a self-contained HTML page with thumbnails.
+# its latency and the experts used, and writes a self-contained HTML page with thumbnails that
+# also names the encoder, the adapter (its experts and routing, from its adapter_config.json) and
+# the index.
 #
 #   tools/run-demo.sh [--quick] [QUERY...]
 #
@@ -60,7 +62,8 @@ pipelines/serve.sh "$out/catalog.faiss" > "$out/serve.log" 2>&1 &
 service=$!
 trap 'kill $service 2>/dev/null; wait $service 2>/dev/null || true' EXIT
 
-args=(--requests "$QUERY_ENDPOINT" --results "$RESULT_ENDPOINT" --k 5 --html "$out/search-demo.html")
+args=(--requests "$QUERY_ENDPOINT" --results "$RESULT_ENDPOINT" --k 5 --html "$out/search-demo.html"
+      --adapter "$ADAPTER" --index "$out/catalog.faiss")
 for q in "${queries[@]}"; do args+=(--text "$q"); done
 # One image query: a catalog photo, which should find itself and its look-alikes.
 args+=(--image "$CATALOG/$(ls "$CATALOG" | grep -m1 -E '\.png$')")
@@ -68,4 +71,9 @@ if ! "$build/examples/moe-search-demo" "${args[@]}"; then
   echo "-- service log:"; cat "$out/serve.log"
   exit 1
 fi
+# The page shows each query's latency and what served it (CI runs this script: a page that lost
+# them fails here).
+for shown in 'latency [0-9.]* ms (' '<td>Adapter</td><td>[^<]* experts, top-' '<td>Index</td><td>catalog.faiss ([0-9]* items'; do
+  grep -q "$shown" "$out/search-demo.html" || { echo "run-demo: the page lacks /$shown/" >&2; exit 1; }
+done
 echo "Open $out/search-demo.html in a browser to see the results with pictures."
