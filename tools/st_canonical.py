@@ -12,7 +12,9 @@ import shutil
 
 
 def fresh_dir(path):
-    if os.path.isdir(path):
+    if os.path.islink(path):
+        os.remove(path)  # a link to a folder: replace the link, never empty its target
+    elif os.path.isdir(path):
         shutil.rmtree(path)
     os.makedirs(path)
     return path

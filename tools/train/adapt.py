@@ -88,8 +88,9 @@ def replay_embeddings(model, tokens, proc, codes, args, seed):
 
 def train_moe(model, items, pixels, tokens, proc, args, seed):
     """Frozen CLIP: embed once (K caption variants and `views` image views per item: plain,
-    flipped, randomly augmented as in common.augment), then
-    train the adapter on the cached projected embeddings, shared by both modalities.
+    flipped, randomly augmented as in common.augment), then train the adapter on the cached
+    projected embeddings, shared by both modalities (common.fit_moe_adapter, which
+    tools/train-adapter shares).
 
     With --replay, a share (--replay-frac) of every batch comes from other splits' frozen
     embeddings (the base domain), so the contrastive loss also rewards keeping the base
@@ -105,74 +106,8 @@ def train_moe(model, items, pixels, tokens, proc, args, seed):
     print("moe: cached %d text and %d image embeddings in %.0fs (|text| %.2f, |image| %.2f)" % (
         txt.shape[0] * K, img.shape[0] * img.shape[1], embed_wall, txt.norm(dim=-1).mean(),
         img.norm(dim=-1).mean()), flush=True)
-    n_replay = 0
-    if replay is not None:
-        n_replay = int(round(args.batch * args.replay_frac))
-        print("moe: replay %d items (%s), %d of every %d batch rows" % (
-            replay[0].shape[0], args.replay, n_replay, args.batch), flush=True)
-
-    torch.manual_seed(seed)
-    D = txt.shape[-1]
-    adapter = common.MoeAdapter(D, args.experts, args.intermediate, args.top_k)
-    log_scale = torch.nn.Parameter(model.logit_scale.detach().clone())
-    params = list(adapter.named_parameters()) + [("logit_scale", log_scale)]
-    opt = torch.optim.AdamW(common.param_groups(params, args.weight_decay), lr=args.lr,
-                            betas=(0.9, 0.98), eps=1e-6)
-    log, run = [], 0.0
-    t1 = time.time()
-    usage_t = usage_i = None
-    for step in range(args.steps):
-        for g in opt.param_groups:
-            g["lr"] = common.lr_at(step, args.steps, args.lr, args.warmup)
-        n_own = args.batch - n_replay
-        idx = rng.choice(len(items), n_own, replace=False)
-        v = rng.integers(K, size=n_own)
-        f = rng.integers(img.shape[1], size=n_own)
-        x_t = txt[idx, v]
-        x_i = img[idx, f]
-        t_codes, i_codes = named[idx, v], item_codes[idx]
-        if n_replay:
-            r_txt, r_named, r_img, r_codes = replay
-            ridx = rng.choice(r_txt.shape[0], n_replay, replace=False)
-            rv = rng.integers(K, size=n_replay)
-            rf = rng.integers(r_img.shape[1], size=n_replay)
-            x_t = torch.cat([x_t, r_txt[ridx, rv]])
-            x_i = torch.cat([x_i, r_img[ridx, rf]])
-            t_codes = np.concatenate([t_codes, r_named[ridx, rv]])
-            i_codes = np.concatenate([i_codes, r_codes[ridx]])
-        y_t, p_t, s_t = adapter(x_t)
-        y_i, p_i, s_i = adapter(x_i)
-        match = common.match_matrix(t_codes, i_codes)
-        # y_* are already normalised: the adapter output is what the engine indexes.
-        loss = common.contrastive_loss(y_t, y_i, log_scale, match)
-        aux = 0.5 * (adapter.aux_loss(p_t, s_t) + adapter.aux_loss(p_i, s_i))
-        total = loss + args.aux * aux
-        if args.identity > 0:  # keep the replay rows (all rows without replay) where they were
-            rows = slice(n_own, None) if n_replay else slice(None)
-            ident = 0.5 * (
-                (y_t[rows] - torch.nn.functional.normalize(x_t[rows], dim=-1)).pow(2).sum(-1).mean()
-                + (y_i[rows] - torch.nn.functional.normalize(x_i[rows], dim=-1)).pow(2).sum(-1).mean())
-            total = total + args.identity * ident
-        opt.zero_grad(set_to_none=True)
-        total.backward()
-        opt.step()
-        with torch.no_grad():
-            log_scale.clamp_(0, np.log(100))
-        run = loss.item() if step == 0 else 0.95 * run + 0.05 * loss.item()
-        if (step + 1) % 100 == 0 or step == args.steps - 1:
-            usage_t = np.bincount(s_t.reshape(-1).numpy(), minlength=args.experts) / s_t.numel()
-            usage_i = np.bincount(s_i.reshape(-1).numpy(), minlength=args.experts) / s_i.numel()
-            rec = {"step": step + 1, "loss": round(run, 4), "aux": round(aux.item(), 4),
-                   "logit_scale": round(log_scale.exp().item(), 2),
-                   "usage_text": [round(float(u), 3) for u in usage_t],
-                   "usage_image": [round(float(u), 3) for u in usage_i],
-                   "wall_s": round(time.time() - t1, 1)}
-            log.append(rec)
-            if (step + 1) % 500 == 0 or step == args.steps - 1:
-                print("moe step %5d  loss %.4f  aux %.3f  usage text %s image %s" % (
-                    step + 1, run, aux.item(), np.round(usage_t, 2), np.round(usage_i, 2)),
-                    flush=True)
-    adapter.eval()
+    adapter, log = common.fit_moe_adapter((txt, named, img, item_codes), replay, args, rng, seed,
+                                          model.logit_scale)
     stats = {"wall_s": round(time.time() - t0, 1), "cpu_s": round(time.process_time() - c0, 1),
              "embed_cache_wall_s": round(embed_wall, 1), "embed_cache_cpu_s": round(embed_cpu, 1),
              "log": log}

@@ -11,7 +11,6 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import json  # noqa: E402
 import math  # noqa: E402
-import shutil  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -23,7 +22,7 @@ from PIL import Image  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from st_canonical import canonicalize as canonical_safetensors  # noqa: E402
+from st_canonical import canonicalize as canonical_safetensors, fresh_dir  # noqa: E402,F401
 
 torch.set_num_threads(1)
 torch.set_num_interop_threads(1)
@@ -398,6 +397,88 @@ class MoeAdapter(nn.Module):
                 "norm_topk_prob": True, "shared_expert_intermediate_size": 0}
 
 
+def fit_moe_adapter(own, replay, hp, rng, seed, logit_scale, match=match_matrix, label="moe"):
+    """Trains a MoeAdapter on frozen, cached embeddings (the project's MoE recipe).
+
+    `own` and `replay` (None for no replay) are (txt [N, K, D], txt_keys [N, K, ...],
+    img [N, V, D], img_keys [N, ...]): K caption embeddings and V image views per item, and the
+    keys `match(txt_keys, img_keys)` turns into the batch's [T, I] caption-fits-image matrix.
+    Each batch (hp.batch rows) takes a share hp.replay_frac from `replay`; on those rows (all rows
+    without replay) a penalty hp.identity * ||adapter(x) - x/|x|||^2 keeps the adapter near the
+    identity. Contrastive loss (common.contrastive_loss) with a learnable temperature starting at
+    `logit_scale` (not exported) + hp.aux * the load-balancing loss; AdamW, warm-up + cosine.
+    hp: experts, intermediate, top_k, steps, batch, lr, warmup, weight_decay, aux, identity,
+    replay_frac. Returns (adapter in eval mode, log records every 100 steps)."""
+    txt, named, img, item_codes = own
+    K = txt.shape[1]
+    n_replay = 0
+    if replay is not None:
+        n_replay = int(round(hp.batch * hp.replay_frac))
+        print("%s: replay %d items, %d of every %d batch rows" % (
+            label, replay[0].shape[0], n_replay, hp.batch), flush=True)
+
+    torch.manual_seed(seed)
+    D = txt.shape[-1]
+    adapter = MoeAdapter(D, hp.experts, hp.intermediate, hp.top_k)
+    log_scale = nn.Parameter(logit_scale.detach().clone())
+    params = list(adapter.named_parameters()) + [("logit_scale", log_scale)]
+    opt = torch.optim.AdamW(param_groups(params, hp.weight_decay), lr=hp.lr, betas=(0.9, 0.98),
+                            eps=1e-6)
+    log, run = [], 0.0
+    t1 = time.time()
+    for step in range(hp.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, hp.steps, hp.lr, hp.warmup)
+        n_own = hp.batch - n_replay
+        idx = rng.choice(txt.shape[0], n_own, replace=False)
+        v = rng.integers(K, size=n_own)
+        f = rng.integers(img.shape[1], size=n_own)
+        x_t = txt[idx, v]
+        x_i = img[idx, f]
+        t_codes, i_codes = named[idx, v], item_codes[idx]
+        if n_replay:
+            r_txt, r_named, r_img, r_codes = replay
+            ridx = rng.choice(r_txt.shape[0], n_replay, replace=False)
+            rv = rng.integers(r_txt.shape[1], size=n_replay)
+            rf = rng.integers(r_img.shape[1], size=n_replay)
+            x_t = torch.cat([x_t, r_txt[ridx, rv]])
+            x_i = torch.cat([x_i, r_img[ridx, rf]])
+            t_codes = np.concatenate([t_codes, r_named[ridx, rv]])
+            i_codes = np.concatenate([i_codes, r_codes[ridx]])
+        y_t, p_t, s_t = adapter(x_t)
+        y_i, p_i, s_i = adapter(x_i)
+        # y_* are already normalised: the adapter output is what the engine indexes.
+        loss = contrastive_loss(y_t, y_i, log_scale, match(t_codes, i_codes))
+        aux = 0.5 * (adapter.aux_loss(p_t, s_t) + adapter.aux_loss(p_i, s_i))
+        total = loss + hp.aux * aux
+        if hp.identity > 0:  # keep the replay rows (all rows without replay) where they were
+            rows = slice(n_own, None) if n_replay else slice(None)
+            ident = 0.5 * ((y_t[rows] - F.normalize(x_t[rows], dim=-1)).pow(2).sum(-1).mean()
+                           + (y_i[rows] - F.normalize(x_i[rows], dim=-1)).pow(2).sum(-1).mean())
+            total = total + hp.identity * ident
+        opt.zero_grad(set_to_none=True)
+        total.backward()
+        opt.step()
+        with torch.no_grad():
+            log_scale.clamp_(0, np.log(100))
+        run = loss.item() if step == 0 else 0.95 * run + 0.05 * loss.item()
+        if (step + 1) % 100 == 0 or step == hp.steps - 1:
+            usage_t = np.bincount(s_t.reshape(-1).numpy(), minlength=hp.experts) / s_t.numel()
+            usage_i = np.bincount(s_i.reshape(-1).numpy(), minlength=hp.experts) / s_i.numel()
+            rec = {"step": step + 1, "loss": round(run, 4), "aux": round(aux.item(), 4),
+                   "logit_scale": round(log_scale.exp().item(), 2),
+                   "usage_text": [round(float(u), 3) for u in usage_t],
+                   "usage_image": [round(float(u), 3) for u in usage_i],
+                   "wall_s": round(time.time() - t1, 1)}
+            log.append(rec)
+            if (step + 1) % 500 == 0 or step == hp.steps - 1:
+                print("%s step %5d  loss %.4f  aux %.3f  usage text %s image %s" % (
+                    label, step + 1, run, aux.item(), np.round(usage_t, 2), np.round(usage_i, 2)),
+                    flush=True)
+    adapter.eval()
+    return adapter, log
+
+
 def load_adapter(adapter_dir):
     with open(os.path.join(adapter_dir, "adapter_config.json")) as fh:
         cfg = json.load(fh)
@@ -409,13 +490,6 @@ def load_adapter(adapter_dir):
 
 
 # ------------------------------------------------------------------------ export
-
-
-def fresh_dir(path):
-    if os.path.isdir(path) or os.path.islink(path):
-        shutil.rmtree(path)
-    os.makedirs(path)
-    return path
 
 
 def save_clip_dir(model, out_dir, dtype=torch.float16, image_size=64):
@@ -441,8 +515,13 @@ def save_clip_dir(model, out_dir, dtype=torch.float16, image_size=64):
     return out_dir
 
 
-def save_adapter_dir(adapter, out_dir, metadata=None):
-    fresh_dir(out_dir)
+def save_adapter_dir(adapter, out_dir, metadata=None, fresh=True):
+    """adapter.safetensors + adapter_config.json in `out_dir` (emptied first unless `fresh` is
+    False: then only those two files are replaced)."""
+    if fresh:
+        fresh_dir(out_dir)
+    else:
+        os.makedirs(out_dir, exist_ok=True)
     sd = {k: v.detach().float().contiguous() for k, v in adapter.state_dict().items()}
     path = os.path.join(out_dir, "adapter.safetensors")
     meta = {"format": "gst-moe-adapter", "generator": "tools/train/adapt.py"}
