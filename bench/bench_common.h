@@ -316,7 +316,12 @@ class DeviceBuffer {
     b_->synchronize();
   }
   ~DeviceBuffer() {
-    if (p_) b_->deallocate(p_);
+    if (!p_) return;
+    try {
+      b_->deallocate(p_);
+    } catch (const std::exception& e) {  // a destructor must not throw: a benchmark reports and goes on
+      std::fprintf(stderr, "warning: freeing %zu bytes on %s failed: %s\n", bytes_, b_->name().c_str(), e.what());
+    }
   }
   DeviceBuffer(DeviceBuffer&& o) noexcept : b_(o.b_), bytes_(o.bytes_), p_(o.p_) { o.p_ = nullptr; }
   DeviceBuffer(const DeviceBuffer&) = delete;

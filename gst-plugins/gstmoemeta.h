@@ -28,10 +28,16 @@
 #define GST_MOE_TENSOR_MEDIA_TYPE "application/x-moe-tensor"
 #define GST_MOE_TENSOR_CAPS GST_MOE_TENSOR_MEDIA_TYPE ", dtype=(string)f32, width=(int)[1,65536]"
 #define GST_MOE_JSON_CAPS "application/json"
+// Tensors from outside gst-moe, without a GstMoeBatchMeta: ours, or NNStreamer's (see
+// parse_open_tensor_caps for what of theirs is taken; the rest is refused at caps time, naming why).
+#define GST_MOE_NNS_TENSORS_MEDIA_TYPE "other/tensors"
+#define GST_MOE_NNS_TENSOR_MEDIA_TYPE "other/tensor"
+#define GST_MOE_OPEN_TENSOR_CAPS \
+  GST_MOE_TENSOR_CAPS "; " GST_MOE_NNS_TENSORS_MEDIA_TYPE "; " GST_MOE_NNS_TENSOR_MEDIA_TYPE
 
 namespace gstmoe {
 
-enum class Modality { Text, Image };
+enum class Modality { Text, Image, Tensor };  // Tensor: a plain vector, no meta (ann-query)
 const char* modality_name(Modality m);
 
 // One request, from the moment it enters the pipeline to its result document.
@@ -47,6 +53,16 @@ struct RequestRecord {
   std::vector<int32_t> experts;       // after moe-route: chosen experts, best first
   std::vector<float> expert_weights;  // their weights
   std::vector<std::pair<std::string, double>> timings_ms;  // stage -> milliseconds, in order
+  // Video frames: the frame's own PTS and its stream time (set by moe-encode; a batch buffer
+  // carries only its first row's PTS). GST_CLOCK_TIME_NONE for other requests.
+  GstClockTime pts = GST_CLOCK_TIME_NONE;
+  GstClockTime stream_time = GST_CLOCK_TIME_NONE;
+  // What its batch cost besides the stage times, for its share (docs/zmq-schema.md, "cost"):
+  // the rows of the batch moe-encode made (0: no moe-encode upstream), the host time moe-expert
+  // waited for the batch's expert copies, and the expert bytes the batch had copied to devices.
+  size_t batch_rows = 0;
+  double batch_copy_wait_ms = 0;
+  uint64_t batch_expert_bytes = 0;
 };
 
 // A request that could not be processed; it travels to the result stream as an error record.
@@ -101,10 +117,15 @@ typedef enum {
   GST_MOE_PRECISION_FP32 = 0,
   GST_MOE_PRECISION_FP16 = 1,
   GST_MOE_PRECISION_BF16 = 2,
+  GST_MOE_PRECISION_INT4 = 3,  // 4-bit experts as stored (moe-expert only: GST_TYPE_MOE_EXPERT_PRECISION)
 } GstMoePrecision;
 
+// fp32, fp16, bf16: what moe-encode offers.
 GType gst_moe_precision_get_type(void);
 #define GST_TYPE_MOE_PRECISION (gst_moe_precision_get_type())
+// The same values and int4 (moe-expert: a 4-bit adapter's experts run packed, as stored).
+GType gst_moe_expert_precision_get_type(void);
+#define GST_TYPE_MOE_EXPERT_PRECISION (gst_moe_expert_precision_get_type())
 
 G_END_DECLS
 
@@ -118,6 +139,12 @@ namespace gstmoe {
 GstCaps* tensor_caps(int width);
 // Reads width from tensor caps; false if the caps are not fixed x-moe-tensor f32 caps.
 bool parse_tensor_caps(const GstCaps* caps, int* width);
+// Reads the row width from fixed GST_MOE_OPEN_TENSOR_CAPS: x-moe-tensor, or NNStreamer's caps for
+// one static float32 tensor (other/tensors: format=static or none, num_tensors=1, types=float32,
+// dimensions; other/tensor: type=float32, dimension), whose first (innermost) dimension is the
+// width and whose others count rows. False, with `why` naming the caps field, for anything else;
+// dimension strings are bounded: at most 16 of them, width up to 65536, up to 1048576 rows.
+bool parse_open_tensor_caps(const GstCaps* caps, int* width, std::string* why);
 
 // A read-only buffer that takes `bytes` without copying them (request payloads: image files).
 GstBuffer* bytes_buffer(std::vector<uint8_t>&& bytes);

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Index build: a folder of images (or a catalog.jsonl listing images and captions) -> a FAISS
-# index file plus its item table (INDEX.items.jsonl).
+# Index build: a folder of images (or one image, or a catalog.jsonl listing images and captions)
+# -> a FAISS index file plus its item table (INDEX.items.jsonl).
 #
 #   pipelines/build-index.sh [CATALOG] [INDEX]
 #
@@ -9,6 +9,12 @@
 # and PRECISION choose where and how they compute (pipelines/env.sh). Run the README's set-up
 # first so that build/gst-plugins holds the plugin.
 #
+# While it runs it prints a progress line every PROGRESS_ITEMS images (default 32: done, total,
+# failures, rate, time left), a warning naming what a folder holds besides images (other files;
+# subfolders, unless RECURSIVE=1 indexes them too), and at the end a summary naming each image
+# that could not be indexed and why. Images that fail are left out of the index, which is still
+# written; the script then exits 2, unless ALLOW_FAILURES=1 (exit 0 with the images it could read).
+#
 # Interrupted (SIGINT, SIGTERM, SIGHUP), it stops the build, keeps an earlier INDEX as it was,
 # says so and exits 130, 143 or 129; a second signal stops gst-launch at once.
 set -euo pipefail
@@ -16,7 +22,17 @@ set -euo pipefail
 CATALOG=${1:-${CATALOG:-$repo/models/default/catalog}}
 INDEX=${2:-$INDEX}
 INDEX_TYPE=${INDEX_TYPE:-flat}
+RECURSIVE=${RECURSIVE:-0}
+ALLOW_FAILURES=${ALLOW_FAILURES:-0}
+PROGRESS_ITEMS=${PROGRESS_ITEMS:-32}
 ITEMS=$INDEX.items.jsonl
+mkdir -p -- "$(dirname -- "$INDEX")"
+recursive=false
+[ "$RECURSIVE" = 1 ] && recursive=true
+# ann-query's documents (one error document per failed image, then the index-built summary),
+# read back for the number of failures; outside INDEX's folder, removed on exit.
+docs=$(mktemp "${TMPDIR:-/tmp}/build-index.XXXXXX")
+trap 'rm -f -- "$docs"' EXIT
 
 # ann-query writes INDEX and ITEMS under temporary names and renames them into place once both
 # are complete (AtomicFile in core/src/search/ann_index.cpp), so a new identity means a new index.
@@ -43,24 +59,26 @@ trap 'interrupted=130; stop_build' INT
 trap 'interrupted=143; stop_build' TERM
 trap 'interrupted=129; stop_build' HUP
 
-# moe-catalog-src   reads every image of the catalog, one request per image (uri + caption)
-# moe-encode        CLIP image tower, 32 images per batch
-# moe-route         the adapter's router picks the top-k experts of every embedding
+# moe-catalog-src   reads every image of the catalog, one request per image (uri + caption); warns
+#                   about the files of a folder it skips
+# moe-encode        CLIP image tower, 32 images per batch (no query cache: every item is new)
+# moe-route         the adapter's router picks the top-k experts of every embedding (unless
+#                   ADAPTER=none: base CLIP's embeddings are indexed as they are)
 # moe-expert        runs those experts: embedding + weighted expert outputs, L2-normalised
-# ann-query         mode=build collects every embedding and writes the index at EOS
-# fakesink          ann-query emits one summary document at the end (and one per failed image)
+# ann-query         mode=build collects every embedding and writes the index at EOS; posts the
+#                   progress lines and the final summary (gst-launch prints them)
+# filesink          ann-query's documents at EOS: one per failed image, then the index-built one
 # No -e: an interrupt abandons the build (with -e, the EOS it sends would make ann-query write
 # the images encoded so far over INDEX). setsid: signals reach gst-launch only through
 # stop_build (Ctrl-C in a terminal would reach it twice, and the second SIGINT kills it).
 # --default-signal: a background job starts with SIGINT ignored, and gst-launch handles it only
 # once prerolling has begun; until then an interrupt must end it rather than be lost.
 setsid env --default-signal=INT gst-launch-1.0 \
-  moe-catalog-src location="$CATALOG" \
-  ! moe-encode model="$MODEL" max-batch=32 device="$DEVICE" precision="$PRECISION" \
-  ! moe-route model="$ADAPTER" \
-  ! moe-expert model="$ADAPTER" device="$EXPERT_DEVICE" precision="$PRECISION" \
-  ! ann-query mode=build index="$INDEX" index-type="$INDEX_TYPE" \
-  ! fakesink &
+  moe-catalog-src location="$CATALOG" recursive=$recursive \
+  ! moe-encode model="$MODEL" max-batch=32 device="$DEVICE" precision="$ENCODE_PRECISION" cache-bytes=0 \
+  "${adapter_stages[@]}" \
+  ! ann-query mode=build index="$INDEX" index-type="$INDEX_TYPE" progress-items="$PROGRESS_ITEMS" \
+  ! filesink location="$docs" &
 gst_pid=$!  # setsid execs gst-launch in the same process (a background job leads no group)
 [ -z "$interrupted" ] || stop_build  # a signal that came before gst_pid was known
 
@@ -77,7 +95,24 @@ if [ -z "$interrupted" ] && [ "$status" -eq 0 ] && [ "$(index_identity)" = "$ind
   interrupted=130
 fi
 if [ -z "$interrupted" ]; then
-  exit "$status"
+  [ "$status" -eq 0 ] || exit "$status"
+  # The index-built document is the last one; a quote inside a JSON string is escaped, so the
+  # pattern matches only its own members.
+  summary=$(grep -o '"type":"index-built".*' "$docs" | tail -n 1)
+  items=$(printf '%s' "$summary" | grep -o '"items":[0-9]*' | cut -d: -f2)
+  failed=$(printf '%s' "$summary" | grep -o '"failed":[0-9]*' | cut -d: -f2)
+  failed=${failed:-0}
+  if [ "$failed" -eq 0 ]; then
+    echo "build-index: indexed ${items:-?} images into $INDEX"
+    exit 0
+  fi
+  if [ "$ALLOW_FAILURES" = 1 ]; then
+    echo "build-index: indexed ${items:-?} images into $INDEX; $failed failed (named above; ALLOW_FAILURES=1)"
+    exit 0
+  fi
+  echo "build-index: failed images: $failed (named above); $INDEX was written with the other ${items:-?}." \
+    "Fix or remove them, or set ALLOW_FAILURES=1 to accept the index without them" >&2
+  exit 2
 fi
 
 # What a gst-launch killed while writing leaves behind (AtomicFile's names: PATH.tmp-PID-N).

@@ -17,8 +17,13 @@
 # file:// path the index was built from (ann-query uri-base, docs/zmq-schema.md).
 # METRICS_ADDRESS=127.0.0.1:9464 serves Prometheus metrics at http://127.0.0.1:9464/metrics
 # (docs/metrics.md).
+# CACHE_BYTES bounds moe-encode's query cache (default 64 MiB; 0 turns it off): a repeated query
+# text or image skips the encoder (docs/operations.md).
+# ADAPTER=none serves the encoder alone (base CLIP: no moe-route / moe-expert), over an index
+# built with ADAPTER=none too.
 # DEVICE, EXPERT_DEVICE and PRECISION choose where and how the models compute (pipelines/env.sh),
-# e.g. DEVICE=auto EXPERT_DEVICE=all PRECISION=fp16 on a GPU machine.
+# e.g. DEVICE=auto EXPERT_DEVICE=all PRECISION=fp16 on a GPU machine; PRECISION=int4 serves the
+# 4-bit adapter (models/default/adapter-int4 unless ADAPTER says otherwise) with the encoder in fp32.
 set -euo pipefail
 . "$(dirname "$0")/env.sh"
 INDEX=${1:-$INDEX}
@@ -30,6 +35,7 @@ CURVE_KEY=${CURVE_KEY:-}
 CURVE_ALLOWED=${CURVE_ALLOWED:-}
 METRICS_ADDRESS=${METRICS_ADDRESS:-}
 URI_BASE=${URI_BASE:-}
+CACHE_BYTES=${CACHE_BYTES:-67108864}
 # The same key pair and allow-list on both sockets; an element refuses to start with only one set.
 curve=()
 if [ -n "$CURVE_KEY" ]; then curve+=(curve-secret-key-file="$CURVE_KEY"); fi
@@ -39,9 +45,11 @@ if [ -n "$CURVE_ALLOWED" ]; then curve+=(curve-allowed-keys="$CURVE_ALLOWED"); f
 #               image-root is set only when IMAGE_ROOT is (gst-launch cannot take an empty value);
 #               CURVE when CURVE_KEY and CURVE_ALLOWED are set, on this socket and zmq-publish's
 # moe-encode    CLIP text/image towers; batches up to 16 requests, waits at most 5 ms for a batch;
-#               on DEVICE, weights in PRECISION
-# moe-route     router: top-k experts per query
-# moe-expert    runs the experts on EXPERT_DEVICE (preloaded there by moe-route), L2-normalises
+#               on DEVICE, weights in ENCODE_PRECISION (PRECISION; fp32 when PRECISION=int4);
+#               answers repeated queries from its cache
+# moe-route     router: top-k experts per query (unless ADAPTER=none)
+# moe-expert    runs the experts on EXPERT_DEVICE (preloaded there by moe-route) in
+#               EXPERT_PRECISION, L2-normalises (unless ADAPTER=none)
 # ann-query     searches the index (a flat one GPU-resident when DEVICE is a GPU): one JSON result
 #               (or error) document per request
 # zmq-publish   PUB socket; never blocks on slow or absent subscribers (one that falls behind loses
@@ -49,8 +57,8 @@ if [ -n "$CURVE_ALLOWED" ]; then curve+=(curve-allowed-keys="$CURVE_ALLOWED"); f
 exec gst-launch-1.0 -e \
   zmq-query endpoint="$QUERY_ENDPOINT" num-requests="$NUM_REQUESTS" ${IMAGE_ROOT:+image-root="$IMAGE_ROOT"} "${curve[@]}" \
   ! queue \
-  ! moe-encode model="$MODEL" max-batch=16 max-latency=5000000 device="$DEVICE" precision="$PRECISION" \
-  ! moe-route model="$ADAPTER" \
-  ! moe-expert model="$ADAPTER" device="$EXPERT_DEVICE" precision="$PRECISION" \
+  ! moe-encode model="$MODEL" max-batch=16 max-latency=5000000 device="$DEVICE" precision="$ENCODE_PRECISION" \
+    cache-bytes="$CACHE_BYTES" \
+  "${adapter_stages[@]}" \
   ! ann-query index="$INDEX" k=10 device="$DEVICE" ${URI_BASE:+uri-base="$URI_BASE"} \
   ! zmq-publish endpoint="$RESULT_ENDPOINT" "${curve[@]}" ${METRICS_ADDRESS:+metrics-address="$METRICS_ADDRESS"}

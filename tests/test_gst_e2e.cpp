@@ -433,6 +433,47 @@ TEST_F(E2E, InterruptedBuildKeepsTheOldIndex) {
   }
 }
 
+// A build over a folder with bad images, a text file and a subfolder prints its progress, says
+// what it skipped, names each failed image with its reason and exits 2; ALLOW_FAILURES=1 accepts
+// the index without them, RECURSIVE=1 takes the subfolder too.
+TEST_F(E2E, BuildScriptShowsProgressSkipsAndFailures) {
+  moe::test::TempDir dir;
+  for (int i = 0; i < 4; ++i)
+    std::filesystem::copy_file(catalog().paths[i], dir.file("good" + std::to_string(i) + ".png"));
+  dir.write("broken.png", "not a png at all");
+  dir.write("truncated.jpg", file_bytes(catalog().paths[4]).substr(0, 20));
+  dir.write("notes.txt", "a text file");
+  std::filesystem::create_directory(dir.file("sub"));
+  std::filesystem::copy_file(catalog().paths[5], dir.file("sub/inner.png"));
+  moe::test::TempDir out;
+  const std::string index = out.file("index.faiss");
+  const auto indexed = [&] {
+    std::ifstream items(index + ".items.jsonl");
+    int lines = 0;
+    for (std::string line; std::getline(items, line);) ++lines;
+    return lines - 1;  // the header
+  };
+
+  std::string output;
+  const std::vector<std::string> env = {"MODEL=" + kModel, "ADAPTER=" + kAdapter, "PROGRESS_ITEMS=2"};
+  EXPECT_EQ(run({kSource + "/pipelines/build-index.sh", dir.path(), index}, env, &output), 2) << output;
+  for (const std::string& said :
+       {std::string("Progress: (index-build) "), std::string(" of 6 items ("),
+        std::string("notes.txt (not an image file"), std::string("sub/ (a subfolder: set recursive=true"),
+        std::string("indexed 4 of 6 items into " + index), dir.file("broken.png") + ": ",
+        dir.file("truncated.jpg") + ": ", std::string("failed images: 2")})
+    EXPECT_NE(output.find(said), std::string::npos) << "missing: " << said << "\n" << output;
+  EXPECT_EQ(indexed(), 4);
+
+  std::vector<std::string> tolerant = env;
+  tolerant.push_back("ALLOW_FAILURES=1");
+  tolerant.push_back("RECURSIVE=1");
+  EXPECT_EQ(run({kSource + "/pipelines/build-index.sh", dir.path(), index}, tolerant, &output), 0) << output;
+  EXPECT_NE(output.find("indexed 5 images into " + index + "; 2 failed"), std::string::npos) << output;
+  EXPECT_EQ(output.find("sub/ (a subfolder"), std::string::npos) << output;
+  EXPECT_EQ(indexed(), 5);
+}
+
 TEST_F(E2E, ServingPipelineAnswersEveryRequestOnce) {
   const std::string req = endpoint(), res = endpoint();
   const std::string desc =
@@ -505,6 +546,18 @@ TEST_F(E2E, ServingPipelineAnswersEveryRequestOnce) {
     }
     EXPECT_GT(json_array_get_length(json_object_get_array_member(d.obj, "experts")), 0u);
     EXPECT_TRUE(json_object_has_member(d.obj, "timings_ms"));
+    // Its share of its batch (docs/zmq-schema.md, "cost"); experts on the CPU path copy nothing.
+    JsonObject* cost = json_object_get_object_member(d.obj, "cost");
+    ASSERT_NE(cost, nullptr) << id;
+    const gint64 batch_rows = json_object_get_int_member(cost, "batch_rows");
+    EXPECT_GE(batch_rows, 1) << id;
+    EXPECT_LE(batch_rows, 4) << id << ": max-batch";
+    EXPECT_GT(json_object_get_double_member(cost, "compute_ms"), 0.0) << id;
+    EXPECT_EQ(json_object_get_double_member(cost, "copy_ms"), 0.0) << id;
+    EXPECT_EQ(json_object_get_int_member(cost, "expert_bytes_loaded"), 0) << id;
+    EXPECT_EQ(json_object_get_double_member(cost, "wait_ms"),
+              json_object_get_double_member(json_object_get_object_member(d.obj, "timings_ms"), "queue"))
+        << id;
     // An image of the catalog finds itself first: the same pixels give the same embedding.
     if (id.rfind("image-", 0) == 0 || id == "77") {
       const int item = id == "77" ? 5 : std::stoi(id.substr(6));
@@ -548,8 +601,9 @@ TEST_F(E2E, ServeScriptWorksAsWritten) {
   EXPECT_EQ(rc, 0) << out;
 }
 
-// The shipped 4-bit adapter through the scripts as documented (ADAPTER=models/default/adapter-int4,
-// the other settings at their defaults): it indexes the demo catalog and serves queries on it.
+// The shipped 4-bit adapter through the scripts as documented: build-index.sh with
+// ADAPTER=models/default/adapter-int4 (the other settings at their defaults: it runs as stored)
+// indexes the demo catalog; serve.sh with PRECISION=int4 (which picks that adapter) serves it.
 TEST_F(E2E, ServeScriptRunsTheShippedInt4Adapter) {
   constexpr int kRequests = 40;
   const std::string model = kSource + "/models/default/clip", adapter = kSource + "/models/default/adapter-int4",
@@ -564,7 +618,7 @@ TEST_F(E2E, ServeScriptRunsTheShippedInt4Adapter) {
   int rc = -1;
   std::thread service([&] {
     rc = run({kSource + "/pipelines/serve.sh", index},
-             {"MODEL=" + model, "ADAPTER=" + adapter, "QUERY_ENDPOINT=" + req, "RESULT_ENDPOINT=" + res,
+             {"MODEL=" + model, "PRECISION=int4", "QUERY_ENDPOINT=" + req, "RESULT_ENDPOINT=" + res,
               "NUM_REQUESTS=" + std::to_string(kRequests), "IMAGE_ROOT=" + demo},
              &out);
   });

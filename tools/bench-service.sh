@@ -71,7 +71,8 @@ requests="tcp://127.0.0.1:$query_port"
 results="tcp://127.0.0.1:$result_port"
 
 log "starting the service (pipelines/serve.sh) on $requests -> $results"
-QUERY_ENDPOINT="$requests" RESULT_ENDPOINT="$results" "$ROOT/pipelines/serve.sh" "$INDEX" > "$out/serve.log" 2>&1 &
+# CACHE_BYTES=0: the demo's queries repeat, and the direct side encodes every one of them.
+CACHE_BYTES=0 QUERY_ENDPOINT="$requests" RESULT_ENDPOINT="$results" "$ROOT/pipelines/serve.sh" "$INDEX" > "$out/serve.log" 2>&1 &
 service=$!
 trap 'kill -INT "$service" 2>/dev/null; wait "$service" 2>/dev/null || true' EXIT
 
