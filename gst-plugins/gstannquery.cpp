@@ -162,7 +162,7 @@ struct AnnQueryState {
   std::vector<std::string> failure_lines;  // "<file>: <reason> [<code>]", the first kMaxNamedFailures
   GstBufferList* held_errors = gst_buffer_list_new();
   // The caps last refused (their error is posted): upstream retries a refused sticky caps event
-  // before each buffer and event, and one error says it all (several made gst-launch hang).
+  // before each buffer and event, and one error says it all.
   GstCaps* refused_caps = nullptr;
 
   AnnQueryState() = default;
@@ -1110,7 +1110,10 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
       "Build: gst-launch-1.0 moe-catalog-src location=photos/ ! moe-encode model=clip/ ! moe-route model=adapter/ "
       "! moe-expert model=adapter/ ! ann-query mode=build index=catalog.faiss ! fakesink\n"
       "Search: gst-launch-1.0 zmq-query ! moe-encode model=clip/ ! moe-route model=adapter/ ! "
-      "moe-expert model=adapter/ ! ann-query index=catalog.faiss k=5 ! zmq-publish",
+      "moe-expert model=adapter/ ! ann-query index=catalog.faiss k=5 ! zmq-publish\n"
+      "Vectors (128-wide float32, back to back in a file): gst-launch-1.0 filesrc location=queries.f32 blocksize=512 ! "
+      "'other/tensors,format=static,num_tensors=1,types=float32,dimensions=(string)128:1' ! "
+      "ann-query index=catalog.faiss k=3 ! filesink location=results.json",
       "gst-moe developers");
 
   gst_type_mark_as_plugin_api(GST_TYPE_ANN_QUERY_MODE, static_cast<GstPluginAPIFlags>(0));

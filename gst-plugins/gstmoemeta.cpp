@@ -113,7 +113,7 @@ bool parse_open_tensor_caps(const GstCaps* caps, int* width, std::string* why) {
   if (g_strcmp0(type, "float32") != 0) {
     *why = std::string("caps field '") + type_field + "' is " +
            (type ? "\"" + moe::clip_utf8(type, kMaxEchoedCapsBytes) + "\"" : std::string("missing")) +
-           ": only float32 vectors are searched (convert them first, e.g. tensor_transform mode=typecast "
+           ": only float32 vectors are taken (convert them first, e.g. tensor_transform mode=typecast "
            "option=float32)";
     return false;
   }

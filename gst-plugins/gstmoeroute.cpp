@@ -7,7 +7,12 @@
  * (application/x-moe-tensor) it picks the adapter's top-k experts and writes them, best first,
  * with their weights into the row's request meta (GstMoeBatchMeta). The embeddings pass through
  * unchanged; moe-expert, downstream, runs the chosen experts. A buffer without a request meta
- * (raw tensors pushed by an application) gets one, with ids from a counter.
+ * (raw tensors pushed by an application) gets one, with ids from a counter. Besides
+ * application/x-moe-tensor, the sink takes NNStreamer's float32 tensors as ann-query does
+ * (other/tensors, format=static, num_tensors=1, types=float32, dimensions=W:R; or other/tensor,
+ * type=float32, dimension=W:R) and sends them on as application/x-moe-tensor, width=W, so
+ * moe-expert and ann-query follow; other types, formats and dimension strings are refused at caps
+ * time naming the field.
  *
  * When the moe-expert downstream runs its experts on GPU devices (or in reduced precision),
  * moe-route starts loading each batch's experts there as soon as it has routed the batch.
@@ -119,6 +124,14 @@ struct RouteState {
   int width = 0;  // negotiated tensor width; 0 before caps
   // The policy and its state; plain top-k routing runs on the adapter's device and is only counted.
   std::unique_ptr<moe::Router> router;
+  // The caps last refused (their error is posted): upstream retries a refused sticky caps event
+  // before each buffer and event, and one error says it all.
+  GstCaps* refused_caps = nullptr;
+
+  RouteState() = default;
+  RouteState(const RouteState&) = delete;
+  RouteState& operator=(const RouteState&) = delete;
+  ~RouteState() { gst_caps_replace(&refused_caps, nullptr); }
 };
 
 }  // namespace
@@ -162,7 +175,7 @@ struct _GstMoeRoute {
 };
 
 static GstStaticPadTemplate sink_template =
-    GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
+    GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_OPEN_TENSOR_CAPS));
 static GstStaticPadTemplate src_template =
     GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
 
@@ -415,11 +428,53 @@ static gboolean gst_moe_route_stop(GstBaseTransform* trans) {
   return TRUE;
 }
 
-static gboolean gst_moe_route_set_caps(GstBaseTransform* trans, GstCaps* incaps, GstCaps*) {
+// NNStreamer's tensors go out as ours, of the same width (any width when their caps do not say
+// one that parses: set_caps then refuses them, naming the field); ours pass as they are. Upstream,
+// our caps may come from either.
+static GstCaps* gst_moe_route_transform_caps(GstBaseTransform*, GstPadDirection direction, GstCaps* caps,
+                                             GstCaps* filter) {
+  GstCaps* out = gst_caps_new_empty();
+  for (guint i = 0; i < gst_caps_get_size(caps); ++i) {
+    const GstStructure* st = gst_caps_get_structure(caps, i);
+    if (gst_structure_has_name(st, GST_MOE_TENSOR_MEDIA_TYPE)) {
+      out = gst_caps_merge_structure(out, gst_structure_copy(st));
+      if (direction == GST_PAD_SRC)
+        out = gst_caps_merge(out,
+                             gst_caps_from_string(GST_MOE_NNS_TENSORS_MEDIA_TYPE "; " GST_MOE_NNS_TENSOR_MEDIA_TYPE));
+      continue;
+    }
+    if (direction != GST_PAD_SINK) continue;
+    GstCaps* one = gst_caps_new_full(gst_structure_copy(st), nullptr);
+    int width = 0;
+    std::string why;
+    out = gst_caps_merge(out, gstmoe::parse_open_tensor_caps(one, &width, &why)
+                                  ? gstmoe::tensor_caps(width)
+                                  : gst_caps_from_string(GST_MOE_TENSOR_CAPS));
+    gst_caps_unref(one);
+  }
+  if (filter) {
+    GstCaps* filtered = gst_caps_intersect_full(filter, out, GST_CAPS_INTERSECT_FIRST);
+    gst_caps_unref(out);
+    out = filtered;
+  }
+  return out;
+}
+
+static gboolean gst_moe_route_set_caps(GstBaseTransform* trans, GstCaps* incaps, GstCaps* outcaps) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
   RouteState* st = self->state;
-  st->width = gstmoe::adapter::caps_width(GST_ELEMENT(self), incaps, *st->adapter, st->adapter_dir);
-  return st->width != 0;
+  if (st->refused_caps && gst_caps_is_equal(incaps, st->refused_caps)) return FALSE;
+  int width = 0;
+  std::string why;
+  if (!gstmoe::parse_open_tensor_caps(incaps, &width, &why)) {
+    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Unsupported input caps: %s", why.c_str()), (nullptr));
+  } else {
+    // The output caps say the width of NNStreamer's input too (transform_caps).
+    st->width = gstmoe::adapter::caps_width(GST_ELEMENT(self), outcaps, *st->adapter, st->adapter_dir);
+    if (st->width != 0) return TRUE;
+  }
+  gst_caps_replace(&st->refused_caps, incaps);
+  return FALSE;
 }
 
 static gboolean gst_moe_route_query(GstBaseTransform* trans, GstPadDirection direction, GstQuery* query) {
@@ -456,8 +511,10 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
     records.rows.resize(rows);
     for (gstmoe::RequestRecord& r : records.rows) {
       r.id = std::to_string(self->next_id++);
+      r.modality = gstmoe::Modality::Tensor;
       r.arrival_wall_us = wall;
       r.arrival_mono_us = mono;
+      r.pts = GST_BUFFER_PTS(buf);
     }
     meta = gst_buffer_add_moe_batch_meta(buf, records);
   } else if (!gstmoe::adapter::check_meta_rows(GST_ELEMENT(self), meta, rows)) {
@@ -649,6 +706,7 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
 
   trans_class->start = GST_DEBUG_FUNCPTR(gst_moe_route_start);
   trans_class->stop = GST_DEBUG_FUNCPTR(gst_moe_route_stop);
+  trans_class->transform_caps = GST_DEBUG_FUNCPTR(gst_moe_route_transform_caps);
   trans_class->set_caps = GST_DEBUG_FUNCPTR(gst_moe_route_set_caps);
   trans_class->query = GST_DEBUG_FUNCPTR(gst_moe_route_query);
   trans_class->transform_ip = GST_DEBUG_FUNCPTR(gst_moe_route_transform_ip);

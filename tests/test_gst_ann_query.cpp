@@ -17,6 +17,7 @@
 #include "gstannquery.h"
 #include "gstmoecatalogsrc.h"
 #include "gstmoeencode.h"
+#include "gstmoeroute.h"
 #include "gstmoemeta.h"
 #include "gstmoeresult.h"
 #include "moe/ann_index.h"
@@ -36,6 +37,7 @@ void init_once() {
     GST_ELEMENT_REGISTER(ann_query, nullptr);
     GST_ELEMENT_REGISTER(moe_catalog_src, nullptr);
     GST_ELEMENT_REGISTER(moe_encode, nullptr);
+    GST_ELEMENT_REGISTER(moe_route, nullptr);
     return true;
   }();
   (void)done;
@@ -1537,6 +1539,25 @@ TEST_F(AnnQueryTest, NnstreamerTensorsGiveOneDocumentPerRow) {
   unref_all(docs);
 }
 
+// A build takes plain vectors too: each row is an item named by its row number.
+TEST_F(AnnQueryTest, BuildFromPlainVectorsNamesItemsByRow) {
+  const std::string path = dir_.file("plain.faiss");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), nullptr));
+  gst_harness_set_src_caps_str(h, "other/tensor,type=float32,dimension=(string)16:25");
+  ASSERT_EQ(gst_harness_push(h, plain_buffer(catalog_, 0, 25, 0)), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, plain_buffer(catalog_, 25, 25, GST_SECOND)), GST_FLOW_OK);
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  std::vector<GstBuffer*> docs = pull_all(h);
+  ASSERT_EQ(docs.size(), 1u);
+  EXPECT_EQ(Json::integer(Json(docs[0]).obj(), "items"), kItems);
+  unref_all(docs);
+  const moe::AnnIndex index = moe::AnnIndex::load(path);
+  ASSERT_EQ(index.size(), kItems);
+  EXPECT_FALSE(index.provenance().has_value());  // nothing says which model made them
+  for (int i = 0; i < kItems; ++i) EXPECT_EQ(index.item(i).id, std::to_string(i));
+  EXPECT_EQ(index.search(catalog_.data() + 30 * kWidth, 1, 1)[0][0].item, 30);
+}
+
 // The error a search element posts when it is given `caps` (its index is kWidth wide).
 class AnnQueryCapsTest : public AnnQueryTest {
  protected:
@@ -1551,10 +1572,15 @@ class AnnQueryCapsTest : public AnnQueryTest {
     GstCaps* c = gst_caps_from_string(caps.c_str());
     EXPECT_NE(c, nullptr) << caps;
     if (!c) return "";
+    // Upstream retries a refused caps event before each buffer: it stays refused, with one error.
     GstPad* sink = gst_element_get_static_pad(h->element, "sink");
     EXPECT_FALSE(gst_pad_send_event(sink, gst_event_new_caps(c))) << caps << " was accepted";
+    EXPECT_FALSE(gst_pad_send_event(sink, gst_event_new_caps(c))) << caps << " was accepted when retried";
     gst_object_unref(sink);
-    return bus_error();
+    gst_caps_unref(c);
+    const std::string error = bus_error();
+    EXPECT_EQ(bus_error(), "") << "the refusal of " << caps << " was posted twice";
+    return error;
   }
   std::string path_;
 };
@@ -1616,6 +1642,63 @@ TEST_F(AnnQueryCapsTest, HostileDimensionStringsAreRefused) {
   GstHarness* h = harness(make_element("index", path_.c_str(), nullptr));
   gst_harness_set_src_caps_str(h, (head + rank16).c_str());
   EXPECT_EQ(bus_error(), "");
+}
+
+// moe-route takes NNStreamer's tensors too: it makes their request meta (routed rows of modality
+// tensor) and sends them on as application/x-moe-tensor for moe-expert and ann-query.
+TEST_F(AnnQueryTest, MoeRouteTurnsNnstreamerTensorsIntoRoutedRequests) {
+  GstElement* route = gst_element_factory_make("moe-route", nullptr);
+  g_object_set(route, "model", moe::test::fixture_path("adapter_tiny").c_str(), nullptr);  // hidden 16
+  gst_element_set_bus(route, bus_);
+  GstHarness* h = harness(route);
+  gst_harness_set_src_caps_str(h, "other/tensors,format=static,num_tensors=1,types=float32,dimensions=(string)16:2");
+  ASSERT_EQ(gst_harness_push(h, plain_buffer(catalog_, 0, 2, 7 * GST_SECOND)), GST_FLOW_OK);
+  GstBuffer* out = gst_harness_pull(h);
+  ASSERT_NE(out, nullptr);
+  GstCaps* caps = gst_pad_get_current_caps(h->sinkpad);
+  ASSERT_NE(caps, nullptr);
+  int width = 0;
+  EXPECT_TRUE(gstmoe::parse_tensor_caps(caps, &width)) << gst_caps_to_string(caps);
+  EXPECT_EQ(width, kWidth);
+  gst_caps_unref(caps);
+  const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(out);
+  ASSERT_NE(meta, nullptr);
+  ASSERT_EQ(meta->records->rows.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    const gstmoe::RequestRecord& r = meta->records->rows[i];
+    EXPECT_EQ(r.id, std::to_string(i));
+    EXPECT_EQ(r.modality, gstmoe::Modality::Tensor);
+    EXPECT_EQ(r.pts, 7 * GST_SECOND);
+    EXPECT_EQ(r.experts.size(), 2u);  // adapter_tiny: top-2
+  }
+
+  // ann-query answers the routed rows with their experts.
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstHarness* search = search_harness(path, 1);
+  ASSERT_EQ(gst_harness_push(search, out), GST_FLOW_OK);
+  std::vector<GstBuffer*> docs = pull_all(search);
+  ASSERT_EQ(docs.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    Json doc(docs[i]);
+    EXPECT_EQ(Json::str(doc.obj(), "modality"), "tensor");
+    EXPECT_EQ(json_array_get_length(Json::array(doc.obj(), "experts")), 2u);
+    EXPECT_EQ(hits_of(doc).at(0).first, static_cast<int64_t>(i));
+  }
+  unref_all(docs);
+
+  // Other element types are refused naming the field.
+  GstElement* refusing = gst_element_factory_make("moe-route", nullptr);
+  g_object_set(refusing, "model", moe::test::fixture_path("adapter_tiny").c_str(), nullptr);
+  gst_element_set_bus(refusing, bus_);
+  GstHarness* uint8 = harness(refusing);
+  GstCaps* bytes =
+      gst_caps_from_string("other/tensors,format=static,num_tensors=1,types=uint8,dimensions=(string)16:2");
+  gst_harness_push_event(uint8, gst_event_new_caps(bytes));
+  gst_caps_unref(bytes);
+  EXPECT_NE(gst_harness_push(uint8, plain_buffer(catalog_, 0, 2, 0)), GST_FLOW_OK);
+  const std::string error = bus_error();
+  EXPECT_NE(error.find("caps field 'types' is \"uint8\""), std::string::npos) << error;
 }
 
 }  // namespace
