@@ -12,14 +12,23 @@
 // Each runs --warmup seconds untimed, then --seconds timed; queries/s counts the answers (or
 // queries) completed in the timed window, p50/p99 their latencies. Every figure is the median
 // over the rounds, and every ratio the median of the rounds' paired ratios. The ratios against
-// the service targets (issue 12) are printed under the table.
+// the service targets (issue 12) are printed under the table, with a second table of where the time
+// goes: per stage, the service's timings_ms against the same engine calls timed in the direct run.
+//
+// --write-vit-b32 DIR writes the models of tools/bench-service.sh --vit-b32 and exits: DIR/clip, a
+// synthetic CLIP ViT-B/32 (random weights, bench/clip_writer.h, seed 42: moe-bench-peer-worker's)
+// without tokenizer files (the script copies CLIP's), and DIR/adapter, a synthetic adapter for it
+// (512 wide, 8 experts of width 2048, top-2, seed 43: moe-bench-memory's).
 #include <json-glib/json-glib.h>
 
+#include <array>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <zmq.hpp>
 
 #include "bench_common.h"
+#include "clip_writer.h"
 #include "moe/ann_index.h"
 #include "moe/clip_model.h"
 #include "moe/moe_layer.h"
@@ -31,16 +40,37 @@ const char* const kUsage =
     "moe-bench-service --model DIR --adapter DIR --index FILE [--requests EP] [--results EP]\n"
     "                  [--queries FILE] [--inflight 1,8,32] [--rounds 3] [--seconds 10] [--warmup 2] [--k 10]\n"
     "                  [--json FILE]\n"
+    "moe-bench-service --write-vit-b32 DIR\n"
     "\n"
     "Measures a running query service (zmq-query on --requests, zmq-publish on --results; default\n"
     "tcp://127.0.0.1:5555 and :5556) and the engine called directly on the same model, adapter and\n"
     "index, at each load of --inflight (queries in flight; the direct batch size). --queries is a\n"
-    "JSON-lines file of {\"text\": ...} objects (default: the shipped models/default/queries.jsonl).\n";
+    "JSON-lines file of {\"text\": ...} objects (default: the shipped models/default/queries.jsonl).\n"
+    "\n"
+    "--write-vit-b32 DIR writes a synthetic CLIP ViT-B/32 (random weights, no tokenizer files) to DIR/clip\n"
+    "and a synthetic MoE adapter for it (512 wide, 8 experts of width 2048, top-2) to DIR/adapter, and exits.\n";
+
+// Where a query's time goes, per stage, in both measurements: the service's timings_ms (route and
+// expert summed as "adapter") and the direct call's own timing of the same three engine calls.
+const char* const kStages[] = {"queue", "encode", "adapter", "search"};
+constexpr size_t kStageCount = sizeof(kStages) / sizeof(kStages[0]);
+using StageMs = std::array<double, kStageCount>;  // NaN: the stage was not reported
+StageMs no_stages() {
+  StageMs s;
+  s.fill(std::nan(""));
+  return s;
+}
 
 // The measured latencies of one run, and how many queries finished in its timed window.
 struct Run {
   std::vector<double> latency_ms;
   std::vector<double> pipeline_ms;  // service: each answer's timings_ms.total (its time inside the pipeline)
+  std::array<std::vector<double>, kStageCount> stage_ms;  // per query (direct: per call), per stage
+  std::vector<double> batch_rows;  // service: each answer's cost.batch_rows (the batch moe-encode formed)
+  void add_stages(const StageMs& s) {
+    for (size_t i = 0; i < kStageCount; ++i)
+      if (!std::isnan(s[i])) stage_ms[i].push_back(s[i]);
+  }
   double seconds = 0;
   int64_t errors = 0;  // error documents (service)
   double qps() const { return static_cast<double>(latency_ms.size()) / seconds; }
@@ -89,19 +119,29 @@ Run run_direct(const Engine& engine, const std::vector<std::string>& texts, int6
                double seconds) {
   Run run;
   size_t next = 0;
+  StageMs stages = no_stages();
   const auto call = [&] {
     std::vector<std::string> b;
     for (int64_t i = 0; i < batch; ++i, next = (next + 1) % texts.size()) b.push_back(texts[next]);
     const Clock::time_point t0 = Clock::now();
-    const AdapterOutput out = engine.adapter.apply(engine.clip.encode_texts(b).embeds);
+    const Tensor embeds = engine.clip.encode_texts(b).embeds;
+    const Clock::time_point t1 = Clock::now();
+    const AdapterOutput out = engine.adapter.apply(embeds);
+    const Clock::time_point t2 = Clock::now();
     engine.index.search(out.embeddings.data<float>(), batch, k);
-    return seconds_since(t0) * 1e3;
+    const Clock::time_point t3 = Clock::now();
+    const auto ms = [](Clock::time_point a, Clock::time_point b) {
+      return std::chrono::duration<double, std::milli>(b - a).count();
+    };
+    stages = {0, ms(t0, t1), ms(t1, t2), ms(t2, t3)};
+    return ms(t0, t3);
   };
   for (const Clock::time_point start = Clock::now(); seconds_since(start) < warmup_s;) call();
   const Clock::time_point start = Clock::now();
   while (seconds_since(start) < seconds) {
     const double ms = call();
     run.latency_ms.insert(run.latency_ms.end(), static_cast<size_t>(batch), ms);
+    run.add_stages(stages);
   }
   run.seconds = seconds_since(start);
   return run;
@@ -168,6 +208,8 @@ class ServiceClient {
       if (now >= window && now < end) {
         run.latency_ms.push_back(std::chrono::duration<double, std::milli>(now - it->second).count());
         if (!std::isnan(a.pipeline_ms)) run.pipeline_ms.push_back(a.pipeline_ms);
+        run.add_stages(a.stage_ms);
+        if (!std::isnan(a.batch_rows)) run.batch_rows.push_back(a.batch_rows);
         run.errors += a.error;
       }
       outstanding.erase(it);
@@ -192,6 +234,8 @@ class ServiceClient {
     std::string id;
     bool error = false;                 // an error document
     double pipeline_ms = std::nan("");  // timings_ms.total
+    StageMs stage_ms = no_stages();     // timings_ms per stage (route + expert as "adapter")
+    double batch_rows = std::nan("");   // cost.batch_rows
   };
 
   // One result document within `timeout_ms`.
@@ -217,8 +261,25 @@ class ServiceClient {
       answer->error = g_strcmp0(type, "error") == 0;
       JsonObject* timings =
           json_object_has_member(doc, "timings_ms") ? json_object_get_object_member(doc, "timings_ms") : nullptr;
-      if (timings != nullptr && json_object_has_member(timings, "total"))
-        answer->pipeline_ms = json_object_get_double_member(timings, "total");
+      const auto timing = [timings](const char* stage) {
+        return timings != nullptr && json_object_has_member(timings, stage)
+                   ? json_object_get_double_member(timings, stage)
+                   : std::nan("");
+      };
+      answer->pipeline_ms = timing("total");
+      // An adapter-less service (ADAPTER=none) reports neither route nor expert.
+      const double route = timing("route"), expert = timing("expert");
+      answer->stage_ms = {timing("queue"), timing("encode"),
+                          std::isnan(route) && std::isnan(expert)
+                              ? std::nan("")
+                              : (std::isnan(route) ? 0 : route) + (std::isnan(expert) ? 0 : expert),
+                          timing("search")};
+      JsonObject* cost =
+          json_object_has_member(doc, "cost") && JSON_NODE_HOLDS_OBJECT(json_object_get_member(doc, "cost"))
+              ? json_object_get_object_member(doc, "cost")
+              : nullptr;
+      if (cost != nullptr && json_object_has_member(cost, "batch_rows"))
+        answer->batch_rows = json_object_get_double_member(cost, "batch_rows");
     }
     g_object_unref(parser);
     return ok;
@@ -237,8 +298,17 @@ class ServiceClient {
   uint64_t serial_ = 0;
 };
 
+void write_vit_b32(const std::string& dir) {
+  const ClipShape shape = ClipShape::vit_b32();
+  std::filesystem::create_directories(dir + "/clip");
+  std::filesystem::create_directories(dir + "/adapter");
+  write_random_clip(dir + "/clip", shape, 42);
+  write_random_adapter(dir + "/adapter", shape.projection_dim, 8, 2, 2048, 43);
+}
+
 int run(int argc, char** argv) {
   Args args(argc, argv, kUsage);
+  const std::string write_dir = args.str("write-vit-b32", "");
   const std::string model = args.str("model", ""), adapter = args.str("adapter", ""), index = args.str("index", "");
   const std::string requests = args.str("requests", "tcp://127.0.0.1:5555");
   const std::string results = args.str("results", "tcp://127.0.0.1:5556");
@@ -249,6 +319,10 @@ int run(int argc, char** argv) {
   const int k = static_cast<int>(args.integer("k", 10));
   const std::string json_path = args.str("json", "");
   args.finish();
+  if (!write_dir.empty()) {
+    write_vit_b32(write_dir);
+    return 0;
+  }
   if (model.empty() || adapter.empty() || index.empty()) args.fail("--model, --adapter and --index are required");
   if (seconds <= 0 || warmup < 0 || rounds < 1) args.fail("--seconds must be > 0, --warmup >= 0, --rounds >= 1");
 
@@ -262,6 +336,8 @@ int run(int argc, char** argv) {
   struct Figures {
     std::vector<double> direct_qps, direct_p50, direct_p99, service_qps, service_p50, service_p99, pipeline_p50;
     std::vector<double> rate_ratio, p50_ratio, p99_p50;
+    std::array<std::vector<double>, kStageCount> direct_stage_p50, service_stage_p50;
+    std::vector<double> batch_rows_p50;
     int64_t errors = 0;
   };
   std::vector<Figures> figures(loads.size());
@@ -283,6 +359,11 @@ int run(int argc, char** argv) {
       f.p50_ratio.push_back(s50 / d50);
       f.p99_p50.push_back(s99 / s50);
       f.errors += served.errors;
+      for (size_t i = 0; i < kStageCount; ++i) {
+        f.direct_stage_p50[i].push_back(percentile(direct.stage_ms[i], 50));
+        f.service_stage_p50[i].push_back(percentile(served.stage_ms[i], 50));
+      }
+      f.batch_rows_p50.push_back(percentile(served.batch_rows, 50));
       std::fprintf(stderr,
                    "[round %lld, load %lld] direct %.0f q/s p50 %.3f ms, service %.0f q/s p50 %.3f ms p99 %.3f ms\n",
                    static_cast<long long>(round + 1), static_cast<long long>(loads[l]), direct.qps(), d50, served.qps(),
@@ -320,6 +401,11 @@ int run(int argc, char** argv) {
     series("service_p50_ms", f.service_p50);
     series("service_p99_ms", f.service_p99);
     series("pipeline_p50_ms", f.pipeline_p50);
+    for (size_t i = 0; i < kStageCount; ++i) {
+      series(("direct_" + std::string(kStages[i]) + "_p50_ms").c_str(), f.direct_stage_p50[i]);
+      series(("service_" + std::string(kStages[i]) + "_p50_ms").c_str(), f.service_stage_p50[i]);
+    }
+    series("service_batch_rows_p50", f.batch_rows_p50);
     j.set("service_errors", f.errors);
     results_json.push(j);
   }
@@ -331,6 +417,32 @@ int run(int argc, char** argv) {
       "the time inside the pipeline (timings_ms.total). q/s vs direct, p50 vs direct and p99/p50: medians of the "
       "rounds' ratios.\n",
       static_cast<long long>(rounds), seconds);
+
+  // Where the time goes: the service's stages against the same engine calls made directly.
+  Table stages({"load", "side", "queue p50 ms", "encode p50 ms", "adapter p50 ms", "search p50 ms", "total p50 ms",
+                "latency p50 ms", "batch rows p50"});
+  for (size_t l = 0; l < loads.size(); ++l) {
+    const Figures& f = figures[l];
+    const auto row = [&](const char* side, const std::array<std::vector<double>, kStageCount>& p50, double total,
+                         double latency, const std::string& rows) {
+      std::vector<std::string> cells = {std::to_string(loads[l]), side};
+      for (size_t i = 0; i < kStageCount; ++i) cells.push_back(fmt(median_of(p50[i])));
+      cells.insert(cells.end(), {fmt(total), fmt(latency), rows});
+      stages.add(cells);
+    };
+    row("direct", f.direct_stage_p50, median_of(f.direct_p50), median_of(f.direct_p50), std::to_string(loads[l]));
+    row("service", f.service_stage_p50, median_of(f.pipeline_p50), median_of(f.service_p50),
+        fmt(median_of(f.batch_rows_p50)));
+  }
+  std::printf("\n");
+  stages.print();
+  std::printf(
+      "\nPer stage, p50 over the queries (direct: over the calls), median over the rounds; p50s do not add up. "
+      "service: timings_ms (adapter = route + expert, total = timings_ms.total) and cost.batch_rows, the batch "
+      "moe-encode formed; direct: ClipModel::encode_texts, MoeAdapter::apply and AnnIndex::search timed around each "
+      "call. latency - total = the service's time outside the pipeline stages (ZeroMQ, JSON, zmq-query, "
+      "zmq-publish, the client).\n");
+
   // The targets of issue 12: at 1 in flight >= 0.7x the direct rate and p50 <= 1.5x the direct
   // latency; >= 0.7x the direct rate at the largest load; p99 <= 3x p50.
   for (size_t l = 0; l < loads.size(); ++l) {

@@ -5,6 +5,12 @@
 # per call (docs/benchmarks.md, "Service against the engine"). A benchmark, not a test.
 #
 #   tools/bench-service.sh                   3 rounds of 10 s per load after 2 s of warm-up (~4 min)
+#   tools/bench-service.sh --vit-b32         on a ViT-B/32-sized model instead of the shipped 64-px one:
+#                                            a synthetic CLIP ViT-B/32 (random weights, CLIP's tokenizer)
+#                                            and a synthetic adapter for it (512 wide, 8 experts of
+#                                            width 2048, top-2), written once to
+#                                            BUILD_DIR/bench-service/vit-b32/ (moe-bench-service
+#                                            --write-vit-b32); MODEL and ADAPTER still override them
 #   tools/bench-service.sh --build-dir DIR   build in DIR (default: build)
 #   tools/bench-service.sh --jobs N          meson compile -j N (default 1)
 #   other options go to moe-bench-service (--inflight, --rounds, --seconds, --warmup, --k, --queries,
@@ -21,6 +27,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR=build
 JOBS=(-j 1)
+VIT_B32=0
 PASS=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -28,7 +35,8 @@ while [ $# -gt 0 ]; do
     --build-dir=*) BUILD_DIR="${1#*=}"; shift ;;
     --jobs) JOBS=(-j "$2"); shift 2 ;;
     --jobs=*) JOBS=(-j "${1#*=}"); shift ;;
-    -h|--help) sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --vit-b32) VIT_B32=1; shift ;;
+    -h|--help) sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) PASS+=("$1"); shift ;;
   esac
 done
@@ -48,6 +56,17 @@ mkdir -p "$out"
 export GST_PLUGIN_PATH_1_0="$BUILD_DIR/gst-plugins"
 export GST_REGISTRY_1_0="$out/gst-registry.bin"
 export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if [ "$VIT_B32" = 1 ]; then
+  vit="$out/vit-b32"
+  if [ ! -f "$vit/.complete" ]; then
+    log "writing a synthetic CLIP ViT-B/32 and adapter to $vit"
+    rm -rf "$vit"
+    "$BUILD_DIR/bench/moe-bench-service" --write-vit-b32 "$vit"
+    cp "$ROOT"/models/clip-tokenizer/* "$vit/clip/"
+    touch "$vit/.complete"
+  fi
+  MODEL="${MODEL:-$vit/clip}" ADAPTER="${ADAPTER:-$vit/adapter}"
+fi
 export MODEL="${MODEL:-$ROOT/models/default/clip}" ADAPTER="${ADAPTER:-$ROOT/models/default/adapter}"
 CATALOG="${CATALOG:-$ROOT/models/default/catalog}"
 # An index serves only the models that built it: one per model, adapter and catalog.
