@@ -3,6 +3,7 @@
 #include <gst/gst.h>
 
 #include "gstannquery.h"
+#include "gstmoecaption.h"
 #include "gstmoecatalogsrc.h"
 #include "gstmoeencode.h"
 #include "gstmoeexpert.h"
@@ -17,6 +18,7 @@ static gboolean plugin_init(GstPlugin* plugin) {
   ok |= GST_ELEMENT_REGISTER(moe_route, plugin);
   ok |= GST_ELEMENT_REGISTER(moe_expert, plugin);
   ok |= GST_ELEMENT_REGISTER(ann_query, plugin);
+  ok |= GST_ELEMENT_REGISTER(moe_caption, plugin);
   ok |= GST_ELEMENT_REGISTER(zmq_publish, plugin);
   ok |= GST_ELEMENT_REGISTER(zmq_query, plugin);
   return ok;

@@ -27,6 +27,7 @@
 #include <vector>
 #include <zmq.hpp>
 
+#include "gstmoeresultmeta.h"
 #include "moe/ann_index.h"
 #include "moe/moe_layer.h"
 #include "moe/safetensors.h"
@@ -691,6 +692,77 @@ TEST_F(E2E, PythonApplicationPrintsResultsAndErrors) {
   EXPECT_NE(out.find("1: 'striped blue square'\n  1. "), std::string::npos) << out;
   EXPECT_NE(out.find("  3. "), std::string::npos) << out;
   EXPECT_NE(out.find("2: error in moe-encode: text request '2' is not valid UTF-8"), std::string::npos) << out;
+}
+
+// pipelines/caption-video.sh as documented, headless: the test pattern's frames leave textoverlay
+// with the best catalog match written on them (textoverlay logs each text it renders on a frame;
+// frames the search skipped while it started have none).
+TEST_F(E2E, CaptionVideoScriptWritesTheBestMatchOnFrames) {
+  constexpr int kFrames = 30;
+  std::string out;
+  const int rc = run({kSource + "/pipelines/caption-video.sh"},
+                     {"MODEL=" + kModel, "ADAPTER=" + kAdapter, "INDEX=" + catalog().index, "SINK=fakesink",
+                      "NUM_BUFFERS=" + std::to_string(kFrames), "GST_DEBUG=basetextoverlay:5"},
+                     &out);
+  ASSERT_EQ(rc, 0) << out;
+  const std::string marker = "Rendering text '";
+  int captioned = 0;
+  for (size_t pos = 0; (pos = out.find(marker, pos)) != std::string::npos; ++pos) {
+    const size_t begin = pos + marker.size(), end = out.find("'\n", begin);
+    ASSERT_NE(end, std::string::npos);
+    const std::string text = out.substr(begin, end - begin);  // "plain red square (0.93)"
+    const size_t score = text.rfind(" (");
+    ASSERT_NE(score, std::string::npos) << text;
+    const std::vector<std::string>& captions = catalog().captions;
+    EXPECT_NE(std::find(captions.begin(), captions.end(), text.substr(0, score)), captions.end()) << text;
+    double value = 0;
+    EXPECT_EQ(sscanf(text.c_str() + score, " (%lf)", &value), 1) << text;
+    EXPECT_LE(std::fabs(value), 1.0) << text;
+    ++captioned;
+  }
+  EXPECT_GE(captioned, 1) << out;
+  EXPECT_LE(captioned, kFrames);
+}
+
+// Each frame's result comes back on a caption with the frame's own PTS (frames batched together
+// keep theirs), lasting until the next frame's, with the result as a GstMoeResultMeta.
+TEST_F(E2E, CaptionsKeepTheirFramesPtsAndCarryTheResult) {
+  constexpr int kFrames = 8;
+  constexpr GstClockTime kFrameDuration = GST_SECOND / 25;
+  const std::string desc =
+      "videotestsrc num-buffers=" + std::to_string(kFrames) + " ! video/x-raw,framerate=25/1 ! moe-encode model=\"" +
+      kModel + "\" max-batch=4 ! moe-route model=\"" + kAdapter + "\" ! moe-expert model=\"" + kAdapter +
+      "\" ! ann-query index=\"" + catalog().index + "\" k=2 ! moe-caption hits=2 ! appsink name=sink sync=false";
+  GError* err = nullptr;
+  GstElement* pipeline = gst_parse_launch(desc.c_str(), &err);
+  ASSERT_NE(pipeline, nullptr) << (err ? err->message : "");
+  GstElement* sink = gst_bin_get_by_name(GST_BIN(pipeline), "sink");
+  ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+  const std::vector<std::string>& captions = catalog().captions;
+  const GstClockTime patience = std::chrono::duration_cast<std::chrono::nanoseconds>(kPatience).count();
+  int frame = 0;
+  while (GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(sink), patience)) {
+    GstBuffer* buf = gst_sample_get_buffer(sample);
+    EXPECT_EQ(GST_BUFFER_PTS(buf), frame * kFrameDuration);
+    EXPECT_EQ(GST_BUFFER_DURATION(buf), kFrameDuration);
+    const GstMoeResultMeta* meta = gst_buffer_get_moe_result_meta(buf);
+    EXPECT_NE(meta, nullptr);
+    if (meta) {
+      EXPECT_EQ(gst_moe_result_meta_get_pts(meta), GST_BUFFER_PTS(buf));
+      EXPECT_EQ(gst_moe_result_meta_get_n_hits(meta), 2u);
+      const gchar* best = gst_moe_result_meta_get_hit_caption(meta, 0);
+      EXPECT_NE(std::find(captions.begin(), captions.end(), best ? best : ""), captions.end());
+      EXPECT_GT(gst_moe_result_meta_get_n_experts(meta), 0u);
+      EXPECT_EQ(gst_moe_result_meta_get_error_code(meta), nullptr);
+    }
+    gst_sample_unref(sample);
+    ++frame;
+  }
+  EXPECT_EQ(frame, kFrames);
+  EXPECT_TRUE(gst_app_sink_is_eos(GST_APP_SINK(sink)));
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(sink);
+  gst_object_unref(pipeline);
 }
 
 TEST_F(E2E, IndexRecordsTheModelsThatBuiltIt) {

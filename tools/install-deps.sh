@@ -13,6 +13,10 @@ packages=(
   # GStreamer plugin and ZeroMQ
   libgstreamer1.0-dev libgstreamer-plugins-base1.0-dev gstreamer1.0-tools gstreamer1.0-plugins-base
   gstreamer1.0-plugins-good libzmq3-dev cppzmq-dev
+  # textoverlay, which writes moe-caption's text on video (pipelines/caption-video.sh)
+  gstreamer1.0-x
+  # GstMoe-1.0.gir/.typelib: GstMoeResultMeta for Python (g-ir-scanner, g-ir-compiler)
+  gobject-introspection libgirepository1.0-dev
   # the elements' Prometheus metrics (the client library: registry and text format)
   prometheus-cpp-dev
   # tests and examples
