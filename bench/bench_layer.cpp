@@ -9,7 +9,11 @@
 // exactly the expert FLOPs of the forward (2·B·k·3·d·I), and at batch 1 the same weight bytes
 // (k experts' w1, w3, w2). The ratio MoE FLOP/s ÷ dense FLOP/s therefore says how much of the
 // backend's GEMM rate the grouped MoE path keeps (router FLOPs, 2·B·d·E, are not counted).
+// The experts' weights are not given to prepare_linear_weight. With --compare-prepared, a copy of
+// the layer whose expert weights are (as MoeLayer prepares them at load) is timed against it,
+// paired, on the same backend.
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +35,9 @@ const char* kUsage =
     "  --inter N           expert intermediate size I (default 4 × hidden)\n"
     "  --warmup N --reps N timing (default 2 and 7; --quick 1 and 5); median reported\n"
     "  --min-sample-ms X   group calls so that one timed sample lasts at least X ms (default 20)\n"
+    "  --compare-prepared  also time the forward with the expert weights prepared\n"
+    "                      (Backend::prepare_linear_weight, as MoeLayer does at load)\n"
+    "                      against unprepared ones, paired\n"
     "  --json FILE         also write the results as JSON\n";
 
 struct Config {
@@ -42,6 +49,32 @@ struct Layer {
   std::vector<DeviceBuffer> experts;  // per expert: w1 | w3 | w2 in the weight type
   std::vector<kernels::ExpertWeights> refs;
   DeviceBuffer dense;  // [3·k·I, d]
+};
+
+// The expert weights of a Layer given to Backend::prepare_linear_weight, released with this.
+class PreparedExperts {
+ public:
+  PreparedExperts(kernels::Backend& b, const Layer& L, const Config& c) : b_(&b), refs_(L.refs), c_(c) {
+    for (const kernels::ExpertWeights& e : refs_) {
+      b_->prepare_linear_weight(e.w1, c_.I, c_.d);
+      b_->prepare_linear_weight(e.w3, c_.I, c_.d);
+      b_->prepare_linear_weight(e.w2, c_.d, c_.I);
+    }
+  }
+  ~PreparedExperts() {
+    for (const kernels::ExpertWeights& e : refs_) {
+      b_->release_linear_weight(e.w1, c_.I, c_.d);
+      b_->release_linear_weight(e.w3, c_.I, c_.d);
+      b_->release_linear_weight(e.w2, c_.d, c_.I);
+    }
+  }
+  PreparedExperts(const PreparedExperts&) = delete;
+  PreparedExperts& operator=(const PreparedExperts&) = delete;
+
+ private:
+  kernels::Backend* b_;
+  std::vector<kernels::ExpertWeights> refs_;
+  Config c_;
 };
 
 Layer make_layer(kernels::Backend& b, const Config& c, kernels::WeightType type, uint64_t seed) {
@@ -75,6 +108,10 @@ struct Row {
   double ratio;  // MoE FLOP/s ÷ dense FLOP/s, median of paired samples
   double flops;  // expert FLOPs of one forward (= the dense linear's)
   std::vector<int64_t> expert_rows;
+  // --compare-prepared: the forward with prepared expert weights, and unprepared time ÷ its time
+  // (median of paired samples).
+  Sample prepared;
+  double prepared_speedup = 0;
 };
 
 int run(int argc, char** argv) {
@@ -98,6 +135,7 @@ int run(int argc, char** argv) {
   t.reps = static_cast<int>(args.integer("reps", quick ? 5 : 7));
   t.min_sample_s = args.number("min-sample-ms", 20) / 1000.0;
   const std::string json_path = args.str("json", "");
+  const bool compare_prepared = args.flag("compare-prepared");
   args.finish();
   const std::vector<std::string> devices = resolve_devices(device_spec);
   if (c.d <= 0 || c.E <= 0 || c.k <= 0 || c.k > c.E || c.I <= 0)
@@ -131,26 +169,42 @@ int run(int argc, char** argv) {
       const kernels::WeightType type = parse_precision(prec);
       std::fprintf(stderr, "[%s %s] preparing weights...\n", device.c_str(), prec.c_str());
       Layer L = make_layer(*b, c, type, 1000);
+      // The same weights in other memory (prepared weights are found by their address), prepared.
+      std::optional<Layer> LP;
+      std::optional<PreparedExperts> prepared;
+      if (compare_prepared) {
+        LP.emplace(make_layer(*b, c, type, 1000));
+        prepared.emplace(*b, *LP, c);
+      }
       for (int64_t B : batches) {
         std::vector<int64_t> offsets;
-        auto moe = [&] {
-          b->linear(x.get<float>(), {L.router.get(), kernels::WeightType::F32}, nullptr, logits.get<float>(), B, c.E,
-                    c.d);
+        auto forward = [&](const Layer& layer) {
+          b->linear(x.get<float>(), {layer.router.get(), kernels::WeightType::F32}, nullptr, logits.get<float>(), B,
+                    c.E, c.d);
           b->topk_softmax(logits.get<float>(), B, c.E, c.k, true, ids.get<int32_t>(), rw.get<float>());
           offsets = b->moe_permute(ids.get<int32_t>(), B, c.k, c.E, x.get<float>(), c.d, xs.get<float>(),
                                    slot_of.get<int32_t>());
-          b->grouped_swiglu(xs.get<float>(), offsets, L.refs, c.d, c.I, outs.get<float>());
+          b->grouped_swiglu(xs.get<float>(), offsets, layer.refs, c.d, c.I, outs.get<float>());
           b->moe_unpermute(outs.get<float>(), slot_of.get<int32_t>(), rw.get<float>(), B, c.k, c.d, y.get<float>());
         };
+        auto moe = [&] { forward(L); };
         auto dense = [&] {
           b->linear(x.get<float>(), {L.dense.get(), type}, nullptr, yd.get<float>(), B, 3 * c.k * c.I, c.d);
         };
-        Row r{device, prec, B, {}, {}, 0, 2.0 * static_cast<double>(B * c.k * 3 * c.d * c.I), {}};
+        Row r{device, prec, B, {}, {}, 0, 2.0 * static_cast<double>(B * c.k * 3 * c.d * c.I), {}, {}, 0};
         // Dense and MoE samples alternate; the ratio is the median of adjacent pairs' ratios.
         const PairedSample ps = time_paired(dense, moe, b.get(), t);
         r.dense = ps.a;
         r.moe = ps.b;
         r.ratio = ps.ratio;  // dense time / MoE time = MoE FLOP/s / dense FLOP/s
+        if (LP) {
+          const PairedSample pp = time_paired(
+              moe, [&] { forward(*LP); }, b.get(), t);
+          r.prepared = pp.b;
+          r.prepared_speedup = pp.ratio;  // unprepared time / prepared time
+          std::fprintf(stderr, "[%s %s] batch %lld: moe with prepared experts %.3f ms (%.3fx)\n", device.c_str(),
+                       prec.c_str(), static_cast<long long>(B), r.prepared.median * 1e3, r.prepared_speedup);
+        }
         for (size_t e = 0; e + 1 < offsets.size(); ++e) r.expert_rows.push_back(offsets[e + 1] - offsets[e]);
         std::fprintf(stderr, "[%s %s] batch %lld: moe %.3f ms, dense %.3f ms\n", device.c_str(), prec.c_str(),
                      static_cast<long long>(B), r.moe.median * 1e3, r.dense.median * 1e3);
@@ -159,8 +213,10 @@ int run(int argc, char** argv) {
     }
   }
 
-  Table table({"device", "weights", "batch", "tokens/s", "ms/forward", "MoE GFLOP/s", "dense GFLOP/s", "MoE/dense",
-               "vs batch 1", "spread"});
+  std::vector<std::string> header = {"device",      "weights",       "batch",     "tokens/s",   "ms/forward",
+                                     "MoE GFLOP/s", "dense GFLOP/s", "MoE/dense", "vs batch 1", "spread"};
+  if (compare_prepared) header.insert(header.end(), {"ms prepared", "prepared speed-up", "spread prepared"});
+  Table table(header);
   Json out = report_header("moe-bench-layer", quick);
   Json& cfg = out.set("layer", Json::object());
   cfg.set("hidden", c.d);
@@ -177,9 +233,20 @@ int run(int argc, char** argv) {
         base_tps = static_cast<double>(q.batch) / q.moe.median;
     const double tps = static_cast<double>(r.batch) / r.moe.median;
     const double moe_rate = r.flops / r.moe.median, dense_rate = r.flops / r.dense.median;
-    table.add({r.device, r.precision, std::to_string(r.batch), fmt(tps), fmt(r.moe.median * 1e3), fmt(moe_rate / 1e9),
-               fmt(dense_rate / 1e9), fmt_ratio(r.ratio), fmt_ratio(tps / base_tps),
-               fmt_pct(std::max(r.moe.spread(), r.dense.spread()))});
+    std::vector<std::string> cells = {r.device,
+                                      r.precision,
+                                      std::to_string(r.batch),
+                                      fmt(tps),
+                                      fmt(r.moe.median * 1e3),
+                                      fmt(moe_rate / 1e9),
+                                      fmt(dense_rate / 1e9),
+                                      fmt_ratio(r.ratio),
+                                      fmt_ratio(tps / base_tps),
+                                      fmt_pct(std::max(r.moe.spread(), r.dense.spread()))};
+    if (compare_prepared)
+      cells.insert(cells.end(),
+                   {fmt(r.prepared.median * 1e3), fmt_ratio(r.prepared_speedup), fmt_pct(r.prepared.spread())});
+    table.add(cells);
     Json j = Json::object();
     j.set("device", r.device);
     j.set("precision", r.precision);
@@ -195,6 +262,10 @@ int run(int argc, char** argv) {
     Json rowsj = Json::array();
     for (int64_t n : r.expert_rows) rowsj.push(n);
     j.set("rows_per_expert", rowsj);
+    if (compare_prepared) {
+      j.set("moe_prepared", sample_json(r.prepared));
+      j.set("ratio_unprepared_vs_prepared_time", r.prepared_speedup);
+    }
     results.push(j);
   }
   table.print();
@@ -203,6 +274,10 @@ int run(int argc, char** argv) {
       "alternating pairs of samples; "
       "vs batch 1 = tokens/s ÷ tokens/s at batch %lld; spread = (max-min)/median of the noisier timing.\n",
       static_cast<long long>(batches.front()));
+  if (compare_prepared)
+    std::printf(
+        "prepared speed-up = time with unprepared expert weights ÷ time with prepared ones, median over alternating "
+        "pairs of samples (a separate pairing from MoE/dense).\n");
   write_json(json_path, out);
   return 0;
 }

@@ -12,10 +12,11 @@
 // backend's memory unless stated.
 //
 // Activations against f16/bf16 weights (linear, grouped_swiglu): the CPU multiplies the f32
-// activations by the widened weights, except in linear on a bf16 weight given to
-// prepare_linear_weight where the CPU has AVX-512 BF16 or AMX: there it rounds x to bf16 as CUDA
-// does (kernels/cpu/cpu_gemm.h). CUDA rounds the activations (x, and in grouped_swiglu also
-// the SwiGLU product) to the weight's type first, as cuBLAS takes one input type: one more
+// activations by the widened weights, except in linear and grouped_swiglu on bf16 weights given
+// to prepare_linear_weight where the CPU has AVX-512 BF16 or AMX: there it rounds x (and in
+// grouped_swiglu the SwiGLU product) to bf16 as CUDA does (kernels/cpu/cpu_gemm.h). CUDA rounds
+// the activations (x, and in grouped_swiglu also the SwiGLU product) to the weight's type first,
+// as cuBLAS takes one input type: one more
 // rounding per product, relative 2^-11 (f16) or 2^-8 (bf16), so the backends agree within about
 // 1e-2 relative there, not 1e-4 (tests/backend_cases.h, test_compute.cpp). Q4 weights: the same
 // bound; CUDA keeps the activations in f32 up to a few rows and beyond them dequantises the
@@ -181,10 +182,11 @@ class Backend {
   virtual void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) = 0;
   // Optional for callers, for Linear weights that stay unchanged while loaded: after
   // prepare_linear_weight, the backend may keep its own copy of w [n, k] in the layout its GEMM
-  // reads fastest (CPU: packed for oneDNN's matmul) and use it in linear calls with the same
-  // w.data, n and k. Counted: each prepare is matched by one release with the same arguments,
-  // before the weight's memory is freed or written. linear is the same without them. Default:
-  // nothing is kept.
+  // reads fastest (CPU: packed for oneDNN's matmul) and use it in linear calls, and in
+  // grouped_swiglu for an expert's w1, w3 or w2, with the same w.data, n and k. Counted: each
+  // prepare is matched by one release with the same arguments, before the weight's memory is
+  // freed or written. linear and grouped_swiglu compute the same without them (but for bf16
+  // rounding, above). Default: nothing is kept.
   virtual void prepare_linear_weight(WeightRef, int64_t /*n*/, int64_t /*k*/) {}
   virtual void release_linear_weight(WeightRef, int64_t /*n*/, int64_t /*k*/) {}
   // Per row: (x - mean) / sqrt(var + eps) · gamma + beta (population variance). y may alias x.

@@ -1,10 +1,11 @@
 // The CPU backend: host memory, operations run synchronously over the reference functions in
-// cpu_ops on the backend's thread pool (linear runs cpu_gemm (oneDNN) there; layer norm, the
-// element-wise operations, attention and l2_normalize_rows split their rows over it; the rest
-// runs on the calling thread). It runs every operation at every size and weight type, so it
-// keeps Backend::why_unsupported's default (supports() is true for every well-formed desc). With
-// CpuBackendOptions::async_copies, copy_from_host_async runs on a worker thread (a FIFO copy
-// queue), so code written for a GPU's copy stream runs, and is tested, on a machine without one.
+// cpu_ops on the backend's thread pool (linear, and grouped_swiglu on prepared weights, run
+// cpu_gemm (oneDNN) there; layer norm, the element-wise operations, attention and
+// l2_normalize_rows split their rows over it; the rest runs on the calling thread). It runs every
+// operation at every size and weight type, so it keeps Backend::why_unsupported's default
+// (supports() is true for every well-formed desc). With CpuBackendOptions::async_copies,
+// copy_from_host_async runs on a worker thread (a FIFO copy queue), so code written for a GPU's
+// copy stream runs, and is tested, on a machine without one.
 #include <unistd.h>
 
 #include <algorithm>
@@ -255,14 +256,16 @@ class CpuBackend final : public Backend {
       std::fill(out_sorted, out_sorted + offsets.back() * d, 0.0f);
       return;
     }
-    // 4-bit experts dequantise and multiply on the pool (cpu_int4.h); other types as they were.
-    const auto q4 = [](const ExpertWeights& e) {
-      return e.w1.type == WeightType::Q4 || e.w3.type == WeightType::Q4 || e.w2.type == WeightType::Q4;
-    };
-    if (std::any_of(experts.begin(), experts.end(), q4))
-      cpu::grouped_swiglu_q4(x_sorted, offsets, experts, d, inter, out_sorted, gemm_, pool_);
-    else
-      cpu::grouped_swiglu(x_sorted, offsets, experts, d, inter, out_sorted);
+    // 4-bit weights dequantise and multiply on the pool (cpu_int4.h). Weights given to
+    // prepare_linear_weight run linear's oneDNN matmul on their packed copy; others run OpenBLAS
+    // on the weight as it is (e.g. an expert executor's staged copies, which change).
+    cpu::grouped_swiglu(x_sorted, offsets, experts, d, inter, out_sorted,
+                        [this](const float* x, WeightRef w, float* y, int64_t m, int64_t n, int64_t k) {
+                          if (w.type == WeightType::Q4)
+                            cpu::linear_q4(x, *static_cast<const Q4Weight*>(w.data), nullptr, y, m, n, k, gemm_, pool_);
+                          else if (!gemm_.linear_prepared(x, w, nullptr, y, m, n, k))
+                            cpu::linear(x, w, nullptr, y, m, n, k);
+                        });
   }
   void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,
                      int64_t cols, float* y) override {

@@ -424,6 +424,13 @@ struct Gemm::Impl {
     return it == prepared.end() ? nullptr : it->second;
   }
 
+  // run() on w's packed copy; false when w is not prepared or (`why`) no primitive runs this M.
+  bool run_prepared(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k,
+                    std::string* why) {
+    const std::shared_ptr<const Packed> packed = find_prepared(w.data, n, k);
+    return packed && run(packed->layout, x, w, bias, y, m, n, k, why);
+  }
+
   // The layout the matmul asks for its weight B [k, n] of `type` (kLayoutProbeM rows of the same
   // type, f32 out), if it is addressable by column blocks (a blocked or plain layout) and the
   // matmul is not oneDNN's reference kernel.
@@ -517,8 +524,7 @@ void Gemm::linear(const float* x, WeightRef w, const float* bias, float* y, int6
   }
   const OneOmpThread one_thread;
   std::string why;
-  if (std::shared_ptr<const Packed> packed = impl_->find_prepared(w.data, n, k))
-    if (impl_->run(packed->layout, x, w, bias, y, m, n, k, &why)) return;
+  if (impl_->run_prepared(x, w, bias, y, m, n, k, &why)) return;
   if (w.type != WeightType::F32) {  // not prepared (or no primitive for this M): widened per call
     if (!why.empty()) impl_->log_fallback(why);
     cpu::linear(x, w, bias, y, m, n, k);
@@ -527,6 +533,15 @@ void Gemm::linear(const float* x, WeightRef w, const float* bias, float* y, int6
   if (impl_->run(Layout::plain(w.data, n, k, dnnl_f32), x, w, bias, y, m, n, k, &why)) return;
   impl_->log_fallback(why);
   blas_columns(x, w, bias, y, m, n, k, 0, n);
+}
+
+bool Gemm::linear_prepared(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k) {
+  if (w.type == WeightType::Q4 || m == 0 || n == 0 || k == 0 || !engine()) return false;
+  const OneOmpThread one_thread;
+  std::string why;
+  if (impl_->run_prepared(x, w, bias, y, m, n, k, &why)) return true;
+  if (!why.empty()) impl_->log_fallback(why);
+  return false;
 }
 
 void Gemm::prepare(WeightRef w, int64_t n, int64_t k) {

@@ -40,6 +40,9 @@ class Gemm {
 
   // y[m,n] = x[m,k] · w[n,k]ᵀ (+ bias[n]). Callable from several threads at once.
   void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k);
+  // linear() on the packed copy of a weight given to prepare(): false, with nothing computed,
+  // when (w.data, n, k) is not prepared (or oneDNN cannot run this M on it; logged once).
+  bool linear_prepared(const float* x, WeightRef w, const float* bias, float* y, int64_t m, int64_t n, int64_t k);
   // Backend::prepare_linear_weight / release_linear_weight: a packed copy of an f32, f16 or bf16
   // weight for (w.data, n, k), counted (each prepare is matched by one release); no-ops for Q4.
   void prepare(WeightRef w, int64_t n, int64_t k);

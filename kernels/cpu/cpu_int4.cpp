@@ -439,28 +439,4 @@ void linear_q4(const float* x, const Q4Weight& w, const float* bias, float* y, i
   linear_dequantized_pooled(usable_isa(isa, L), L, x, bias, y, m, gemm, pool);
 }
 
-void grouped_swiglu_q4(const float* x_sorted, const std::vector<int64_t>& offsets,
-                       const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted,
-                       Gemm& gemm, ThreadPool& pool) {
-  int64_t most = 0;
-  for (size_t e = 0; e < experts.size(); ++e) most = std::max(most, offsets[e + 1] - offsets[e]);
-  std::vector<float> gate(static_cast<size_t>(most * inter)), up(static_cast<size_t>(most * inter));
-  // Q4 weights through the pooled path; any other weight type as cpu::grouped_swiglu runs it.
-  const auto project = [&](const float* x, WeightRef w, float* y, int64_t m, int64_t n, int64_t k) {
-    if (w.type == WeightType::Q4)
-      linear_q4(x, *static_cast<const Q4Weight*>(w.data), nullptr, y, m, n, k, gemm, pool);
-    else
-      linear(x, w, nullptr, y, m, n, k);
-  };
-  for (size_t e = 0; e < experts.size(); ++e) {
-    const int64_t n = offsets[e + 1] - offsets[e];
-    if (n == 0) continue;
-    const float* x = x_sorted + offsets[e] * d;
-    project(x, experts[e].w1, gate.data(), n, inter, d);
-    project(x, experts[e].w3, up.data(), n, inter, d);
-    silu_mul(gate.data(), up.data(), gate.data(), n * inter);
-    project(gate.data(), experts[e].w2, out_sorted + offsets[e] * d, n, d, inter);
-  }
-}
-
 }  // namespace moe::kernels::cpu

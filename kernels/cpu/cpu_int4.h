@@ -44,9 +44,5 @@ void linear_q4(const float* x, const Q4Weight& w, const float* bias, float* y, i
 // batches cost the f32 GEMM plus the dequantisation, not OpenBLAS's repacking on one thread.
 void linear_q4(const float* x, const Q4Weight& w, const float* bias, float* y, int64_t m, int64_t n, int64_t k,
                Gemm& gemm, ThreadPool& pool, Int4Isa isa = int4_best_isa());
-// Backend::grouped_swiglu with every expert's weights Q4, through the linear_q4 above.
-void grouped_swiglu_q4(const float* x_sorted, const std::vector<int64_t>& offsets,
-                       const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted,
-                       Gemm& gemm, ThreadPool& pool);
 
 }  // namespace moe::kernels::cpu

@@ -449,7 +449,12 @@ void moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t expert
 }
 
 void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
-                    const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted) {
+                    const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted,
+                    const ExpertProjection& project) {
+  const ExpertProjection by_linear = [](const float* x, WeightRef w, float* y, int64_t m, int64_t n, int64_t k) {
+    linear(x, w, nullptr, y, m, n, k);
+  };
+  const ExpertProjection& proj = project ? project : by_linear;
   int64_t most = 0;
   for (size_t e = 0; e < experts.size(); ++e) most = std::max(most, offsets[e + 1] - offsets[e]);
   std::vector<float> gate(static_cast<size_t>(most * inter)), up(static_cast<size_t>(most * inter));
@@ -457,10 +462,10 @@ void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
     const int64_t n = offsets[e + 1] - offsets[e];
     if (n == 0) continue;
     const float* x = x_sorted + offsets[e] * d;
-    linear(x, experts[e].w1, nullptr, gate.data(), n, inter, d);
-    linear(x, experts[e].w3, nullptr, up.data(), n, inter, d);
+    proj(x, experts[e].w1, gate.data(), n, inter, d);
+    proj(x, experts[e].w3, up.data(), n, inter, d);
     silu_mul(gate.data(), up.data(), gate.data(), n * inter);
-    linear(gate.data(), experts[e].w2, nullptr, out_sorted + offsets[e] * d, n, d, inter);
+    proj(gate.data(), experts[e].w2, out_sorted + offsets[e] * d, n, d, inter);
   }
 }
 

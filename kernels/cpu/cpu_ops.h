@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "backend.h"
@@ -80,10 +81,15 @@ void linear(const float* x, WeightRef w, const float* bias, float* y, int64_t m,
 void moe_permute(const int32_t* ids, int64_t rows, int64_t top_k, int64_t experts, const float* x, int64_t cols,
                  float* x_sorted, int32_t* slot_of, int64_t* offsets);
 
+// y[m,n] = x[m,k] · w[n,k]^T: one projection of an expert in grouped_swiglu.
+using ExpertProjection = std::function<void(const float* x, WeightRef w, float* y, int64_t m, int64_t n, int64_t k)>;
+
 // For each expert e with offsets[e] < offsets[e+1]: out_sorted rows of e = w2(silu(w1 x)·w3 x)
-// over x_sorted rows of e (x [n_e, d], w1/w3 [inter, d], w2 [d, inter]). Allocates its scratch.
+// over x_sorted rows of e (x [n_e, d], w1/w3 [inter, d], w2 [d, inter]), each projection by
+// `project` (null: linear above). Allocates its scratch.
 void grouped_swiglu(const float* x_sorted, const std::vector<int64_t>& offsets,
-                    const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted);
+                    const std::vector<ExpertWeights>& experts, int64_t d, int64_t inter, float* out_sorted,
+                    const ExpertProjection& project = nullptr);
 
 // y[row] = Σ_j weights[row·top_k + j] · out_sorted[slot_of[row·top_k + j]], summed in j order.
 void moe_unpermute(const float* out_sorted, const int32_t* slot_of, const float* weights, int64_t rows, int64_t top_k,

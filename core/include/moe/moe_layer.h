@@ -64,8 +64,10 @@ class MoeLayer {
   // Loads the block whose tensors start with `prefix` (e.g. "model.layers.1.block_sparse_moe."
   // in a Mixtral checkpoint, "model.layers.1.mlp." in Qwen2-MoE, "" in an adapter file).
   // Mixtral (w1/w2/w3) and Qwen2-MoE (gate_proj/up_proj/down_proj) expert names are accepted.
-  // Expert weights are uploaded once, in options.precision, to the backend of options.device;
-  // the router (and the shared-expert gate) stay f32. Default: cpu, f32, weights used in place.
+  // Expert weights are uploaded once, in options.precision, to the backend of options.device,
+  // and prepared for its GEMM (Backend::prepare_linear_weight; the CPU backend keeps a packed
+  // copy, the experts' bytes again, f16 widened to f32); the router (and the shared-expert gate)
+  // stay f32. Default: cpu, f32, weights used in place (read once, to pack them).
   static MoeLayer load(const MoeConfig& config, const Checkpoint& weights, const std::string& prefix,
                        const ComputeOptions& options = {});
   // One MoE layer out of a Hugging Face Mixtral/Qwen2-MoE checkpoint directory.

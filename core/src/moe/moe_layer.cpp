@@ -132,7 +132,8 @@ struct MoeLayer::Impl {
   Tensor shared_gate;  // [1, D]
 
   // In backend memory (the host tensors themselves on the CPU backend in f32): the router and
-  // the shared-expert gate in f32, the experts in the layer's precision.
+  // the shared-expert gate in f32, the experts in the layer's precision, given to
+  // prepare_linear_weight (the CPU backend's linear and grouped_swiglu run oneDNN on a packed copy).
   Tensor dev_gate, dev_shared_gate;
   Expert dev_shared;
   std::vector<Expert> dev_experts;  // keeps the memory behind expert_refs
@@ -163,13 +164,13 @@ struct MoeLayer::Impl {
       }
     } else {
       for (const Expert& e : experts) {
-        Expert d{be.weight(e.w1), be.weight(e.w3), be.weight(e.w2)};
+        Expert d{be.linear_weight(e.w1), be.linear_weight(e.w3), be.linear_weight(e.w2)};
         expert_refs.push_back({weight_ref(d.w1), weight_ref(d.w3), weight_ref(d.w2)});
         dev_experts.push_back(std::move(d));
       }
     }
     if (has_shared) {
-      dev_shared = {be.weight(shared.w1), be.weight(shared.w3), be.weight(shared.w2)};
+      dev_shared = {be.linear_weight(shared.w1), be.linear_weight(shared.w3), be.linear_weight(shared.w2)};
       dev_shared_gate = be.f32(shared_gate);
     }
   }

@@ -53,8 +53,9 @@ struct ModelBackend {
   // A Linear weight in the model's precision; vectors (norms, biases) and f32-only weights in f32.
   Tensor weight(const Tensor& host) const { return to_backend(host, dtype_of(precision)); }
   // weight(host) for a Linear weight [out, in] that stays unchanged while loaded and that only
-  // linear reads: prepared for the backend's GEMM (Backend::prepare_linear_weight; CPU: packed
-  // once for oneDNN) until the returned tensor is released.
+  // linear (or grouped_swiglu, as an expert's w1, w3 or w2) reads: prepared for the backend's
+  // GEMM (Backend::prepare_linear_weight; CPU: packed once for oneDNN) until the returned tensor
+  // is released.
   Tensor linear_weight(const Tensor& host) const;
   Tensor f32(const Tensor& host) const { return to_backend(host, DType::F32); }
   // `host` (any dtype) byte for byte in backend memory: `host` itself on host-memory backends,
