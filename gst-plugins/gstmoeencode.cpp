@@ -4,8 +4,9 @@
  * @see_also: moe-route, zmq-query, moe-catalog-src, ann-query
  *
  * moe-encode embeds search requests with a CLIP model. Query texts (one per text/x-raw buffer),
- * video frames, or application/x-moe-request buffers (a text or an encoded image file, as
- * zmq-query and moe-catalog-src send them) go in; batches of embeddings come out
+ * image files (image/jpeg, image/png, WebP, GIF, BMP, TIFF, PNM: a file per buffer, or one file
+ * read by filesrc), video frames, or application/x-moe-request buffers (a text or an encoded image
+ * file, as zmq-query and moe-catalog-src send them) go in; batches of embeddings come out
  * (application/x-moe-tensor, width = the model's projection_dim), with each row's request (id,
  * modality, uri, timings) in the buffer's GstMoeBatchMeta. A request that cannot be encoded
  * (invalid UTF-8, an image that does not decode) is not an element error: it travels on in the
@@ -19,6 +20,12 @@
  * The model is loaded when the element goes to READY, on `device` (cpu, cuda:N, or auto: cuda:0
  * when a usable CUDA device exists) with its Linear weights in `precision`; elements naming the
  * same model, device and precision share it. These three can only be changed in the NULL state.
+ *
+ * Image files are decoded by the engine's decoder, so they embed as transformers embeds the same
+ * files; video frames that are not RGB are converted (and scaled down to the model's input in the
+ * same pass), within a tolerance of that (docs/video.md). For live video, `interval` encodes
+ * every Nth frame, and QoS events from downstream make late frames drop before conversion, as in
+ * GstBaseTransform filters.
  *
  * A query cache of `cache-bytes` (least recently used entries go first; 0 disables it) keeps the
  * embeddings of recent requests: a text that tokenises like an earlier one, or an image request
@@ -42,6 +49,13 @@
  * gst-launch-1.0 moe-catalog-src location=models/default/catalog \
  *     ! moe-encode model=models/default/clip max-batch=32 ! fakesink
  * ]| Embeds the images of the demo catalog, in batches of up to 32 while the encoder is busy.
+ * |[
+ * gst-launch-1.0 filesrc location=photo.jpg ! moe-encode model=models/default/clip ! fakesink
+ * ]| Embeds one photo, decoded as transformers decodes it.
+ * |[
+ * gst-launch-1.0 videotestsrc is-live=true ! video/x-raw,format=I420,width=1280,height=720 \
+ *     ! queue leaky=downstream max-size-buffers=2 ! moe-encode max-batch=1 interval=3 ! fakesink
+ * ]| Embeds every third frame of live video, dropping what it cannot keep up with.
  * |[
  * printf 'red striped mug' | gst-launch-1.0 fdsrc ! text/x-raw,format=utf8 \
  *     ! moe-encode model=models/default/clip ! fakesink dump=true
@@ -83,6 +97,7 @@
  */
 #include "gstmoeencode.h"
 
+#include <gst/base/gsttypefindhelper.h>
 #include <gst/video/video.h>
 
 #include <atomic>
@@ -95,6 +110,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -120,6 +136,8 @@ enum {
   PROP_MAX_BATCH,
   PROP_MAX_LATENCY,
   PROP_CACHE_BYTES,
+  PROP_INTERVAL,
+  PROP_QOS,
   PROP_STATS
 };
 
@@ -136,15 +154,24 @@ enum {
 #define MAX_MAX_LATENCY (3600 * GST_SECOND)
 // ~25,000 queries of a 512-wide model (2 KiB of embedding, ~0.4 KiB of key and bookkeeping each).
 #define DEFAULT_CACHE_BYTES (G_GUINT64_CONSTANT(64) << 20)
+#define DEFAULT_INTERVAL 1
+#define DEFAULT_QOS TRUE
+// The largest image file a byte stream (filesrc) may hold: beyond any photo whose pixels
+// decode_image accepts, and a bound on what a stream without an end can make the element hold.
+#define MAX_IMAGE_FILE_BYTES (G_GUINT64_CONSTANT(512) << 20)
 
 #define MOE_ENCODE_VIDEO_FORMATS \
   "{ RGB, RGBx, xRGB, BGR, BGRx, xBGR, RGBA, BGRA, ARGB, ABGR, I420, YV12, NV12, NV21, YUY2, UYVY, GRAY8 }"
+// Encoded image files, decoded by the engine's decoder (moe/image_decode.h), as typefind names them.
+#define MOE_ENCODE_IMAGE_CAPS                                                                      \
+  "image/jpeg; image/png; image/gif; image/bmp; image/tiff; image/webp; image/x-portable-pixmap; " \
+  "image/x-portable-graymap; image/x-portable-bitmap; image/x-portable-anymap"
 
 namespace {
 
 constexpr const char* kStage = "moe-encode";
 
-enum class InputKind { None, Text, Video, Request };
+enum class InputKind { None, Text, Video, Image, Request };
 
 using Clock = moe::Batcher::Clock;
 
@@ -186,6 +213,8 @@ struct EncodeState {
   }
   ~EncodeState() {
     if (converter != nullptr) gst_video_converter_free(converter);
+    if (image_file != nullptr) gst_buffer_unref(image_file);
+    if (segment_before_caps != nullptr) gst_event_unref(segment_before_caps);
   }
   EncodeState(const EncodeState&) = delete;
   EncodeState& operator=(const EncodeState&) = delete;
@@ -199,7 +228,17 @@ struct EncodeState {
   // The stream, streaming thread only (serialised by the sink pad's stream lock).
   InputKind kind = InputKind::None;
   GstVideoInfo video_info;
-  GstVideoConverter* converter = nullptr;  // non-RGB video -> packed RGB
+  GstVideoConverter* converter = nullptr;  // non-RGB video -> packed RGB, scaled down in the same pass
+  int rgb_width = 0, rgb_height = 0;       // the frames' size as packed RGB (the converter's output)
+  // Image files: whether upstream sends the stream as one file (a byte stream whose size it knows,
+  // as filesrc does) or one file per buffer, asked at the stream's first buffer; the file so far.
+  bool image_framing_known = false;
+  guint64 image_file_size = 0;  // > 0: the stream is one file of this many bytes
+  GstBuffer* image_file = nullptr;
+  bool image_file_refused = false;  // larger than MAX_IMAGE_FILE_BYTES: answered, its bytes dropped
+  // A segment that came before any caps (filesrc): sent on once the first buffer's type is known,
+  // since downstream must see the caps first.
+  GstEvent* segment_before_caps = nullptr;
   GstSegment segment;
   bool uri_queried = false;
   std::string stream_uri;
@@ -240,12 +279,22 @@ struct _GstMoeEncode {
   guint max_batch;
   guint64 max_latency;
   guint64 cache_bytes;
+  guint interval;
+  gboolean qos;
+
+  // The last QoS event's, under the object lock (GstBaseTransform's rule): frames whose running
+  // time is not after qos_earliest are late. Reset at start and by flushes.
+  gdouble qos_proportion;
+  GstClockTime qos_earliest;
 
   // Behind `stats`, under the object lock: reset at start, kept after stop. While a run lasts the
   // batcher's counters are its own (EncodeState::batcher); stop keeps its last ones here.
   moe::BatcherStats* batcher_stats;
-  guint64 rows_failed;  // requests that failed here, on arrival or in the engine
-  gdouble encode_ms;    // time in engine calls
+  guint64 rows_failed;       // requests that failed here, on arrival or in the engine
+  guint64 frames_processed;  // frames (video, or image files one per buffer) that became requests
+  guint64 frames_skipped;    // frames between two that `interval` keeps
+  guint64 frames_late;       // frames dropped by QoS
+  gdouble encode_ms;         // time in engine calls
 
   // The query cache, from init to finalize: its entries outlive runs and model changes (their keys
   // name the model version, so a new model misses). It has its own lock. Under the object lock:
@@ -263,10 +312,10 @@ struct _GstMoeEncode {
   EncodeState* state;
 };
 
-static GstStaticPadTemplate sink_template = GST_STATIC_PAD_TEMPLATE(
-    "sink", GST_PAD_SINK, GST_PAD_ALWAYS,
-    GST_STATIC_CAPS(
-        "text/x-raw, format=(string)utf8; " GST_VIDEO_CAPS_MAKE(MOE_ENCODE_VIDEO_FORMATS) "; " GST_MOE_REQUEST_CAPS));
+static GstStaticPadTemplate sink_template =
+    GST_STATIC_PAD_TEMPLATE("sink", GST_PAD_SINK, GST_PAD_ALWAYS,
+                            GST_STATIC_CAPS("text/x-raw, format=(string)utf8; " GST_VIDEO_CAPS_MAKE(
+                                MOE_ENCODE_VIDEO_FORMATS) "; " MOE_ENCODE_IMAGE_CAPS "; " GST_MOE_REQUEST_CAPS));
 static GstStaticPadTemplate src_template =
     GST_STATIC_PAD_TEMPLATE("src", GST_PAD_SRC, GST_PAD_ALWAYS, GST_STATIC_CAPS(GST_MOE_TENSOR_CAPS));
 
@@ -276,6 +325,7 @@ G_DEFINE_TYPE_WITH_CODE(GstMoeEncode, gst_moe_encode, GST_TYPE_ELEMENT,
 GST_ELEMENT_REGISTER_DEFINE(moe_encode, "moe-encode", GST_RANK_NONE, GST_TYPE_MOE_ENCODE);
 
 static void worker_loop(GstMoeEncode* self, EncodeState* st);
+static gboolean set_sink_caps(GstMoeEncode* self, EncodeState* st, GstCaps* caps);
 static void drop_pending(GstMoeEncode* self, EncodeState* st, const char* why);
 
 /* ----- properties ----- */
@@ -343,6 +393,12 @@ static void gst_moe_encode_set_property(GObject* object, guint prop_id, const GV
       self->query_cache->set_capacity(self->cache_bytes);  // the running worker's next lookup sees it
       report_query_cache(self);                            // the evictions
       break;
+    case PROP_INTERVAL:
+      self->interval = g_value_get_uint(value);
+      break;
+    case PROP_QOS:
+      self->qos = g_value_get_boolean(value);
+      break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
       break;
@@ -381,7 +437,8 @@ static GstStructure* encode_stats(GstMoeEncode* self) {
       static_cast<guint64>(c.hits - c0.hits), "cache-misses", G_TYPE_UINT64, static_cast<guint64>(c.misses - c0.misses),
       "cache-evictions", G_TYPE_UINT64, static_cast<guint64>(c.evictions - c0.evictions), "cache-refused",
       G_TYPE_UINT64, static_cast<guint64>(c.refused - c0.refused), "cache-entries", G_TYPE_UINT64,
-      static_cast<guint64>(c.entries), "cache-held-bytes", G_TYPE_UINT64, static_cast<guint64>(c.bytes), nullptr);
+      static_cast<guint64>(c.entries), "cache-held-bytes", G_TYPE_UINT64, static_cast<guint64>(c.bytes),
+      "frames-skipped", G_TYPE_UINT64, self->frames_skipped, "frames-late", G_TYPE_UINT64, self->frames_late, nullptr);
   gst_structure_take_value(s, "batches-by-size", &by_size);
   return s;
 }
@@ -410,6 +467,12 @@ static void gst_moe_encode_get_property(GObject* object, guint prop_id, GValue* 
       break;
     case PROP_CACHE_BYTES:
       g_value_set_uint64(value, self->cache_bytes);
+      break;
+    case PROP_INTERVAL:
+      g_value_set_uint(value, self->interval);
+      break;
+    case PROP_QOS:
+      g_value_set_boolean(value, self->qos);
       break;
     case PROP_STATS:
       g_value_take_boxed(value, encode_stats(self));
@@ -471,6 +534,7 @@ static gboolean gst_moe_encode_open(GstMoeEncode* self) {
     return FALSE;
   }
   gstmoe::metrics::observe_model_load("encoder", load_start);
+  gstmoe::metrics::watch_device_memory(loaded->clip);
   gchar* base = g_path_get_basename(path.c_str());
   loaded->name = base;
   g_free(base);
@@ -503,6 +567,9 @@ static void gst_moe_encode_start(GstMoeEncode* self) {
   *self->cache_at_start = self->query_cache->stats();
   self->rows_failed = 0;
   self->encode_ms = 0.0;
+  self->frames_processed = self->frames_skipped = self->frames_late = 0;
+  self->qos_proportion = 1.0;
+  self->qos_earliest = GST_CLOCK_TIME_NONE;
   self->state = st;
   GST_OBJECT_UNLOCK(self);
   st->worker = std::thread(worker_loop, self, st);
@@ -526,6 +593,14 @@ static void gst_moe_encode_stop(GstMoeEncode* self) {
   self->state = nullptr;
   GST_OBJECT_UNLOCK(self);
   delete st;
+}
+
+// Forgets the last QoS event (after a flush, the old running times mean nothing).
+static void reset_qos(GstMoeEncode* self) {
+  GST_OBJECT_LOCK(self);
+  self->qos_proportion = 1.0;
+  self->qos_earliest = GST_CLOCK_TIME_NONE;
+  GST_OBJECT_UNLOCK(self);
 }
 
 // While flushing (or stopping), the streaming thread stops waiting for room in the queue.
@@ -610,7 +685,7 @@ static std::string frame_uri(GstMoeEncode* self, EncodeState* st, GstBuffer* buf
   return "frame:" + std::to_string(frame);
 }
 
-// A video frame as packed RGB8: copied when it is RGB already, else through GstVideoConverter.
+// A video frame as packed RGB8: copied when it is RGB already, else through the converter.
 static void frame_to_rgb(EncodeState* st, GstBuffer* buf, moe::RgbImage* image, std::string* error) {
   GstVideoFrame in;
   if (!gst_video_frame_map(&in, &st->video_info, buf, GST_MAP_READ)) {
@@ -618,7 +693,7 @@ static void frame_to_rgb(EncodeState* st, GstBuffer* buf, moe::RgbImage* image, 
              std::to_string(st->video_info.size) + " bytes expected)";
     return;
   }
-  const int w = GST_VIDEO_INFO_WIDTH(&st->video_info), h = GST_VIDEO_INFO_HEIGHT(&st->video_info);
+  const int w = st->rgb_width, h = st->rgb_height;
   const size_t row = static_cast<size_t>(w) * 3;
   image->width = w;
   image->height = h;
@@ -768,15 +843,22 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st
       p.record.modality = gstmoe::Modality::Text;
       set_text(st, &p, buffer_bytes(buf));
       break;
-    case InputKind::Video: {
+    case InputKind::Video:
+    case InputKind::Image: {
       const guint64 frame = st->frames++;
       p.record.modality = gstmoe::Modality::Image;
-      if (p.record.uri.empty()) p.record.uri = frame_uri(self, st, buf, frame);
+      // A stream that is one file (filesrc) is named by its uri, a frame by its time in the stream.
+      if (p.record.uri.empty())
+        p.record.uri = st->image_file_size > 0 && !upstream_uri(self, st).empty() ? upstream_uri(self, st)
+                                                                                  : frame_uri(self, st, buf, frame);
       // Each frame keeps its own time: the batch buffer carries only its first frame's PTS.
       p.record.pts = GST_BUFFER_PTS(buf);
       if (GST_CLOCK_TIME_IS_VALID(p.record.pts) && st->segment.format == GST_FORMAT_TIME)
         p.record.stream_time = gst_segment_to_stream_time(&st->segment, GST_FORMAT_TIME, p.record.pts);
-      frame_to_rgb(st, buf, &p.image, &p.error);
+      if (st->kind == InputKind::Video)
+        frame_to_rgb(st, buf, &p.image, &p.error);
+      else
+        set_encoded_image(st, &p, buf);
       break;
     }
     case InputKind::Request:
@@ -953,6 +1035,105 @@ static GstFlowReturn enqueue(EncodeState* st, std::vector<Pending>&& requests) {
   return GST_FLOW_OK;
 }
 
+/* ----- frames and image files ----- */
+
+// Whether a frame is dropped before it is converted: left out by `interval`, or late by the last
+// QoS event (GstBaseTransform's rule: its running time is not after the event's timestamp +
+// jitter), which is counted and posted as a QoS message. Runs in the streaming thread.
+static bool drop_frame(GstMoeEncode* self, EncodeState* st, GstBuffer* buf) {
+  GST_OBJECT_LOCK(self);
+  if (st->frames % self->interval != 0) {
+    ++self->frames_skipped;
+    GST_OBJECT_UNLOCK(self);
+    return true;
+  }
+  const GstClockTime earliest = self->qos_earliest, pts = GST_BUFFER_PTS(buf);
+  const gdouble proportion = self->qos_proportion;
+  GstClockTime running = GST_CLOCK_TIME_NONE;
+  if (self->qos && GST_CLOCK_TIME_IS_VALID(earliest) && GST_CLOCK_TIME_IS_VALID(pts) &&
+      st->segment.format == GST_FORMAT_TIME)
+    running = gst_segment_to_running_time(&st->segment, GST_FORMAT_TIME, pts);
+  if (!GST_CLOCK_TIME_IS_VALID(running) || running > earliest) {
+    ++self->frames_processed;
+    GST_OBJECT_UNLOCK(self);
+    return false;
+  }
+  const guint64 processed = self->frames_processed, late = ++self->frames_late;
+  GST_OBJECT_UNLOCK(self);
+  GST_LOG_OBJECT(self, "dropping late frame %" GST_TIME_FORMAT, GST_TIME_ARGS(pts));
+  GstMessage* msg = gst_message_new_qos(GST_OBJECT(self), FALSE, running,
+                                        gst_segment_to_stream_time(&st->segment, GST_FORMAT_TIME, pts), pts,
+                                        GST_BUFFER_DURATION(buf));
+  gst_message_set_qos_values(msg, GST_CLOCK_DIFF(running, earliest), proportion, 1000000);
+  gst_message_set_qos_stats(msg, GST_FORMAT_BUFFERS, processed, late);
+  gst_element_post_message(GST_ELEMENT(self), msg);
+  return true;
+}
+
+// Recognises an image file from the first buffer of a stream without caps (filesrc) and takes
+// it as that image's caps; false when the bytes are not an image file the engine decodes.
+static bool typefind_image(GstMoeEncode* self, EncodeState* st, GstBuffer* buf) {
+  static GstStaticCaps image_caps = GST_STATIC_CAPS(MOE_ENCODE_IMAGE_CAPS);
+  GstCaps* found = gst_type_find_helper_for_buffer(GST_OBJECT(self), buf, nullptr);
+  if (found == nullptr) return false;
+  GstCaps* accepted = gst_static_caps_get(&image_caps);
+  bool ok = gst_caps_can_intersect(found, accepted);
+  gst_caps_unref(accepted);
+  if (ok) {
+    GST_INFO_OBJECT(self, "no caps: the bytes are %" GST_PTR_FORMAT, found);
+    std::lock_guard<std::mutex> push(st->push_lock);
+    ok = set_sink_caps(self, st, found);
+    if (ok && st->segment_before_caps != nullptr) gst_pad_push_event(self->srcpad, st->segment_before_caps);
+    st->segment_before_caps = nullptr;
+  }
+  gst_caps_unref(found);
+  return ok;
+}
+
+// Whether the stream is one image file or one file per buffer. A byte stream whose size upstream
+// knows (filesrc, also behind typefind, reads one file in blocks of 4 KiB) is one file; anything
+// else (multifilesrc, parsers, cameras, appsrc) sends whole files, one per buffer, as jpegdec and
+// pngdec take them when their input is parsed.
+static void set_image_framing(GstMoeEncode* self, EncodeState* st) {
+  st->image_framing_known = true;
+  st->image_file_size = 0;
+  gint64 size = -1;
+  if (st->segment.format == GST_FORMAT_BYTES && gst_pad_peer_query_duration(self->sinkpad, GST_FORMAT_BYTES, &size) &&
+      size > 0)
+    st->image_file_size = static_cast<guint64>(size);
+  GST_DEBUG_OBJECT(self, "image stream: %s",
+                   st->image_file_size > 0 ? "one file (a byte stream of known size)" : "one file per buffer");
+}
+
+// Adds a block of a byte stream to the image file it holds; returns the file once its size is
+// reached, else nullptr.
+static GstBuffer* add_to_image_file(EncodeState* st, GstBuffer* block) {
+  st->image_file = st->image_file != nullptr ? gst_buffer_append(st->image_file, block) : block;
+  if (gst_buffer_get_size(st->image_file) < st->image_file_size) return nullptr;
+  GstBuffer* file = st->image_file;
+  st->image_file = nullptr;
+  return file;
+}
+
+// A byte stream too large to hold: its first block becomes the request, failed with the reason;
+// the other blocks are dropped.
+static GstFlowReturn refuse_image_file(GstMoeEncode* self, EncodeState* st, GstBuffer* block) {
+  if (st->image_file_refused) {
+    gst_buffer_unref(block);
+    return GST_FLOW_OK;
+  }
+  st->image_file_refused = true;
+  std::vector<Pending> requests = collect_requests(self, st, block);
+  gst_buffer_unref(block);
+  Pending& p = requests.back();
+  p.error = "image request '" + p.record.id + "' (" + p.record.uri + "): image file of " +
+            std::to_string(st->image_file_size) + " bytes exceeds the limit of " +
+            std::to_string(MAX_IMAGE_FILE_BYTES) + " bytes";
+  p.error_code = moe::error_code::kImageUndecodable;
+  p.image = moe::RgbImage();
+  return enqueue(st, std::move(requests));
+}
+
 /* ----- pads ----- */
 
 static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer* buf) {
@@ -963,18 +1144,41 @@ static GstFlowReturn gst_moe_encode_chain(GstPad*, GstObject* parent, GstBuffer*
     gst_buffer_unref(buf);
     return deferred;
   }
-  if (st->kind == InputKind::None) {  // no (valid) caps event: the buffer's meaning is unknown
+  // No (valid) caps event, typically from filesrc, whose caps are ANY: an image file is recognised
+  // by its bytes, anything else needs a caps filter.
+  if (st->kind == InputKind::None && !typefind_image(self, st, buf)) {
     gst_buffer_unref(buf);
-    // Typically filesrc, whose caps are ANY: it negotiates nothing unless a caps filter says what it reads.
     GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
-                      ("Received a buffer without caps: upstream does not say whether it sends texts, video frames "
-                       "or requests; filesrc and other sources of untyped bytes need a caps filter, e.g. "
-                       "filesrc location=query.txt ! text/x-raw,format=utf8 ! moe-encode"),
+                      ("Received a buffer without caps that is not an image file: upstream does not say whether it "
+                       "sends texts, video frames or requests; filesrc and other sources of untyped bytes need a "
+                       "caps filter, e.g. filesrc location=query.txt ! text/x-raw,format=utf8 ! moe-encode"),
                       (nullptr));
     return GST_FLOW_NOT_NEGOTIATED;
   }
+  if (st->kind == InputKind::Image && !st->image_framing_known) set_image_framing(self, st);
+  if (st->kind == InputKind::Image && st->image_file_size > MAX_IMAGE_FILE_BYTES)
+    return refuse_image_file(self, st, buf);
+  if (st->kind == InputKind::Image && st->image_file_size > 0) {
+    buf = add_to_image_file(st, buf);
+    if (buf == nullptr) return GST_FLOW_OK;  // more of the file to come
+  } else if ((st->kind == InputKind::Video || st->kind == InputKind::Image) && drop_frame(self, st, buf)) {
+    ++st->frames;
+    gst_buffer_unref(buf);
+    return GST_FLOW_OK;
+  }
   std::vector<Pending> requests = collect_requests(self, st, buf);
   gst_buffer_unref(buf);
+  return enqueue(st, std::move(requests));
+}
+
+// Queues the image file a byte stream ended with before its size was reached (it fails to decode
+// as truncated). Runs in the streaming thread, before the event that ends the stream.
+static GstFlowReturn queue_unfinished_image_file(GstMoeEncode* self, EncodeState* st) {
+  if (st->image_file == nullptr) return GST_FLOW_OK;
+  GstBuffer* file = st->image_file;
+  st->image_file = nullptr;
+  std::vector<Pending> requests = collect_requests(self, st, file);
+  gst_buffer_unref(file);
   return enqueue(st, std::move(requests));
 }
 
@@ -1006,16 +1210,50 @@ static gboolean ensure_src_caps(GstMoeEncode* self, EncodeState* st) {
   return ok;
 }
 
+// The size a w x h frame is converted to: the preprocessing's resize size (the shortest side to
+// shortest_edge, as CLIPImageProcessor resizes) when that is smaller, else the frame's own size.
+static std::pair<int, int> converted_size(const EncodeState* st, int w, int h) {
+  try {
+    const std::pair<int, int> resized = moe::resized_size(st->model->image_preprocess(), w, h);
+    if (resized.first <= w && resized.second <= h) return resized;
+  } catch (const moe::Error&) {  // a size the preprocessing refuses: each frame fails with the reason
+  }
+  return {w, h};
+}
+
+// Converts non-RGB video to packed RGB and, where the model would shrink the frame anyway, scales
+// it to the model's resize size in the same pass, so a 1080p frame is never converted whole. The
+// scaling is videoscale's default (bilinear, 2 taps): measured here, a full antialiasing kernel
+// (Catmull-Rom, as Pillow's bicubic) cost more than converting the whole frame and resizing it
+// exactly, while 2 taps take 2-3 times less; the embeddings stay within the tolerance that
+// docs/video.md states (these frames were never exact: the colour conversion is not PIL's).
+static GstVideoConverter* new_rgb_converter(const GstVideoInfo& in, int out_width, int out_height) {
+  GstVideoInfo rgb;
+  gst_video_info_set_format(&rgb, GST_VIDEO_FORMAT_RGB, out_width, out_height);
+  // The converter refuses (NULL) to change the frame rate or the interlacing: keep both.
+  GST_VIDEO_INFO_FPS_N(&rgb) = GST_VIDEO_INFO_FPS_N(&in);
+  GST_VIDEO_INFO_FPS_D(&rgb) = GST_VIDEO_INFO_FPS_D(&in);
+  GST_VIDEO_INFO_INTERLACE_MODE(&rgb) = GST_VIDEO_INFO_INTERLACE_MODE(&in);
+  GstStructure* config =
+      gst_structure_new("GstVideoConverter", GST_VIDEO_CONVERTER_OPT_RESAMPLER_METHOD, GST_TYPE_VIDEO_RESAMPLER_METHOD,
+                        GST_VIDEO_RESAMPLER_METHOD_LINEAR, GST_VIDEO_RESAMPLER_OPT_MAX_TAPS, G_TYPE_INT, 2, nullptr);
+  return gst_video_converter_new(const_cast<GstVideoInfo*>(&in), &rgb, config);  // takes the config
+}
+
 static gboolean set_sink_caps(GstMoeEncode* self, EncodeState* st, GstCaps* caps) {
   const GstStructure* s = gst_caps_get_structure(caps, 0);
   if (st->converter != nullptr) {
     gst_video_converter_free(st->converter);
     st->converter = nullptr;
   }
+  gst_clear_buffer(&st->image_file);
+  st->image_framing_known = st->image_file_refused = false;
   if (gst_structure_has_name(s, "text/x-raw")) {
     st->kind = InputKind::Text;
   } else if (gst_structure_has_name(s, GST_MOE_REQUEST_CAPS)) {
     st->kind = InputKind::Request;
+  } else if (g_str_has_prefix(gst_structure_get_name(s), "image/")) {
+    st->kind = InputKind::Image;
   } else {
     if (!gst_video_info_from_caps(&st->video_info, caps)) {
       gchar* str = gst_caps_to_string(caps);
@@ -1025,15 +1263,14 @@ static gboolean set_sink_caps(GstMoeEncode* self, EncodeState* st, GstCaps* caps
       return FALSE;
     }
     st->kind = InputKind::Video;
+    st->rgb_width = GST_VIDEO_INFO_WIDTH(&st->video_info);
+    st->rgb_height = GST_VIDEO_INFO_HEIGHT(&st->video_info);
+    // RGB frames are copied as they are: the engine's Pillow-exact resize then gives the reference's pixels.
     if (GST_VIDEO_INFO_FORMAT(&st->video_info) != GST_VIDEO_FORMAT_RGB) {
-      GstVideoInfo rgb;
-      gst_video_info_set_format(&rgb, GST_VIDEO_FORMAT_RGB, GST_VIDEO_INFO_WIDTH(&st->video_info),
-                                GST_VIDEO_INFO_HEIGHT(&st->video_info));
-      // The converter refuses (NULL) to change the frame rate or the interlacing: keep both.
-      GST_VIDEO_INFO_FPS_N(&rgb) = GST_VIDEO_INFO_FPS_N(&st->video_info);
-      GST_VIDEO_INFO_FPS_D(&rgb) = GST_VIDEO_INFO_FPS_D(&st->video_info);
-      GST_VIDEO_INFO_INTERLACE_MODE(&rgb) = GST_VIDEO_INFO_INTERLACE_MODE(&st->video_info);
-      st->converter = gst_video_converter_new(&st->video_info, &rgb, nullptr);
+      std::tie(st->rgb_width, st->rgb_height) = converted_size(st, st->rgb_width, st->rgb_height);
+      GST_DEBUG_OBJECT(self, "converting %dx%d frames to %dx%d RGB", GST_VIDEO_INFO_WIDTH(&st->video_info),
+                       GST_VIDEO_INFO_HEIGHT(&st->video_info), st->rgb_width, st->rgb_height);
+      st->converter = new_rgb_converter(st->video_info, st->rgb_width, st->rgb_height);
       if (st->converter == nullptr) {  // else its frames would be read as RGB
         gchar* str = gst_caps_to_string(caps);
         GST_ELEMENT_ERROR(self, CORE, NEGOTIATION, ("Cannot convert video %s to RGB", str), (nullptr));
@@ -1066,6 +1303,8 @@ static gboolean gst_moe_encode_sink_event(GstPad* pad, GstObject* parent, GstEve
       drop_pending(self, st, "flush");                  // what a chain call still running at FLUSH_START queued
       set_flushing(st, false);
       st->deferred_flow = GST_FLOW_OK;
+      gst_clear_buffer(&st->image_file);
+      reset_qos(self);
       return gst_pad_event_default(pad, parent, event);
     }
     case GST_EVENT_CAPS: {
@@ -1077,12 +1316,26 @@ static gboolean gst_moe_encode_sink_event(GstPad* pad, GstObject* parent, GstEve
       gst_event_unref(event);  // the output caps are ours, not upstream's
       return ok;
     }
-    case GST_EVENT_SEGMENT:
+    case GST_EVENT_SEGMENT:  // also after a seek: an image file being read starts over
       gst_event_copy_segment(event, &st->segment);
+      gst_clear_buffer(&st->image_file);
+      st->image_framing_known = st->image_file_refused = false;
+      if (st->kind == InputKind::None) {
+        gst_event_replace(&st->segment_before_caps, event);
+        gst_event_unref(event);
+        return TRUE;
+      }
       break;
     case GST_EVENT_STREAM_START:
       st->uri_queried = false;
       st->frames = 0;
+      break;
+    case GST_EVENT_EOS:
+      // A file cut short is still answered (as truncated); the queue may be full, so not under push_lock.
+      if (queue_unfinished_image_file(self, st) == GST_FLOW_FLUSHING) {
+        gst_event_unref(event);
+        return FALSE;
+      }
       break;
     default:
       break;
@@ -1091,6 +1344,24 @@ static gboolean gst_moe_encode_sink_event(GstPad* pad, GstObject* parent, GstEve
   // EOS, segments, tags, gaps...: whatever is pending goes out first, in order.
   std::lock_guard<std::mutex> push(st->push_lock);
   push_before_event(self, st, event);
+  return gst_pad_event_default(pad, parent, event);
+}
+
+// QoS events from downstream: kept for drop_frame (GstBaseTransform's rule), then sent upstream.
+static gboolean gst_moe_encode_src_event(GstPad* pad, GstObject* parent, GstEvent* event) {
+  GstMoeEncode* self = GST_MOE_ENCODE(parent);
+  if (GST_EVENT_TYPE(event) == GST_EVENT_QOS) {
+    gdouble proportion;
+    GstClockTimeDiff diff;
+    GstClockTime timestamp;
+    gst_event_parse_qos(event, nullptr, &proportion, &diff, &timestamp);
+    GST_OBJECT_LOCK(self);
+    self->qos_proportion = proportion;
+    self->qos_earliest = GST_CLOCK_TIME_IS_VALID(timestamp) ? timestamp + diff : GST_CLOCK_TIME_NONE;
+    GST_OBJECT_UNLOCK(self);
+    GST_LOG_OBJECT(self, "QoS: proportion %g, diff %" G_GINT64_FORMAT ", timestamp %" GST_TIME_FORMAT, proportion, diff,
+                   GST_TIME_ARGS(timestamp));
+  }
   return gst_pad_event_default(pad, parent, event);
 }
 
@@ -1219,6 +1490,20 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
                           "0: no cache. A smaller value evicts at once; the entries outlive state changes",
                           0, G_MAXUINT64, DEFAULT_CACHE_BYTES, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
+      gobject_class, PROP_INTERVAL,
+      g_param_spec_uint("interval", "Interval",
+                        "Encode every Nth frame of a video stream (or of an image stream with one file per buffer) "
+                        "and drop the others: 1 encodes every frame, 3 frames 0, 3, 6... of the stream; dropped "
+                        "frames are counted in stats (frames-skipped). Texts and requests are never skipped",
+                        1, G_MAXUINT, DEFAULT_INTERVAL, gstmoe::kPropertyMutablePlaying));
+  g_object_class_install_property(
+      gobject_class, PROP_QOS,
+      g_param_spec_boolean("qos", "QoS",
+                           "Drop the frames that downstream's QoS events say are late (their running time is not "
+                           "after the last event's timestamp + jitter) before converting them, as GstBaseTransform "
+                           "filters do; each is counted in stats (frames-late) and posted as a QoS message",
+                           DEFAULT_QOS, gstmoe::kPropertyMutablePlaying));
+  g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(
           "moe-encode-stats, since the element started: requests (queued, including those that failed before "
@@ -1227,14 +1512,16 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
           "and queue-wait-max-ms (from arrival to the batch leaving: total and longest), late (requests that "
           "queued longer than max-latency), cache-hits, cache-misses, cache-evictions and cache-refused (query cache "
           "lookups that found an embedding, lookups that did not, entries dropped to stay within cache-bytes, "
-          "entries larger than cache-bytes), cache-entries and cache-held-bytes (what the cache holds now)"));
+          "entries larger than cache-bytes), cache-entries and cache-held-bytes (what the cache holds now), "
+          "frames-skipped (frames left out by interval) and frames-late (frames dropped by QoS)"));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);
   gst_element_class_set_static_metadata(
       element_class, "CLIP encoder", "Filter/Converter/Text/Video",
-      "Encodes query texts (one per text/x-raw buffer), video frames, or application/x-moe-request buffers (a text or "
-      "an encoded image file) with a CLIP model into batches of embeddings (application/x-moe-tensor, width = the "
+      "Encodes query texts (one per text/x-raw buffer), image files (JPEG, PNG, WebP, GIF, BMP, TIFF, PNM), video "
+      "frames, or application/x-moe-request buffers (a text or an encoded image file) with a CLIP model into batches "
+      "of embeddings (application/x-moe-tensor, width = the "
       "model's projection_dim). Each row's request (id, modality, uri, timings) is in the buffer's GstMoeBatchMeta; "
       "requests that cannot be encoded travel on in its failed list. Example: gst-launch-1.0 videotestsrc "
       "num-buffers=16 ! moe-encode model=models/default/clip max-batch=4 ! fakesink",
@@ -1251,6 +1538,7 @@ static void gst_moe_encode_init(GstMoeEncode* self) {
 
   self->srcpad = gst_pad_new_from_static_template(&src_template, "src");
   gst_pad_set_query_function(self->srcpad, GST_DEBUG_FUNCPTR(gst_moe_encode_src_query));
+  gst_pad_set_event_function(self->srcpad, GST_DEBUG_FUNCPTR(gst_moe_encode_src_event));
   gst_element_add_pad(GST_ELEMENT(self), self->srcpad);
 
   self->model = g_strdup(DEFAULT_MODEL);
@@ -1260,6 +1548,11 @@ static void gst_moe_encode_init(GstMoeEncode* self) {
   self->max_batch = DEFAULT_MAX_BATCH;
   self->max_latency = DEFAULT_MAX_LATENCY;
   self->cache_bytes = DEFAULT_CACHE_BYTES;
+  self->interval = DEFAULT_INTERVAL;
+  self->qos = DEFAULT_QOS;
+  self->qos_proportion = 1.0;
+  self->qos_earliest = GST_CLOCK_TIME_NONE;
+  self->frames_processed = self->frames_skipped = self->frames_late = 0;
   self->batcher_stats = new moe::BatcherStats();
   self->rows_failed = 0;
   self->encode_ms = 0.0;
