@@ -384,6 +384,7 @@ static bool gst_moe_expert_build_executor(GstMoeExpert* self, LazyExecutor& exec
     return false;
   }
   gstmoe::metrics::observe_model_load("experts", build_start);
+  gstmoe::metrics::watch_device_memory(built);
   for (const moe::ExpertDeviceStats& d : built->stats())
     GST_INFO_OBJECT(self, "%s: %zu experts, cache of %d slots (%zu bytes)", d.device.c_str(), d.experts.size(), d.slots,
                     d.budget_bytes);

@@ -19,12 +19,14 @@
 #include <iterator>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "gstmoeresult.h"
+#include "moe/clip_model.h"
 #include "moe/expert_executor.h"
 #include "moe/moe_layer.h"
 #include "moe/query_cache.h"
@@ -95,9 +97,114 @@ class ProcessCollector : public prometheus::Collectable {
   }
 };
 
+// A gauge family of `name` with one sample per entry of `values` (labels, value); none when empty.
+void add_gauge_family(std::vector<prometheus::MetricFamily>* families, const char* name, const char* help,
+                      const std::map<prometheus::Labels, double>& values) {
+  if (values.empty()) return;
+  prometheus::MetricFamily family{name, help, prometheus::MetricType::Gauge, {}};
+  for (const auto& [labels, value] : values) {
+    prometheus::ClientMetric metric;
+    for (const auto& [label, label_value] : labels) metric.label.push_back({label, label_value});
+    metric.gauge.value = value;
+    family.metric.push_back(std::move(metric));
+  }
+  families->push_back(std::move(family));
+}
+
+// The memory the watched models hold on their devices, read at each scrape through the models'
+// own accessors, so that answering a scrape opens no device (a CUDA context of its own would cost
+// the memory it reports).
+class DeviceMemoryCollector : public prometheus::Collectable {
+ public:
+  void watch(const std::shared_ptr<const moe::ClipModel>& encoder) {
+    std::lock_guard<std::mutex> lock(mu_);
+    encoders_.insert(encoder);
+  }
+  void watch(const std::shared_ptr<moe::ExpertExecutor>& experts) {
+    std::lock_guard<std::mutex> lock(mu_);
+    executors_.insert(experts);
+  }
+  std::shared_ptr<void> hold(const char* holder, const std::string& device, uint64_t bytes) {
+    auto held = std::make_shared<Held>(Held{holder, device, bytes});
+    std::lock_guard<std::mutex> lock(mu_);
+    held_.insert(held);
+    return held;
+  }
+
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    // The live models, taken under the lock and read after it: a model whose last user lets go
+    // meanwhile is freed here, outside the lock.
+    const auto encoders = live(encoders_);
+    const auto executors = live(executors_);
+    const auto held = live(held_);
+    std::map<prometheus::Labels, double> bytes, free_bytes, capacity_bytes;
+    for (const auto& encoder : encoders) {
+      const std::string device = encoder->device();
+      bytes[{{"device", device}, {"holder", "encoder"}}] += static_cast<double>(encoder->weight_bytes());
+      try {
+        const moe::kernels::MemoryInfo info = encoder->memory_info();
+        free_bytes[{{"device", device}}] = static_cast<double>(info.free_bytes);
+        capacity_bytes[{{"device", device}}] = static_cast<double>(info.total_bytes);
+      } catch (const std::exception& e) {  // a device that cannot answer (after a CUDA fault) has no series
+        GST_DEBUG("%s: no memory info: %s", device.c_str(), e.what());
+      }
+    }
+    for (const auto& executor : executors)
+      for (const moe::ExpertDeviceStats& d : executor->stats())
+        bytes[{{"device", d.device}, {"holder", "experts"}}] +=
+            static_cast<double>(d.slots) * static_cast<double>(d.slot_bytes);
+    for (const auto& h : held) bytes[{{"device", h->device}, {"holder", h->holder}}] += static_cast<double>(h->bytes);
+
+    std::vector<prometheus::MetricFamily> families;
+    add_gauge_family(&families, "gstmoe_device_memory_bytes",
+                     "Memory the elements' models hold on each device (device cpu: host memory), by holder: encoder "
+                     "(moe-encode's CLIP weights), experts (the expert executor's cache slots), index (ann-query's "
+                     "vectors)",
+                     bytes);
+    add_gauge_family(&families, "gstmoe_device_memory_free_bytes",
+                     "Free memory of the devices the encoders run on, as their backend reports it (cpu: the host's "
+                     "MemAvailable)",
+                     free_bytes);
+    add_gauge_family(&families, "gstmoe_device_memory_capacity_bytes",
+                     "Total memory of the devices the encoders run on (cpu: the host's MemTotal)", capacity_bytes);
+    return families;
+  }
+
+ private:
+  struct Held {
+    std::string holder;
+    std::string device;
+    uint64_t bytes;
+  };
+  template <typename T>
+  using WeakSet = std::set<std::weak_ptr<T>, std::owner_less<std::weak_ptr<T>>>;
+
+  // The members of `watched` still alive; forgets the others.
+  template <typename T>
+  std::vector<std::shared_ptr<T>> live(WeakSet<T>& watched) const {
+    std::vector<std::shared_ptr<T>> alive;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = watched.begin(); it != watched.end();) {
+      if (std::shared_ptr<T> p = it->lock()) {
+        alive.push_back(std::move(p));
+        ++it;
+      } else {
+        it = watched.erase(it);
+      }
+    }
+    return alive;
+  }
+
+  mutable std::mutex mu_;  // guards the sets
+  mutable WeakSet<const moe::ClipModel> encoders_;
+  mutable WeakSet<moe::ExpertExecutor> executors_;
+  mutable WeakSet<Held> held_;
+};
+
 struct PluginMetrics {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   std::shared_ptr<ProcessCollector> process = std::make_shared<ProcessCollector>();
+  std::shared_ptr<DeviceMemoryCollector> device_memory = std::make_shared<DeviceMemoryCollector>();
 
   Family<Counter>& requests = prometheus::BuildCounter()
                                   .Name("gstmoe_requests_total")
@@ -365,6 +472,7 @@ class Server {
     } else {
       std::vector<prometheus::MetricFamily> families = plugin_metrics().registry->Collect();
       for (prometheus::MetricFamily& f : plugin_metrics().process->Collect()) families.push_back(std::move(f));
+      for (prometheus::MetricFamily& f : plugin_metrics().device_memory->Collect()) families.push_back(std::move(f));
       body = prometheus::TextSerializer().Serialize(families);
     }
     const std::string response = "HTTP/1.1 " + status + "\r\nContent-Type: " + type +
@@ -538,6 +646,18 @@ ExpertCopyTotals expert_copy_totals(const moe::ExpertExecutor& executor) {
 void observe_model_load(const char* model, int64_t started_mono_us) {
   const double seconds = elapsed_ms(started_mono_us, g_get_monotonic_time()) * kSecondsPerMs;
   plugin_metrics().model_load.Add({{"model", model}}, load_buckets()).Observe(seconds);
+}
+
+void watch_device_memory(const std::shared_ptr<const moe::ClipModel>& encoder) {
+  plugin_metrics().device_memory->watch(encoder);
+}
+
+void watch_device_memory(const std::shared_ptr<moe::ExpertExecutor>& experts) {
+  plugin_metrics().device_memory->watch(experts);
+}
+
+std::shared_ptr<void> hold_device_memory(const char* holder, const std::string& device, uint64_t bytes) {
+  return plugin_metrics().device_memory->hold(holder, device, bytes);
 }
 
 }  // namespace gstmoe::metrics

@@ -17,6 +17,7 @@
 #include "gstmoemeta.h"
 
 namespace moe {
+class ClipModel;
 struct QueryCacheStats;
 struct Routing;
 struct ExpertLoad;
@@ -64,5 +65,18 @@ ExpertCopyTotals expert_copy_totals(const moe::ExpertExecutor& executor);
 // A model loaded (or taken from the process-wide cache) since `started_mono_us`: model is "encoder",
 // "adapter" or "experts" (an expert executor placing the experts on its devices).
 void observe_model_load(const char* model, int64_t started_mono_us);
+
+// Memory the elements' models hold, read at each scrape (gstmoe_device_memory_bytes{device, holder},
+// and the free and total memory of those devices where the model's own backend can tell:
+// gstmoe_device_memory_free_bytes / _capacity_bytes{device}). Device "cpu" is host memory. Nothing
+// is opened to answer: a device no model runs on has no series.
+// A CLIP model (holder "encoder": its weight_bytes()) or an expert executor (holder "experts": its
+// caches' slots, allocated when it is built), for as long as it lives; watching one model twice
+// counts it once.
+void watch_device_memory(const std::shared_ptr<const moe::ClipModel>& encoder);
+void watch_device_memory(const std::shared_ptr<moe::ExpertExecutor>& experts);
+// Any other holder (e.g. "index": ann-query's vectors): `bytes` on `device` until the returned
+// handle is dropped.
+std::shared_ptr<void> hold_device_memory(const char* holder, const std::string& device, uint64_t bytes);
 
 }  // namespace gstmoe::metrics

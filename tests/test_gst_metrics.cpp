@@ -4,7 +4,8 @@
 // a Prometheus server of our own (a temporary configuration and data folder, a free loopback port,
 // stopped at the end) scrapes the service during a short load and answers a PromQL query with the
 // number of requests sent, and every query of docs/grafana-gst-moe.json finds its series. An
-// expert executor's cache counters are reported. Elements naming one address share its server; a
+// expert executor's cache counters are reported, and the memory each model holds on its device;
+// every metric the dashboard names is in a scrape. Elements naming one address share its server; a
 // port in use and an address without a port are element errors at start. The tests that need
 // Debian's `prometheus` package (promtool, prometheus) are skipped, saying so, where it is not
 // installed.
@@ -26,12 +27,16 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "backend.h"
 #include "moe/ann_index.h"
+#include "moe/clip_config.h"
 #include "moe/model_cache.h"
 #include "test_util.h"
 
@@ -119,6 +124,65 @@ double sum_of(const Samples& s, const std::string& name) {
   return sum;
 }
 
+// The metric families of a scrape (its "# TYPE name type" lines): name -> type.
+std::map<std::string, std::string> families(const std::string& text) {
+  std::map<std::string, std::string> found;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream words(line);
+    std::string hash, keyword, name, type;
+    if (words >> hash >> keyword >> name >> type && hash == "#" && keyword == "TYPE") found[name] = type;
+  }
+  return found;
+}
+
+// Every PromQL expression of the Grafana dashboard (its panels' targets).
+std::vector<std::string> dashboard_queries() {
+  std::vector<std::string> queries;
+  JsonParser* parser = json_parser_new();
+  GError* error = nullptr;
+  if (!json_parser_load_from_file(parser, moe::test::source_path("docs/grafana-gst-moe.json").c_str(), &error)) {
+    ADD_FAILURE() << "docs/grafana-gst-moe.json: " << error->message;
+    g_error_free(error);
+  } else {
+    JsonArray* panels = json_object_get_array_member(json_node_get_object(json_parser_get_root(parser)), "panels");
+    for (guint p = 0; p < json_array_get_length(panels); ++p) {
+      JsonArray* targets = json_object_get_array_member(json_array_get_object_element(panels, p), "targets");
+      for (guint t = 0; t < json_array_get_length(targets); ++t)
+        queries.push_back(json_object_get_string_member(json_array_get_object_element(targets, t), "expr"));
+    }
+  }
+  g_object_unref(parser);
+  return queries;
+}
+
+// The resident bytes of CLIP's weights in f32 that the engine keeps in backend memory, from the
+// architecture of Hugging Face's CLIPModel: every parameter but the text token and position
+// embeddings (host memory); the class embedding is folded into the vision positions.
+double clip_f32_backend_bytes(const moe::ClipConfig& c) {
+  const auto encoder = [](const moe::ClipEncoderConfig& e) {
+    const double h = e.hidden_size, i = e.intermediate_size;
+    const double layer = 4 * h /* two layer norms */ + 4 * (h * h + h) /* q, k, v, out */ + (i * h + i) + (h * i + h);
+    return e.num_hidden_layers * layer;
+  };
+  const double p = c.projection_dim, ht = c.text.hidden_size, hv = c.vision.hidden_size;
+  const double text = encoder(c.text) + 2 * ht /* final layer norm */ + p * ht;
+  const double patch = hv * c.vision.num_channels * c.vision.patch_size * c.vision.patch_size;
+  const double vision = patch + static_cast<double>(c.vision.num_positions()) * hv + 4 * hv /* pre, post norms */ +
+                        encoder(c.vision) + p * hv;
+  return 4 * (text + vision);
+}
+
+// The host's MemTotal in bytes (/proc/meminfo), 0 when unknown.
+double host_memory_total() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key, unit;
+  double kib = 0;
+  while (meminfo >> key >> kib >> unit)
+    if (key == "MemTotal:") return kib * 1024;
+  return 0;
+}
+
 // A flat index of random vectors of the adapter's width (searched unchecked: it records no models).
 const std::string& index_path() {
   static const std::string path = [] {
@@ -136,14 +200,16 @@ const std::string& index_path() {
 }
 
 // The query pipeline from appsrc (one text request per buffer) to zmq-publish, which serves the
-// metrics on 127.0.0.1:metrics_port; `expert_settings` are moe-expert's.
+// metrics on 127.0.0.1:metrics_port; `expert_settings` are moe-expert's; moe-encode, moe-expert and
+// ann-query run on `device`.
 class QueryPipeline {
  public:
-  explicit QueryPipeline(int metrics_port, const std::string& expert_settings = "") {
+  explicit QueryPipeline(int metrics_port, const std::string& expert_settings = "", const std::string& device = "cpu") {
+    const std::string on = " device=" + device + " ";
     const std::string desc = "appsrc name=src caps=text/x-raw,format=utf8 format=bytes ! moe-encode model=\"" + kModel +
-                             "\" max-batch=4 ! moe-route model=\"" + kAdapter + "\" ! moe-expert model=\"" + kAdapter +
-                             "\" " + expert_settings + " ! ann-query index=\"" + index_path() +
-                             "\" k=3 ! zmq-publish endpoint=tcp://127.0.0.1:" + std::to_string(free_port()) +
+                             "\" max-batch=4" + on + "! moe-route model=\"" + kAdapter + "\" ! moe-expert model=\"" +
+                             kAdapter + "\"" + on + expert_settings + " ! ann-query index=\"" + index_path() + "\"" +
+                             on + "k=3 ! zmq-publish endpoint=tcp://127.0.0.1:" + std::to_string(free_port()) +
                              " metrics-address=127.0.0.1:" + std::to_string(metrics_port);
     GError* err = nullptr;
     pipeline_ = gst_parse_launch(desc.c_str(), &err);
@@ -168,6 +234,8 @@ class QueryPipeline {
     gst_app_src_push_buffer(GST_APP_SRC(src), gst_buffer_new_memdup(text.data(), text.size()));
     gst_object_unref(src);
   }
+  // The element named `name` (a new reference).
+  GstElement* element(const char* name) { return gst_bin_get_by_name(GST_BIN(pipeline_), name); }
   // Back to NULL, ready to play again (the elements keep what outlives runs, e.g. moe-encode's cache).
   void stop() { gst_element_set_state(pipeline_, GST_STATE_NULL); }
   // Ends the stream and waits until every request was answered (EOS at the sink); false on an error.
@@ -344,6 +412,120 @@ TEST_F(Metrics, ExpertCacheCountersComeFromTheExecutor) {
               delta(R"(gstmoe_expert_cache_wait_seconds_total{device="cpu"})"), 1e-9);
 }
 
+// While a pipeline runs on `device`, each model's memory is reported under that device and its
+// holder: the encoder's weights as CLIP's architecture counts them (in f32), the expert executor's
+// cache slots as moe-expert's `stats` reports them, and the index's vectors; with the device's free
+// and total memory. The series go with the models.
+void expect_device_memory_per_model(const std::string& device) {
+  const int port = free_port();
+  // Keeps the server up while the query pipeline comes and goes.
+  GstElement* server =
+      gst_parse_launch(("fakesrc num-buffers=0 ! zmq-publish endpoint=tcp://127.0.0.1:" + std::to_string(free_port()) +
+                        " metrics-address=127.0.0.1:" + std::to_string(port))
+                           .c_str(),
+                       nullptr);
+  ASSERT_NE(server, nullptr);
+  ASSERT_NE(gst_element_set_state(server, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE) << bus_error(server);
+  const auto held = [&](const char* holder) {
+    return "gstmoe_device_memory_bytes{device=\"" + device + "\",holder=\"" + holder + "\"}";
+  };
+  {
+    QueryPipeline pipeline(port, "name=experts precision=fp16", device);
+    ASSERT_TRUE(pipeline.play());
+    pipeline.push("what do you hold");  // the executor is built with the first caps
+    ASSERT_TRUE(pipeline.finish());
+    Samples samples;
+    std::string text;
+    ASSERT_TRUE(scrape(port, &samples, &text));
+
+    const moe::ClipConfig config = moe::ClipConfig::from_file(kModel + "/config.json");
+    EXPECT_EQ(value(samples, held("encoder")), clip_f32_backend_bytes(config)) << text;
+
+    GstElement* element = pipeline.element("experts");
+    GstStructure* stats = nullptr;
+    g_object_get(element, "stats", &stats, nullptr);
+    gst_object_unref(element);
+    ASSERT_NE(stats, nullptr);
+    const GValue* devices = gst_structure_get_value(stats, "devices");
+    ASSERT_EQ(gst_value_array_get_size(devices), 1u);
+    const GstStructure* experts = gst_value_get_structure(gst_value_array_get_value(devices, 0));
+    gint slots = 0;
+    guint64 slot_bytes = 0;
+    ASSERT_TRUE(gst_structure_get_int(experts, "slots", &slots));
+    ASSERT_TRUE(gst_structure_get_uint64(experts, "slot-bytes", &slot_bytes));
+    gst_structure_free(stats);
+    EXPECT_GT(slots, 0);
+    EXPECT_EQ(value(samples, held("experts")), static_cast<double>(slots) * static_cast<double>(slot_bytes)) << text;
+
+    const int width = moe::shared_moe_adapter(kAdapter)->layer().config().hidden_size;
+    EXPECT_EQ(value(samples, held("index")), 20.0 * width * sizeof(float)) << text;
+
+    const double total = value(samples, "gstmoe_device_memory_capacity_bytes{device=\"" + device + "\"}");
+    const double free = value(samples, "gstmoe_device_memory_free_bytes{device=\"" + device + "\"}");
+    if (device == "cpu") {
+      EXPECT_EQ(total, host_memory_total()) << text;
+    } else {
+      EXPECT_GT(total, value(samples, held("encoder")) + value(samples, held("experts"))) << text;
+    }
+    EXPECT_GT(free, 0) << text;
+    EXPECT_LE(free, total);
+    EXPECT_EQ(families(text).count("gstmoe_device_memory_bytes"), 1u);
+    EXPECT_EQ(sum_of(samples, "gstmoe_device_memory_bytes"),
+              value(samples, held("encoder")) + value(samples, held("experts")) + value(samples, held("index")))
+        << "only " << device << " holds models: " << text;
+  }
+  Samples after;
+  std::string text;
+  ASSERT_TRUE(scrape(port, &after, &text));
+  EXPECT_EQ(families(text).count("gstmoe_device_memory_bytes"), 0u) << "the models are gone: " << text;
+  EXPECT_EQ(families(text).count("gstmoe_device_memory_free_bytes"), 0u) << "no model, no device: " << text;
+  gst_element_set_state(server, GST_STATE_NULL);
+  gst_object_unref(server);
+}
+
+// On the CPU, device="cpu" is host memory; its free and total are the host's.
+TEST_F(Metrics, DeviceMemoryIsReportedPerModel) { expect_device_memory_per_model("cpu"); }
+
+TEST_F(Metrics, DeviceMemoryIsReportedPerModelOnCuda) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  expect_device_memory_per_model("cuda:0");
+}
+
+// Every metric a query of the Grafana dashboard names is one the service exports (a histogram's
+// _bucket, _sum and _count series by their family), in a scrape of a running pipeline with every
+// element reporting: the expert executor (fp16 experts), an error, a query cache hit.
+TEST_F(Metrics, DashboardNamesOnlyExportedMetrics) {
+  const int port = free_port();
+  QueryPipeline pipeline(port, "precision=fp16");
+  ASSERT_TRUE(pipeline.play());
+  for (const char* request : {"a red bicycle", "a red bicycle", "\xff not UTF-8"}) pipeline.push(request);
+  ASSERT_TRUE(pipeline.finish());
+  std::string text;
+  ASSERT_TRUE(http_get(port, "/metrics", &text));
+  const std::map<std::string, std::string> exported = families(text);
+  const std::regex metric_name("gstmoe_[a-z0-9_]+");
+  std::set<std::string> named;
+  for (const std::string& query : dashboard_queries())
+    for (std::sregex_iterator it(query.begin(), query.end(), metric_name), end; it != end; ++it)
+      named.insert(it->str());
+  EXPECT_GE(named.size(), 20u) << "the dashboard's queries were not read";
+  for (const std::string& name : named) {
+    std::string family = name;
+    for (const char* suffix : {"_bucket", "_sum", "_count"}) {
+      const std::string s = suffix;
+      if (name.size() > s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0 &&
+          exported.count(name.substr(0, name.size() - s.size())) != 0)
+        family = name.substr(0, name.size() - s.size());
+    }
+    const auto it = exported.find(family);
+    EXPECT_NE(it, exported.end()) << "the dashboard names " << name << ", which the scrape lacks:\n" << text;
+    if (it != exported.end() && family != name) {
+      EXPECT_EQ(it->second, "histogram") << name;
+    }
+  }
+}
+
 // Debian's promtool lints the scrape (names, units, types, help) after some traffic.
 TEST_F(Metrics, PromtoolAcceptsTheScrape) {
   const std::string promtool = find_program("promtool");
@@ -505,26 +687,18 @@ TEST_F(Metrics, PrometheusScrapesTheServiceDuringALoad) {
 
   // Every query of the Grafana dashboard parses and, but for the expert cache's (the experts run
   // on the engine's CPU path here, without a cache), finds the service's series.
-  JsonParser* parser = json_parser_new();
-  ASSERT_TRUE(json_parser_load_from_file(parser, moe::test::source_path("docs/grafana-gst-moe.json").c_str(), nullptr));
-  JsonArray* panels = json_object_get_array_member(json_node_get_object(json_parser_get_root(parser)), "panels");
-  for (guint p = 0; p < json_array_get_length(panels); ++p) {
-    JsonArray* targets = json_object_get_array_member(json_array_get_object_element(panels, p), "targets");
-    for (guint t = 0; t < json_array_get_length(targets); ++t) {
-      std::string expr = json_object_get_string_member(json_array_get_object_element(targets, t), "expr");
-      for (const auto& [variable, setting] : {std::pair<std::string, std::string>{"$__rate_interval", "1m"},
-                                              std::pair<std::string, std::string>{"$instance", ".*"}})
-        for (size_t at; (at = expr.find(variable)) != std::string::npos;) {
-          expr.replace(at, variable.size(), setting);
-        }
-      std::vector<double> values;
-      EXPECT_TRUE(prometheus.query_samples(expr, &values)) << "refused: " << expr;
-      if (expr.find("expert_cache") == std::string::npos) {
-        EXPECT_FALSE(values.empty()) << "no series: " << expr;
+  for (std::string expr : dashboard_queries()) {
+    for (const auto& [variable, setting] : {std::pair<std::string, std::string>{"$__rate_interval", "1m"},
+                                            std::pair<std::string, std::string>{"$instance", ".*"}})
+      for (size_t at; (at = expr.find(variable)) != std::string::npos;) {
+        expr.replace(at, variable.size(), setting);
       }
+    std::vector<double> values;
+    EXPECT_TRUE(prometheus.query_samples(expr, &values)) << "refused: " << expr;
+    if (expr.find("expert_cache") == std::string::npos) {
+      EXPECT_FALSE(values.empty()) << "no series: " << expr;
     }
   }
-  g_object_unref(parser);
 }
 
 // zmq-query and zmq-publish naming one address share one server, which stops with the last of them.

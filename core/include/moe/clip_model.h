@@ -4,6 +4,7 @@
 // inputs and outputs are host tensors.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -44,6 +45,15 @@ class ClipModel {
   // The backend it runs on ("cpu", "cuda:N") and the precision of its Linear weights.
   std::string device() const;
   kernels::WeightType precision() const;
+  // Bytes of the weights it keeps in the backend's memory: device memory on CUDA; host memory on
+  // the CPU, where the f32 weights of an f32 checkpoint are the mmap-ed file itself. Not counted:
+  // the text tower's token and position embeddings, which stay in host memory on every backend,
+  // the copies a backend keeps of prepared weights (the CPU's packed GEMM operands), and working
+  // buffers.
+  size_t weight_bytes() const;
+  // The free and total memory of the device it runs on now (Backend::memory_info; the CPU
+  // backend: the host's available and total RAM). Opens nothing: the model's own backend answers.
+  kernels::MemoryInfo memory_info() const;
 
   // Text tower over already tokenised inputs. Each sequence is pooled at its end token (the
   // first eos_token_id, or the largest id for legacy configs with eos_token_id == 2, as

@@ -80,6 +80,15 @@ struct Encoder {
     }
   }
 
+  size_t weight_bytes() const {
+    size_t bytes = 0;
+    for (const EncoderLayer& L : layers)
+      for (const Tensor* t : {&L.ln1_w, &L.ln1_b, &L.ln2_w, &L.ln2_b, &L.qkv_w, &L.qkv_b, &L.out_w, &L.out_b, &L.fc1_w,
+                              &L.fc1_b, &L.fc2_w, &L.fc2_b})
+        bytes += t->nbytes();
+    return bytes;
+  }
+
   // x: [T, H] rows of several sequences packed back to back in backend memory; seq_lens sums to T.
   void forward(Call& call, float* x, const std::vector<int64_t>& seq_lens, bool causal) const {
     kernels::Backend& b = call.backend();
@@ -129,6 +138,7 @@ struct ClipModel::Impl {
   Tensor patch_weight /* [H, C*p*p] */, vision_embedding /* [seq, H]: positions, class token in row 0 */;
   Tensor pre_ln_w, pre_ln_b, post_ln_w, post_ln_b, visual_projection;
   Encoder vision_encoder;
+  size_t weight_bytes = 0;  // of the tensors above in backend memory (all but the text tower's embeddings)
 
   void load_weights(const Checkpoint& ck) {
     const ClipTextConfig& t = cfg.text;
@@ -159,6 +169,11 @@ struct ClipModel::Impl {
     post_ln_w = be.f32(ck.get_f32("vision_model.post_layernorm.weight", {H}));
     post_ln_b = be.f32(ck.get_f32("vision_model.post_layernorm.bias", {H}));
     visual_projection = be.linear_weight(linear_source(ck, "visual_projection.weight", {P, H}, be));
+
+    weight_bytes = text_encoder.weight_bytes() + vision_encoder.weight_bytes();
+    for (const Tensor* t : {&final_ln_w, &final_ln_b, &text_projection, &patch_weight, &vision_embedding, &pre_ln_w,
+                            &pre_ln_b, &post_ln_w, &post_ln_b, &visual_projection})
+      weight_bytes += t->nbytes();
   }
 
   // Index of the pooled (end) token, as transformers' CLIPTextTransformer picks it.
@@ -226,6 +241,8 @@ const ClipTokenizer& ClipModel::tokenizer() const {
 const ImagePreprocessConfig& ClipModel::image_preprocess() const { return impl_->preprocess; }
 std::string ClipModel::device() const { return impl_->be.backend->name(); }
 kernels::WeightType ClipModel::precision() const { return impl_->be.precision; }
+size_t ClipModel::weight_bytes() const { return impl_->weight_bytes; }
+kernels::MemoryInfo ClipModel::memory_info() const { return impl_->be.backend->memory_info(); }
 
 ClipEncodeResult ClipModel::encode_token_ids(const std::vector<std::vector<int32_t>>& ids) const {
   const Impl& m = *impl_;
