@@ -11,14 +11,23 @@
  * per request with its k nearest catalog items (cosine similarity; `k`, or the request's own
  * "k"; each hit with the item's catalog id and fields, its uri served under `uri-base` when set). A
  * request that failed upstream gets an error document, and so does a request encoded by another
- * encoder or adapter than the ones the index records (their fingerprints).
+ * encoder or adapter than the ones the index records (their fingerprints). The search-time knobs
+ * `nprobe` (IVF lists scanned) and `ef-search` (HNSW candidates) may change while PLAYING, and a
+ * request may set its own ("nprobe", "ef_search") and carry a "filter" on the catalog fields: only
+ * matching items are returned, k of them whenever k match (docs/zmq-schema.md).
  *
  * With mode=build it adds every row to a new index (the request's id, uri, text and catalog fields
  * become the item; a row whose id is already in the index gets a duplicate_id error document
- * naming both uris instead), of `index-type` flat or hnsw, and at end of stream writes INDEX and
+ * naming both uris instead), of `index-type` (FAISS's index_factory string: "Flat", "HNSW32",
+ * "IVF4096,Flat", "IVF256,PQ16", "OPQ16,IVF256,PQ16"; "flat" and "hnsw" are aliases of "Flat" and
+ * "HNSW<hnsw-m>"), and at end of stream writes INDEX and
  * INDEX.items.jsonl, recording the encoder and adapter of its rows, then sends the error documents
  * of the build's failed requests and one index-built document. Rows from other models than the
- * first rows' stop the build. docs/zmq-schema.md describes the documents.
+ * first rows' stop the build. Types that learn from the data (IVF, PQ, OPQ) train on the first
+ * `train-size` rows (default 64 per IVF list, as FAISS advises 30 to 256; fewer when the stream is
+ * shorter); a build with fewer rows than lists fails at end of stream, naming a list count that
+ * fits, rather than silently writing another index than the one asked for. docs/zmq-schema.md
+ * describes the documents.
  *
  * A build reports its progress on the bus: every `progress-items` requests a GST_MESSAGE_PROGRESS
  * with code "index-build" (start, then continue), and at end of stream a last one (complete, or
@@ -111,6 +120,8 @@ enum {
   PROP_HNSW_M,
   PROP_EF_CONSTRUCTION,
   PROP_EF_SEARCH,
+  PROP_NPROBE,
+  PROP_TRAIN_SIZE,
   PROP_DEVICE,
   PROP_URI_BASE,
   PROP_PROGRESS_ITEMS,
@@ -121,10 +132,12 @@ enum {
 #define DEFAULT_K 10
 #define MAX_K 1024  // also the most a request's own "k" may ask for
 #define DEFAULT_MODE GST_ANN_QUERY_MODE_SEARCH
-#define DEFAULT_INDEX_TYPE GST_ANN_QUERY_INDEX_TYPE_FLAT
+#define DEFAULT_INDEX_TYPE "flat"
 #define DEFAULT_HNSW_M 32
 #define DEFAULT_EF_CONSTRUCTION 80
 #define DEFAULT_EF_SEARCH 64
+#define DEFAULT_NPROBE 16
+#define DEFAULT_TRAIN_SIZE 0
 #define DEFAULT_DEVICE "cpu"
 #define DEFAULT_PROGRESS_ITEMS 32
 #define PROGRESS_CODE "index-build"
@@ -142,6 +155,7 @@ struct AnnQueryState {
   moe::AnnBuildOptions build;                    // build mode
   std::optional<moe::AnnIndex> index;            // search: loaded; build: created at the first caps
   std::string index_name;                        // basename of index_path, for the result documents
+  std::shared_ptr<void> index_memory;            // search mode, flat index: its vectors in the metrics
   std::string uri_base;                          // search mode: `uri-base`, "" to serve uris as built
   std::string uri_folder;                        // search mode: the items' common uri folder, uri_base replaces it
   int width = 0;                                 // negotiated tensor width; 0 before caps
@@ -191,14 +205,16 @@ struct _GstAnnQuery {
   GstPad* srcpad;
 
   // Properties, under the object lock. The ones marked MUTABLE_READY are read at READY->PAUSED,
-  // k and ef-search at every batch.
+  // k, ef-search and nprobe at every batch.
   gchar* index_path;
   guint k;
   GstAnnQueryMode mode;
-  GstAnnQueryIndexType index_type;
+  gchar* index_type;
   guint hnsw_m;
   guint ef_construction;
   guint ef_search;
+  guint nprobe;
+  guint train_size;
   gchar* device;
   gchar* uri_base;
   guint progress_items;
@@ -239,20 +255,6 @@ GType gst_ann_query_mode_get_type(void) {
   return type;
 }
 
-GType gst_ann_query_index_type_get_type(void) {
-  static GType type = 0;
-  static const GEnumValue values[] = {
-      {GST_ANN_QUERY_INDEX_TYPE_FLAT, "Exact inner-product search (linear in the catalog size)", "flat"},
-      {GST_ANN_QUERY_INDEX_TYPE_HNSW, "HNSW graph: approximate, fast on large catalogs", "hnsw"},
-      {0, nullptr, nullptr},
-  };
-  if (g_once_init_enter(&type)) {
-    GType t = g_enum_register_static("GstAnnQueryIndexType", values);
-    g_once_init_leave(&type, t);
-  }
-  return type;
-}
-
 #define gst_ann_query_parent_class parent_class
 G_DEFINE_TYPE_WITH_CODE(GstAnnQuery, gst_ann_query, GST_TYPE_ELEMENT,
                         GST_DEBUG_CATEGORY_INIT(gst_ann_query_debug, "ann-query", 0, "ANN search and index build"));
@@ -274,9 +276,12 @@ static void gst_ann_query_set_property(GObject* object, guint prop_id, const GVa
     case PROP_MODE:
       self->mode = static_cast<GstAnnQueryMode>(g_value_get_enum(value));
       break;
-    case PROP_INDEX_TYPE:
-      self->index_type = static_cast<GstAnnQueryIndexType>(g_value_get_enum(value));
+    case PROP_INDEX_TYPE: {
+      const gchar* type = g_value_get_string(value);
+      g_free(self->index_type);
+      self->index_type = g_strdup(type ? type : DEFAULT_INDEX_TYPE);
       break;
+    }
     case PROP_HNSW_M:
       self->hnsw_m = g_value_get_uint(value);
       break;
@@ -285,6 +290,12 @@ static void gst_ann_query_set_property(GObject* object, guint prop_id, const GVa
       break;
     case PROP_EF_SEARCH:
       self->ef_search = g_value_get_uint(value);
+      break;
+    case PROP_NPROBE:
+      self->nprobe = g_value_get_uint(value);
+      break;
+    case PROP_TRAIN_SIZE:
+      self->train_size = g_value_get_uint(value);
       break;
     case PROP_DEVICE: {
       const gchar* device = g_value_get_string(value);
@@ -320,7 +331,7 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
       g_value_set_enum(value, self->mode);
       break;
     case PROP_INDEX_TYPE:
-      g_value_set_enum(value, self->index_type);
+      g_value_set_string(value, self->index_type);
       break;
     case PROP_HNSW_M:
       g_value_set_uint(value, self->hnsw_m);
@@ -330,6 +341,12 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
       break;
     case PROP_EF_SEARCH:
       g_value_set_uint(value, self->ef_search);
+      break;
+    case PROP_NPROBE:
+      g_value_set_uint(value, self->nprobe);
+      break;
+    case PROP_TRAIN_SIZE:
+      g_value_set_uint(value, self->train_size);
       break;
     case PROP_DEVICE:
       g_value_set_string(value, self->device);
@@ -369,7 +386,8 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
   s->progress_items = self->progress_items;
   s->build_start_us = g_get_monotonic_time();
   s->index_path = self->index_path ? self->index_path : "";
-  s->build.type = self->index_type == GST_ANN_QUERY_INDEX_TYPE_HNSW ? moe::AnnIndexType::Hnsw : moe::AnnIndexType::Flat;
+  s->build.index_type = self->index_type;
+  s->build.train_size = self->train_size;
   s->build.hnsw_m = static_cast<int>(self->hnsw_m);
   s->build.ef_construction = static_cast<int>(self->ef_construction);
   const std::string device = self->device;
@@ -404,10 +422,16 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
           (nullptr));
       return FALSE;
     }
-    GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s, searched on %s%s",
-                    s->index_path.c_str(), s->index->size(), s->index->dim(),
+    GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s (%s), searched on %s%s",
+                    s->index_path.c_str(), s->index->size(), s->index->dim(), s->index->factory().c_str(),
                     moe::ann_index_type_name(s->index->type()), searched_on.c_str(),
-                    searched_on == "cpu" ? " (FAISS)" : " (GPU-resident, exact)");
+                    searched_on == "cpu" ? " (FAISS)" : " (GPU-resident, exact; filtered requests: FAISS)");
+    if (device == "auto" && searched_on == "cpu" && s->index->type() != moe::AnnIndexType::Flat)
+      GST_INFO_OBJECT(self, "device auto: %s is searched by FAISS on the CPU (the GPU path is for flat indexes)",
+                      s->index->factory().c_str());
+    if (s->index->type() == moe::AnnIndexType::Flat)  // an HNSW graph's size is not known
+      s->index_memory = gstmoe::metrics::hold_device_memory(
+          "index", searched_on, static_cast<uint64_t>(s->index->size()) * s->index->dim() * sizeof(float));
     if (s->index->provenance())
       GST_INFO_OBJECT(self, "%s was built from %s", s->index_path.c_str(), s->index->provenance()->describe().c_str());
     else
@@ -567,16 +591,45 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
   GST_OBJECT_LOCK(self);
   const int default_k = static_cast<int>(self->k);
   const int ef_search = static_cast<int>(self->ef_search);
+  const int nprobe = static_cast<int>(self->nprobe);
   GST_OBJECT_UNLOCK(self);
 
-  std::vector<int> ks;
-  for (const gstmoe::RequestRecord& row : batch.rows) ks.push_back(row.k > 0 ? std::min(row.k, MAX_K) : default_k);
-  const int k_max = *std::max_element(ks.begin(), ks.end());
+  const size_t n = batch.rows.size();
+  std::vector<int> ks(n);
+  std::vector<moe::AnnSearchOptions> options(n);
+  for (size_t i = 0; i < n; ++i) {
+    const gstmoe::RequestRecord& row = batch.rows[i];
+    ks[i] = row.k > 0 ? std::min(row.k, MAX_K) : default_k;
+    options[i].ef_search = row.ef_search > 0 ? row.ef_search : ef_search;
+    options[i].nprobe = row.nprobe > 0 ? row.nprobe : nprobe;
+    options[i].filter = row.filter.empty() ? nullptr : &row.filter;
+  }
 
   const int64_t start = g_get_monotonic_time();
-  std::vector<std::vector<moe::AnnHit>> hits;
+  std::vector<std::vector<moe::AnnHit>> hits(n);
   try {
-    hits = s.index->search(vectors, static_cast<int64_t>(batch.rows.size()), k_max, ef_search);
+    // Rows without a filter and with the same knobs are searched in one call (FAISS batches them);
+    // a filtered row is searched alone, with its own selector.
+    std::vector<bool> searched(n, false);
+    for (size_t i = 0; i < n; ++i) {
+      if (searched[i]) continue;
+      std::vector<size_t> group{i};
+      for (size_t j = i + 1; j < n && !options[i].filter; ++j)
+        if (!searched[j] && !options[j].filter && options[j].nprobe == options[i].nprobe &&
+            options[j].ef_search == options[i].ef_search)
+          group.push_back(j);
+      int k_max = 0;
+      std::vector<float> queries;
+      queries.reserve(group.size() * static_cast<size_t>(s.width));
+      for (size_t g : group) {
+        searched[g] = true;
+        k_max = std::max(k_max, ks[g]);
+        queries.insert(queries.end(), vectors + g * static_cast<size_t>(s.width),
+                       vectors + (g + 1) * static_cast<size_t>(s.width));
+      }
+      auto found = s.index->search(queries.data(), static_cast<int64_t>(group.size()), k_max, options[i]);
+      for (size_t t = 0; t < group.size(); ++t) hits[group[t]] = std::move(found[t]);
+    }
   } catch (const moe::Error& e) {
     GST_WARNING_OBJECT(self, "search failed: %s", e.what());
     fail_rows(batch, std::string("search in '") + s.index_path + "' failed: " + e.what());
@@ -1009,6 +1062,7 @@ static gboolean gst_ann_query_sink_event(GstPad* pad, GstObject* parent, GstEven
 static void gst_ann_query_finalize(GObject* object) {
   GstAnnQuery* self = GST_ANN_QUERY(object);
   g_free(self->index_path);
+  g_free(self->index_type);
   g_free(self->device);
   g_free(self->uri_base);
   gst_ann_query_stop(self);
@@ -1040,14 +1094,20 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
                         DEFAULT_MODE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_INDEX_TYPE,
-      g_param_spec_enum("index-type", "Index type",
-                        "Kind of index to build (mode=build; a searched index has its own kind)",
-                        GST_TYPE_ANN_QUERY_INDEX_TYPE, DEFAULT_INDEX_TYPE, gstmoe::kPropertyMutableReady));
+      g_param_spec_string("index-type", "Index type",
+                          "Index to build (mode=build; a searched index has its own type), as FAISS's index_factory "
+                          "string over inner product: \"Flat\" (exact), \"HNSW32\" (graph, M=32), \"IVF4096,Flat\" "
+                          "(inverted lists), \"IVF256,PQ16\" (lists of 16-byte codes), \"OPQ16,IVF256,PQ16\" (the "
+                          "same after a learned rotation), ...; \"flat\" and \"hnsw\" are aliases of \"Flat\" and "
+                          "\"HNSW<hnsw-m>\". IVF, PQ and OPQ train on the first train-size rows. A string FAISS "
+                          "refuses, or a type not listed here, fails the build at the first caps, saying why",
+                          DEFAULT_INDEX_TYPE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_HNSW_M,
       g_param_spec_uint("hnsw-m", "HNSW M",
-                        "Links per node of an HNSW index being built: more links, better recall, more memory", 4, 128,
-                        DEFAULT_HNSW_M, gstmoe::kPropertyMutableReady));
+                        "Links per node of an HNSW index built with index-type=hnsw (a factory string names its own, "
+                        "HNSW32): more links, better recall, more memory",
+                        4, 128, DEFAULT_HNSW_M, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_EF_CONSTRUCTION,
       g_param_spec_uint("ef-construction", "HNSW efConstruction",
@@ -1057,14 +1117,30 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
       gobject_class, PROP_EF_SEARCH,
       g_param_spec_uint("ef-search", "HNSW efSearch",
                         "Candidate list size when searching an HNSW index (raised to k when smaller): larger finds "
-                        "more true neighbours, slower; ignored by flat indexes",
+                        "more true neighbours, slower; ignored by other types. A request's own \"ef_search\" "
+                        "(1..4096) overrides it for that request",
                         1, 4096, DEFAULT_EF_SEARCH, gstmoe::kPropertyMutablePlaying));
+  g_object_class_install_property(
+      gobject_class, PROP_NPROBE,
+      g_param_spec_uint("nprobe", "IVF nprobe",
+                        "Inverted lists scanned per query of an IVF index (capped at its list count, where the "
+                        "search is exhaustive): larger finds more true neighbours, slower; ignored by other types. "
+                        "A request's own \"nprobe\" (1..65536) overrides it for that request",
+                        1, 65536, DEFAULT_NPROBE, gstmoe::kPropertyMutablePlaying));
+  g_object_class_install_property(
+      gobject_class, PROP_TRAIN_SIZE,
+      g_param_spec_uint("train-size", "Training sample",
+                        "mode=build, index types that learn from the data (IVF, PQ, OPQ): how many of the first "
+                        "rows they train on (the rest are added after training). 0: 64 per IVF list (FAISS advises "
+                        "30 to 256 per list); a shorter stream trains on all of it. At least the number of lists",
+                        0, G_MAXUINT, DEFAULT_TRAIN_SIZE, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
       gobject_class, PROP_DEVICE,
       g_param_spec_string("device", "Device",
                           "Where searches run (mode=search): \"cpu\" (FAISS), \"cuda:N\" (a flat index is copied "
-                          "to the GPU once and every search is an exact inner-product top-k there, k up to 1024; an "
-                          "HNSW index fails the start) or \"auto\" (cuda:0 for a flat index when a usable CUDA "
+                          "to the GPU once and every search is an exact inner-product top-k there, k up to 1024, "
+                          "filtered requests are searched by FAISS on the CPU; an HNSW or IVF index fails the start) "
+                          "or \"auto\" (cuda:0 for a flat index when a usable CUDA "
                           "device exists, else FAISS on the CPU). A device that cannot be used fails the start, "
                           "saying why",
                           DEFAULT_DEVICE, gstmoe::kPropertyMutableReady));
@@ -1117,7 +1193,6 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
       "gst-moe developers");
 
   gst_type_mark_as_plugin_api(GST_TYPE_ANN_QUERY_MODE, static_cast<GstPluginAPIFlags>(0));
-  gst_type_mark_as_plugin_api(GST_TYPE_ANN_QUERY_INDEX_TYPE, static_cast<GstPluginAPIFlags>(0));
 }
 
 static void gst_ann_query_init(GstAnnQuery* self) {
@@ -1133,10 +1208,12 @@ static void gst_ann_query_init(GstAnnQuery* self) {
   self->index_path = g_strdup(DEFAULT_INDEX);
   self->k = DEFAULT_K;
   self->mode = DEFAULT_MODE;
-  self->index_type = DEFAULT_INDEX_TYPE;
+  self->index_type = g_strdup(DEFAULT_INDEX_TYPE);
   self->hnsw_m = DEFAULT_HNSW_M;
   self->ef_construction = DEFAULT_EF_CONSTRUCTION;
   self->ef_search = DEFAULT_EF_SEARCH;
+  self->nprobe = DEFAULT_NPROBE;
+  self->train_size = DEFAULT_TRAIN_SIZE;
   self->device = g_strdup(DEFAULT_DEVICE);
   self->progress_items = DEFAULT_PROGRESS_ITEMS;
   self->progress = BuildProgress();

@@ -11,15 +11,8 @@ typedef enum {
   GST_ANN_QUERY_MODE_BUILD,   // collect every row, write the index at EOS
 } GstAnnQueryMode;
 
-typedef enum {
-  GST_ANN_QUERY_INDEX_TYPE_FLAT,  // exact inner product (faiss::IndexFlatIP)
-  GST_ANN_QUERY_INDEX_TYPE_HNSW,  // graph index (faiss::IndexHNSWFlat)
-} GstAnnQueryIndexType;
-
 GType gst_ann_query_mode_get_type(void);
 #define GST_TYPE_ANN_QUERY_MODE (gst_ann_query_mode_get_type())
-GType gst_ann_query_index_type_get_type(void);
-#define GST_TYPE_ANN_QUERY_INDEX_TYPE (gst_ann_query_index_type_get_type())
 
 #define GST_TYPE_ANN_QUERY (gst_ann_query_get_type())
 G_DECLARE_FINAL_TYPE(GstAnnQuery, gst_ann_query, GST, ANN_QUERY, GstElement)

@@ -50,6 +50,9 @@ struct RequestRecord {
   int64_t arrival_wall_us = 0;        // g_get_real_time() when it entered (for reports)
   int64_t arrival_mono_us = 0;        // g_get_monotonic_time() when it entered (for timings)
   int k = 0;                          // results wanted; 0: ann-query's k
+  int nprobe = 0;                     // IVF lists to scan; 0: ann-query's nprobe
+  int ef_search = 0;                  // HNSW candidate list size; 0: ann-query's ef-search
+  moe::AnnFilter filter;              // only catalog items whose fields match (empty: all)
   std::vector<int32_t> experts;       // after moe-route: chosen experts, best first
   std::vector<float> expert_weights;  // their weights
   std::vector<std::pair<std::string, double>> timings_ms;  // stage -> milliseconds, in order

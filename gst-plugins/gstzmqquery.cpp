@@ -174,6 +174,9 @@ void fill_record(const moe::QueryRequest& request, gstmoe::RequestRecord& record
   record.id = request.id;
   record.modality = request.modality == moe::QueryModality::Text ? gstmoe::Modality::Text : gstmoe::Modality::Image;
   record.k = request.k;
+  record.nprobe = request.nprobe;
+  record.ef_search = request.ef_search;
+  record.filter = request.filter;
   record.text = request.text;
   record.uri = request.image;
 }

@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <json-glib/json-glib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -691,6 +693,186 @@ TEST_F(AnnQueryTest, HnswBuildAndSearch) {
   unref_all(out);
 }
 
+/* ----- index_factory types, search knobs and filters ----- */
+
+// The item numbers of a result document's hits, best first.
+std::vector<int64_t> hit_items(GstBuffer* buf, std::string* type = nullptr) {
+  Json doc(buf);
+  if (type) *type = Json::str(doc.obj(), "type");
+  std::vector<int64_t> items;
+  if (!json_object_has_member(doc.obj(), "results")) return items;
+  JsonArray* results = Json::array(doc.obj(), "results");
+  for (guint j = 0; j < json_array_get_length(results); ++j)
+    items.push_back(Json::integer(json_array_get_object_element(results, j), "item"));
+  return items;
+}
+
+// The exact top-k of `query` among catalog rows 0..n-1 that `keep` accepts.
+std::vector<int64_t> brute_force(const std::vector<float>& catalog, const float* query, int k,
+                                 const std::function<bool(int)>& keep) {
+  std::vector<std::pair<double, int64_t>> scored;
+  for (int i = 0; i < kItems; ++i) {
+    if (!keep(i)) continue;
+    double dot = 0;
+    for (int j = 0; j < kWidth; ++j) dot += double(catalog[i * kWidth + j]) * query[j];
+    scored.push_back({-dot, i});
+  }
+  std::sort(scored.begin(), scored.end());
+  std::vector<int64_t> out;
+  for (size_t j = 0; j < scored.size() && j < static_cast<size_t>(k); ++j) out.push_back(scored[j].second);
+  return out;
+}
+
+TEST_F(AnnQueryTest, IndexFactoryStringsBuildAndSearch) {
+  for (const char* type : {"Flat", "HNSW16", "IVF4,Flat", "IVF2,PQ4x4", "PCA16,IVF2,Flat"}) {
+    SCOPED_TRACE(type);
+    const std::string path = dir_.file(std::string("catalog-") + type + ".faiss");
+    GstBuffer* summary_buf = build_index(path, type);
+    ASSERT_NE(summary_buf, nullptr);
+    const moe::AnnIndex loaded = moe::AnnIndex::load(path);
+    {
+      Json summary(summary_buf);
+      EXPECT_EQ(Json::str(summary.obj(), "index_type"), moe::ann_index_type_name(loaded.type()));
+    }
+    gst_buffer_unref(summary_buf);
+    EXPECT_EQ(loaded.factory(), type);
+    EXPECT_EQ(loaded.size(), kItems);  // the 50 rows: the default sample (64 per list) is capped by them
+
+    GstHarness* h = search_harness(path, 3);
+    g_object_set(gst_harness_find_element(h, "ann-query"), "nprobe", 4, nullptr);
+    gst_object_unref(gst_harness_find_element(h, "ann-query"));
+    gstmoe::BatchRecords batch;
+    for (int i = 0; i < 10; ++i) batch.rows.push_back(text_request("q" + std::to_string(i)));
+    ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+    std::vector<GstBuffer*> out = pull_all(h);
+    ASSERT_EQ(out.size(), 10u);
+    const bool exact = std::string(type).find("PQ") == std::string::npos;
+    for (int i = 0; i < 10; ++i) {
+      const auto items = hit_items(out[i]);
+      ASSERT_EQ(items.size(), 3u);
+      if (exact) {
+        EXPECT_EQ(items[0], i);  // every list scanned: each vector finds itself
+      }
+    }
+    unref_all(out);
+  }
+}
+
+TEST_F(AnnQueryTest, IndexTypesFaissRefusesFailTheBuildSayingWhy) {
+  GstElement* element = make_element("mode", 1, "index", dir_.file("bogus.faiss").c_str(), nullptr);
+  gst_util_set_object_arg(G_OBJECT(element), "index-type", "Bogus7");
+  GstHarness* h = harness(element);
+  set_tensor_caps(h, kWidth);
+  EXPECT_NE(bus_error().find("'Bogus7'"), std::string::npos);
+
+  // Fewer rows than lists: nothing written, the error names a list count that fits.
+  const std::string path = dir_.file("few.faiss");
+  element = make_element("mode", 1, "index", path.c_str(), nullptr);
+  gst_util_set_object_arg(G_OBJECT(element), "index-type", "IVF64,Flat");
+  h = harness(element);
+  set_tensor_caps(h, kWidth);
+  gstmoe::BatchRecords batch;
+  for (int i = 0; i < kItems; ++i) batch.rows.push_back(catalog_record(i));
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+  gst_harness_push_event(h, gst_event_new_eos());
+  const std::string error = bus_error();
+  EXPECT_NE(error.find("64 lists but the build has only 50 vectors"), std::string::npos) << error;
+  EXPECT_NE(error.find("use IVF1 lists"), std::string::npos) << error;
+  EXPECT_FALSE(g_file_test(path.c_str(), G_FILE_TEST_EXISTS));
+}
+
+// nprobe changes while PLAYING, and a request's own "nprobe" overrides it: with one list of eight
+// scanned, a query sees only that list's few items; with all eight, its 10 nearest.
+TEST_F(AnnQueryTest, NprobeChangesWhilePlayingAndPerRequest) {
+  const std::string path = dir_.file("ivf.faiss");
+  gst_buffer_unref(build_index(path, "IVF8,Flat"));
+  GstHarness* h = search_harness(path, 10);
+  GstElement* element = gst_harness_find_element(h, "ann-query");
+  const auto queries = random_unit_vectors(8, kWidth, 77);
+  const auto search = [&](int request_nprobe) {
+    gstmoe::BatchRecords batch;
+    for (int i = 0; i < 8; ++i) {
+      batch.rows.push_back(text_request("q" + std::to_string(i)));
+      batch.rows.back().nprobe = request_nprobe;
+    }
+    EXPECT_EQ(gst_harness_push(h, tensor_buffer(queries, 0, batch)), GST_FLOW_OK);
+    std::vector<GstBuffer*> out = pull_all(h);
+    std::vector<std::vector<int64_t>> hits;
+    for (GstBuffer* b : out) hits.push_back(hit_items(b));
+    unref_all(out);
+    return hits;
+  };
+  const auto exact = [&](int q) {
+    return brute_force(catalog_, queries.data() + q * kWidth, 10, [](int) { return true; });
+  };
+
+  g_object_set(element, "nprobe", 1, nullptr);
+  const auto one = search(0);
+  ASSERT_EQ(one.size(), 8u);
+  size_t seen = 0;
+  for (const auto& hits : one) seen += hits.size();
+  EXPECT_LT(seen, 80u);  // 50 items in 8 lists: one list holds fewer than 10 on average
+
+  g_object_set(element, "nprobe", 8, nullptr);  // while PLAYING
+  const auto all = search(0);
+  for (int q = 0; q < 8; ++q) EXPECT_EQ(all[q], exact(q)) << q;
+
+  g_object_set(element, "nprobe", 1, nullptr);
+  const auto per_request = search(8);  // the request's own nprobe wins
+  for (int q = 0; q < 8; ++q) EXPECT_EQ(per_request[q], exact(q)) << q;
+  gst_object_unref(element);
+}
+
+// A request's filter: only the matching catalog items, the exact top-k among them (flat; IVF with
+// one list scanned still finds k because it falls back to every list), none when nothing matches.
+TEST_F(AnnQueryTest, RequestFiltersReturnTheBruteForceTopKOfTheMatchingItems) {
+  for (const char* type : {"flat", "IVF8,Flat", "hnsw"}) {
+    SCOPED_TRACE(type);
+    const std::string path = dir_.file(std::string("filtered-") + type + ".faiss");
+    gst_buffer_unref(build_index(path, type));
+    GstHarness* h = search_harness(path, 5);
+    GstElement* element = gst_harness_find_element(h, "ann-query");
+    g_object_set(element, "nprobe", 1, nullptr);
+    gst_object_unref(element);
+    const auto queries = random_unit_vectors(4, kWidth, 78);
+
+    // catalog_record: items i % 3 == 0 have {"price": i.5, "sku": "SKU-i"}.
+    moe::AnnFilterCondition cheap{"price"};
+    cheap.lt = 20;
+    struct Case {
+      moe::AnnFilter filter;
+      std::function<bool(int)> keep;
+    };
+    const std::vector<Case> cases = {
+        {{{cheap}}, [](int i) { return i % 3 == 0 && i < 20; }},
+        {{{{"sku", {std::string("SKU-3"), std::string("SKU-30"), std::string("SKU-4")}}}},
+         [](int i) { return i == 3 || i == 30; }},
+        {{{{"sku", {std::string("SKU-9")}}, cheap}}, [](int i) { return i == 9; }},
+        {{{{"sku", {std::string("no such sku")}}}}, [](int) { return false; }},
+        {{{{"colour", {std::string("red")}}}}, [](int) { return false; }},
+    };
+    gstmoe::BatchRecords batch;
+    for (size_t c = 0; c < cases.size(); ++c)
+      for (int q = 0; q < 4; ++q) {
+        batch.rows.push_back(text_request("c" + std::to_string(c) + "q" + std::to_string(q)));
+        batch.rows.back().filter = cases[c].filter;
+      }
+    std::vector<float> vectors;
+    for (size_t c = 0; c < cases.size(); ++c) vectors.insert(vectors.end(), queries.begin(), queries.end());
+    ASSERT_EQ(gst_harness_push(h, tensor_buffer(vectors, 0, batch)), GST_FLOW_OK);
+    std::vector<GstBuffer*> out = pull_all(h);
+    ASSERT_EQ(out.size(), cases.size() * 4);
+    for (size_t c = 0; c < cases.size(); ++c)
+      for (int q = 0; q < 4; ++q) {
+        std::string doc_type;
+        const auto got = hit_items(out[c * 4 + q], &doc_type);
+        EXPECT_EQ(doc_type, "result");  // a filter nothing matches is answered with no hits
+        EXPECT_EQ(got, brute_force(catalog_, queries.data() + q * kWidth, 5, cases[c].keep)) << "case " << c;
+      }
+    unref_all(out);
+  }
+}
+
 // device=cuda:0 searches a flat index on the GPU with the same hits as FAISS; without a usable
 // GPU it fails the start saying why. An HNSW index cannot go to a GPU either way; "auto" always
 // works (FAISS for HNSW and without a GPU).
@@ -1055,7 +1237,14 @@ TEST_F(AnnQueryTest, PropertiesDocumentTheirRanges) {
   EXPECT_STREQ(device, "cpu");
   g_free(device);
   EXPECT_STREQ(g_type_name(GST_TYPE_ANN_QUERY_MODE), "GstAnnQueryMode");
-  EXPECT_STREQ(g_type_name(GST_TYPE_ANN_QUERY_INDEX_TYPE), "GstAnnQueryIndexType");
+  EXPECT_EQ(uint_spec("nprobe")->default_value, 16u);
+  EXPECT_EQ(uint_spec("nprobe")->maximum, 65536u);
+  EXPECT_EQ(uint_spec("train-size")->default_value, 0u);
+  EXPECT_TRUE(g_object_class_find_property(G_OBJECT_GET_CLASS(element), "nprobe")->flags & GST_PARAM_MUTABLE_PLAYING);
+  gchar* index_type = nullptr;
+  g_object_get(element, "index-type", &index_type, nullptr);
+  EXPECT_STREQ(index_type, "flat");
+  g_free(index_type);
   gst_util_set_object_arg(G_OBJECT(element), "mode", "build");
   gint mode = 0;
   g_object_get(element, "mode", &mode, nullptr);

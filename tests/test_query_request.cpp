@@ -175,7 +175,7 @@ TEST(QueryRequest, ManyValuesAreRefused) {
   std::string wide = R"({"id":"w","text":"x","pad":[)";
   for (int i = 0; i < 100000; ++i) wide += "0,";
   wide += "0]}";
-  expect_rejected(wide, "more than 64 values");
+  expect_rejected(wide, "more than 1024 values");
 }
 
 TEST(QueryRequest, TextLongerThanTheLimitIsRefused) {
@@ -301,3 +301,70 @@ TEST(QueryRequest, ImageFilesAreReadOnlyInsideTheRoot) {
   EXPECT_EQ(code_of("a.png", 3), moe::error_code::kImageTooLarge);
   EXPECT_EQ(code_of("http://x/a.png", 100), moe::error_code::kInvalidRequest);
 }
+
+namespace {
+
+TEST(QueryRequest, SearchKnobsAreReadWithinBounds) {
+  const QueryRequest r = parse(R"({"id":"n","text":"x","nprobe":32,"ef_search":200})");
+  EXPECT_EQ(r.nprobe, 32);
+  EXPECT_EQ(r.ef_search, 200);
+  EXPECT_EQ(parse(R"({"id":"n","text":"x"})").nprobe, 0);  // the service's default
+  expect_rejected(R"({"id":"n","text":"x","nprobe":0})", "nprobe must be an integer from 1 to 65536 (got 0)", "n");
+  expect_rejected(R"({"id":"n","text":"x","nprobe":"8"})", "nprobe must be an integer from 1 to 65536 (got a string)",
+                  "n");
+  expect_rejected(R"({"id":"n","text":"x","ef_search":5000})", "ef_search must be an integer from 1 to 4096 (got 5000)",
+                  "n");
+}
+
+TEST(QueryRequest, FiltersAreParsed) {
+  const QueryRequest r = parse(R"({"id":"f","text":"mug","filter":{"category":"mug","colour":{"in":["red","blue"]},)"
+                               R"("price":{"gte":10,"lt":20.5},"in_stock":true,"size":3}})");
+  const auto& c = r.filter.all_of;
+  ASSERT_EQ(c.size(), 5u);
+  EXPECT_EQ(c[0].field, "category");
+  EXPECT_EQ(c[0].any_of, (std::vector<moe::AnnFieldValue>{std::string("mug")}));
+  EXPECT_EQ(c[1].any_of, (std::vector<moe::AnnFieldValue>{std::string("red"), std::string("blue")}));
+  EXPECT_FALSE(c[1].is_range());
+  EXPECT_TRUE(c[2].is_range());
+  EXPECT_EQ(c[2].gte, 10.0);
+  EXPECT_EQ(c[2].lt, 20.5);
+  EXPECT_FALSE(c[2].gt.has_value());
+  EXPECT_EQ(c[3].any_of, (std::vector<moe::AnnFieldValue>{true}));
+  EXPECT_EQ(c[4].any_of, (std::vector<moe::AnnFieldValue>{3.0}));
+  EXPECT_TRUE(parse(R"({"id":"f","text":"mug"})").filter.empty());
+  // An empty set matches nothing: accepted (the search answers with no hits).
+  EXPECT_TRUE(parse(R"({"id":"f","text":"mug","filter":{"colour":{"in":[]}}})").filter.all_of[0].any_of.empty());
+}
+
+TEST(QueryRequest, HostileFiltersAreRefusedAsInvalidRequests) {
+  const std::string head = R"({"id":"h","text":"x","filter":)";
+  const auto refused = [&](const std::string& filter, const std::string& reason) {
+    const QueryRejected r = rejection(head + filter + "}");
+    EXPECT_NE(std::string(r.what()).find(reason), std::string::npos) << filter << ": " << r.what();
+    EXPECT_STREQ(r.code, moe::error_code::kInvalidRequest) << filter;
+    EXPECT_EQ(r.request.id, "h");
+    EXPECT_EQ(r.request.text, "x");  // echoed
+  };
+  refused(R"(["category"])", "filter must be an object of field conditions (got an array)");
+  refused(R"({"category":null})", "filter.category must be a string, a number or a boolean (got null)");
+  refused(R"({"category":["mug"]})", "filter.category must be a string, a number or a boolean (got an array)");
+  refused(R"({"price":{}})", "filter.price: an empty condition");
+  refused(R"({"price":{"between":[1,2]}})", "filter.price: unknown operator 'between' (use in, gt, gte, lt, lte)");
+  refused(R"({"price":{"gte":"10"}})", "filter.price.gte must be a number (got a string)");
+  refused(R"({"price":{"in":[1],"lt":3}})", "\"in\" cannot be combined with a range");
+  refused(R"({"colour":{"in":"red"}})", "filter.colour.in must be an array of values (got a string)");
+  refused(R"({"colour":{"in":["red",{"a":1}]}})", "filter.colour.in[1] must be a string, a number or a boolean");
+  refused(R"({"":"x"})", "filter has a field with an empty name");
+  refused("{\"" + std::string(200, 'n') + "\":1}", "the field name is 200 bytes, more than 128");
+  refused(R"({"c":")" + std::string(300, 'v') + "\"}", "filter.c is 300 bytes, more than 256");
+  std::string many = "{";
+  for (int i = 0; i < 17; ++i) many += (i ? ",\"f" : "\"f") + std::to_string(i) + "\":1";
+  refused(many + "}", "filter has 17 fields, more than 16");
+  std::string wide_set = R"({"c":{"in":[)";
+  for (int i = 0; i < 300; ++i) wide_set += (i ? ",\"" : "\"") + std::to_string(i) + "\"";
+  refused(wide_set + "]}}", "filter.c.in has 300 values, more than 256");
+  // Nesting and sheer size are refused before parsing, as for any request.
+  expect_rejected(head + std::string(40, '[') + std::string(40, ']') + "}", "nested more than 32 levels deep", "");
+}
+
+}  // namespace

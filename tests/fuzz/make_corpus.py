@@ -470,7 +470,12 @@ def query_seeds():
         "deep.json": '{"id": "d", "text": "t", "x": ' + "[" * 40 + "]" * 40 + "}",
         "long-id.json": compact({"id": "i" * 300, "text": "t"}),
         "invalid.json": '{"id": "q", "text": "unterminated',
-    }, ["id", "text", "image", "image_base64", "k", "file://", "1024", "\n", "="]
+        "knobs.json": '{"id": "q11", "text": "mug", "nprobe": 32, "ef_search": 128}',
+        "filter.json": ('{"id": "q12", "text": "mug", "filter": {"category": "mug", "colour": {"in": ["red", "blue"]}, '
+                        '"price": {"gte": 10, "lt": 20.5}, "in_stock": true}}'),
+        "filter-bad.json": '{"id": "q13", "text": "mug", "filter": {"price": {"between": [1, 2]}, "c": null}}',
+    }, ["id", "text", "image", "image_base64", "k", "file://", "1024", "\n", "=", "nprobe", "ef_search", "filter",
+        "in", "gt", "gte", "lt", "lte"]
 
 
 def main():

@@ -10,7 +10,8 @@
 // On disk an index is two files side by side:
 //   PATH               the FAISS index (faiss::write_index format)
 //   PATH.items.jsonl   the item table, JSON Lines: a header object
-//                        {"format":"gst-moe-items","version":1,"count":N,"dim":D,"index_type":"flat"|"hnsw",
+//                        {"format":"gst-moe-items","version":1,"count":N,"dim":D,
+//                         "index_type":"flat"|"hnsw"|"ivf","factory":"IVF256,PQ16",
 //                         "provenance":{"encoder":"...","encoder_fingerprint":"...",
 //                                       "adapter":"...","adapter_fingerprint":"..."}}
 //                      then one object per item, in index order:
@@ -18,9 +19,12 @@
 //                      "provenance" is optional: tables written before it existed, or for vectors
 //                      of unknown origin, have none. "fields" (the catalog line's members other
 //                      than path, id and caption) is optional too: written only when there are
-//                      some. Adding them kept version 1: they are optional members that older
-//                      readers skip, and their absence already says "unknown" / "none", so a
-//                      version number would tell a reader nothing more.
+//                      some. "factory" (FAISS's index_factory string the index was made with) is
+//                      optional as well: tables written before it existed are "Flat" or "HNSW32"
+//                      indexes, which the FAISS file itself describes. Adding them kept version 1:
+//                      they are optional members that older readers skip, and their absence
+//                      already says "unknown" / "none", so a version number would tell a reader
+//                      nothing more.
 #pragma once
 
 #include <cstdint>
@@ -28,6 +32,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 namespace faiss {
@@ -39,20 +44,30 @@ class Backend;
 
 namespace moe {
 
+// The kinds of index searched here; which FAISS structure is named by AnnBuildOptions::index_type.
 enum class AnnIndexType {
   Flat,  // faiss::IndexFlatIP: exact, linear in the index size
-  Hnsw,  // faiss::IndexHNSWFlat over inner product: approximate, logarithmic
+  Hnsw,  // faiss::IndexHNSWFlat over inner product: approximate graph, logarithmic
+  Ivf,   // faiss::IndexIVF (IVFn,Flat / IVFn,PQm, optionally behind OPQ): approximate inverted lists
 };
 
-// "flat" / "hnsw" (the names used in the item table and by the elements).
+// "flat" / "hnsw" / "ivf" (the names used in the item table and by the elements).
 const char* ann_index_type_name(AnnIndexType type);
 
 struct AnnBuildOptions {
-  AnnIndexType type = AnnIndexType::Flat;
-  int hnsw_m = 32;           // HNSW: links per node (memory and recall grow with it)
+  // FAISS's own index_factory string: "Flat", "HNSW32", "IVF4096,Flat", "IVF256,PQ16",
+  // "OPQ16,IVF256,PQ16", ... (HNSW with flat storage, IVF with any encoding FAISS offers, with or
+  // without a pre-transform); "flat" and "hnsw" are aliases of "Flat" and "HNSW<hnsw_m>".
+  std::string index_type = "Flat";
+  int hnsw_m = 32;           // the "hnsw" alias: links per node (memory and recall grow with it)
   int ef_construction = 80;  // HNSW: candidate list size while building (build time vs quality)
+  // Types that learn from the data (IVF's lists, PQ's codebooks, OPQ's rotation): how many of the
+  // first vectors added are held back to train on. 0: 64 per IVF list (FAISS advises 30 to 256
+  // per centroid). A stream shorter than this trains on all of it when train() runs.
+  int64_t train_size = 0;
 };
 
+// What an index row stands for; returned with search hits.
 // What an index row stands for; returned with search hits.
 struct AnnItem {
   std::string id;        // the catalog's identifier
@@ -89,9 +104,39 @@ struct AnnHit {
   float score;   // cosine similarity
 };
 
+// A value of a catalog field, as a filter compares it: JSON strings, numbers (integers compare as
+// doubles) and booleans. Other JSON values (null, arrays, objects) match no condition.
+using AnnFieldValue = std::variant<std::string, double, bool>;
+
+// One condition on a catalog field (AnnItem::fields): the field holds one of `any_of` (equality is
+// a set of one; an empty set matches nothing), or a number within the bounds set. Items without
+// the field never match.
+struct AnnFilterCondition {
+  std::string field;
+  std::vector<AnnFieldValue> any_of{};  // used when no bound is set
+  std::optional<double> gt{}, gte{}, lt{}, lte{};
+  bool is_range() const { return gt || gte || lt || lte; }
+};
+
+// Every condition must hold (an empty filter matches every item).
+struct AnnFilter {
+  std::vector<AnnFilterCondition> all_of;
+  bool empty() const { return all_of.empty(); }
+};
+
+// Search-time settings of one search() call.
+struct AnnSearchOptions {
+  int ef_search = 64;  // HNSW: candidate list size (recall vs speed; raised to k); others ignore it
+  int nprobe = 16;     // IVF: lists scanned per query (capped at the list count); others ignore it
+  // Only items the filter matches are returned (null or empty: all); see search().
+  const AnnFilter* filter = nullptr;
+};
+
 class AnnIndex {
  public:
-  // An empty index for `dim`-wide vectors. Throws moe::Error on invalid options.
+  // An empty index for `dim`-wide vectors. Throws moe::Error on invalid options, naming the
+  // index_type and FAISS's reason (an unknown string, a PQ size that does not divide dim, a kind
+  // not listed in AnnBuildOptions).
   static AnnIndex create(int dim, const AnnBuildOptions& options);
   // Reads PATH and PATH.items.jsonl and checks that they agree. Throws moe::Error naming the
   // file and the reason (FAISS's own message for an unreadable index, the line for a bad item).
@@ -102,38 +147,68 @@ class AnnIndex {
   AnnIndex& operator=(AnnIndex&&) noexcept;
   ~AnnIndex();
 
-  // Appends n vectors (row-major n x dim) and their items (items.size() == n). Not safe to
-  // call while another thread searches: build first, then search.
+  // Appends n vectors (row-major n x dim) and their items (items.size() == n). An index that must
+  // be trained holds the vectors back until train_size of them have come, then trains on them and
+  // adds them (train() does it sooner). Not safe to call while another thread searches: build
+  // first, then search.
   void add(const float* vectors, int64_t n, const std::vector<AnnItem>& items);
+  // Trains an untrained index on the vectors add() holds back and adds them; nothing when it is
+  // trained. Throws moe::Error when there are too few to train on (fewer than the IVF lists: the
+  // message suggests a list count for them) or FAISS refuses them.
+  void train();
+  bool is_trained() const;
 
-  // Writes PATH and PATH.items.jsonl. Each goes to a temporary file in the same directory that
-  // is renamed into place only once complete, so a failed write never leaves half a file (and
-  // load() rejects a pair whose counts disagree). Throws moe::Error naming the file.
-  void save(const std::string& path) const;
+  // Trains (train()) if needed, then writes PATH and PATH.items.jsonl. Each goes to a temporary
+  // file in the same directory that is renamed into place only once complete, so a failed write
+  // never leaves half a file (and load() rejects a pair whose counts disagree). Throws moe::Error
+  // naming the file.
+  void save(const std::string& path);
 
-  // The best min(k, size()) hits for each of the n queries (row-major n x dim), best first (an
-  // HNSW search may find fewer). k must be >= 1. ef_search is HNSW's candidate list size (recall
-  // vs speed; ignored by flat indexes). Safe to call from several threads at once; HNSW searches
-  // of one index are serialised, flat ones run concurrently. FAISS parallelises each batch over
-  // its OpenMP threads. Throws moe::Error naming the cause.
-  std::vector<std::vector<AnnHit>> search(const float* queries, int64_t n, int k, int ef_search = 64) const;
+  // The best min(k, matching items) hits for each of the n queries (row-major n x dim), best
+  // first. k must be >= 1. Safe to call from several threads at once; HNSW searches of one index
+  // are serialised, the others run concurrently. FAISS parallelises each batch over its OpenMP
+  // threads. Throws moe::Error naming the cause (an index still holding vectors back to train).
+  //
+  // Approximate types may find fewer than k without a filter (HNSW returns at most ef_search; an
+  // IVF search, what its nprobe lists hold). With a filter, FAISS's ID selector restricts the
+  // search to the matching rows; whenever it then finds fewer than min(k, matching) hits, the
+  // query is searched again exhaustively over the matching rows (IVF: every list; HNSW: its flat
+  // storage), so that k hits come back whenever k items match. HNSW applies a selector only to
+  // the results of its graph walk, so a filter matching few rows (at most kExactFilterRows, or
+  // under 1 in 1000) goes straight to the exact search over them, and otherwise ef is raised by
+  // the inverse of the matching fraction (up to kMaxFilteredEf) for that search.
+  std::vector<std::vector<AnnHit>> search(const float* queries, int64_t n, int k,
+                                          const AnnSearchOptions& options = {}) const;
+  static constexpr int64_t kExactFilterRows = 8192;
+  static constexpr int kMaxFilteredEf = 4096;
+
+  // The rows whose fields `filter` matches, ascending (an empty filter: every row).
+  std::vector<int64_t> matching(const AnnFilter& filter) const;
 
   // Where search() runs: "cpu" (the default: FAISS), "cuda:N", or "auto" (cuda:0 when a usable
   // CUDA device exists, else FAISS on the CPU). On a CUDA device the vectors of a flat index are
   // copied to device memory once (a GPU-resident index) and every search is the exact
   // inner-product top-k there (Backend::inner_product_topk: k ≤ 1024; the hits equal FAISS's
-  // flat search up to float rounding, ties to the lower item). HNSW indexes are searched by
-  // FAISS: a CUDA device is an error for them. Returns the device chosen ("cpu" or "cuda:N").
+  // flat search up to float rounding, ties to the lower item); filtered searches run on the CPU
+  // copy, through FAISS's selector. HNSW and IVF indexes are searched by FAISS on the CPU: a
+  // CUDA device is an error for them, and "auto" chooses the CPU. Returns the device chosen
+  // ("cpu" or "cuda:N").
   // Call after the last add(); add() afterwards throws. Throws moe::Error naming the device and
-  // the reason (no usable CUDA device, an HNSW index, out of device memory).
+  // the reason (no usable CUDA device, an index that is not flat, out of device memory).
   std::string place_on(const std::string& device);
   // The same on a backend the caller opened (any backend: the tests run this path on the CPU
   // backend); `mutex` is held around each search on it (null: none, for host-memory backends).
   void place_on(std::shared_ptr<kernels::Backend> backend, std::shared_ptr<std::mutex> mutex);
 
   int dim() const { return dim_; }
-  int64_t size() const;
+  // Items added, including any held back for training.
+  int64_t size() const { return static_cast<int64_t>(items_.size()); }
   AnnIndexType type() const { return type_; }
+  // The index_factory string it was made with ("IVF256,PQ16"); for an index loaded from a table
+  // without one, "Flat" or "HNSW<M>" as read from the FAISS file.
+  const std::string& factory() const { return factory_; }
+  // IVF: the number of lists (the most nprobe can usefully be); 0 for other types.
+  int64_t nlist() const;
   // The item at row i; throws moe::Error when i is out of range.
   const AnnItem& item(int64_t i) const;
   // The longest folder ("file:///srv/catalog/", up to and including a '/') that holds every item's
@@ -147,11 +222,18 @@ class AnnIndex {
   const std::optional<AnnProvenance>& provenance() const { return provenance_; }
 
  private:
-  AnnIndex(std::unique_ptr<faiss::Index> index, AnnIndexType type, int dim);
+  AnnIndex(std::unique_ptr<faiss::Index> index, AnnIndexType type, std::string factory, int dim);
+  std::vector<std::vector<AnnHit>> search_filtered(const float* unit, int64_t n, int k,
+                                                   const AnnSearchOptions& options) const;
 
   std::unique_ptr<faiss::Index> index_;
   AnnIndexType type_;
+  std::string factory_;
   int dim_;
+  int64_t train_size_ = 0;      // rows to hold back before training (untrained types)
+  std::vector<float> pending_;  // unit vectors held back for training, row-major
+  struct FieldColumns;          // the items' fields as columns, parsed at the first filtered search
+  std::unique_ptr<FieldColumns> columns_;
   std::vector<AnnItem> items_;
   std::optional<AnnProvenance> provenance_;
   std::unique_ptr<std::mutex> search_mutex_;  // HNSW: guards hnsw.efSearch (see search())

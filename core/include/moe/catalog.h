@@ -44,6 +44,7 @@ constexpr int kAnnItemsVersion = 1;
 struct AnnItemTable {
   std::vector<AnnItem> items;
   std::optional<AnnProvenance> provenance;
+  std::string factory;  // the header's "factory", "" when it has none
 };
 
 // Parses the text of an item table (`items_path`, for messages) that must describe the index

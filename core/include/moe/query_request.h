@@ -1,7 +1,8 @@
 // gst-moe: the search request a client sends over the wire, parsed and bounded.
 //
 // One JSON object per message: {"id": "q1", "text": "red mug"}, {"id": 2, "image": "mug.jpg"}
-// or {"id": "q3", "image_base64": "iVBORw0..."}, with an optional "k" (docs/zmq-schema.md). Every
+// or {"id": "q3", "image_base64": "iVBORw0..."}, with optional "k", "nprobe", "ef_search" and
+// "filter" ({"category": "mug", "price": {"gte": 10, "lt": 20}}; docs/zmq-schema.md). Every
 // byte of it comes from a client the service does not trust, so parsing is bounded before the
 // JSON parser runs (size, nesting depth, integer range), every field's type and size is checked,
 // and a refusal says which field and why. The zmq-query element and the request fuzzer both go
@@ -14,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "moe/ann_index.h"
 #include "moe/error.h"
 
 namespace moe {
@@ -24,6 +26,15 @@ enum class QueryModality { Text, Image };
 constexpr int kMaxRequestJsonDepth = 32;
 constexpr int kMinQueryK = 1;
 constexpr int kMaxQueryK = 1024;
+// A request's own search knobs: IVF lists scanned (capped at the index's list count), HNSW's
+// candidate list (as ann-query's ef-search property).
+constexpr int kMaxQueryNprobe = 65536;
+constexpr int kMaxQueryEfSearch = 4096;
+// A filter: conditions (fields), values in one "in" set, bytes of a field name or string value.
+constexpr size_t kMaxFilterFields = 16;
+constexpr size_t kMaxFilterSetValues = 256;
+constexpr size_t kMaxFilterNameBytes = 128;
+constexpr size_t kMaxFilterStringBytes = 256;
 // Ids are echoed in every answer: longer ones are refused.
 constexpr size_t kMaxQueryIdBytes = 256;
 // Paths longer than PATH_MAX cannot name a file.
@@ -56,6 +67,9 @@ struct QueryRequest {
   std::string id;  // as a string ("3" for 3); for a refused request, as far as it could be read
   QueryModality modality = QueryModality::Text;
   int k = 0;                         // results wanted; 0: the service's default
+  int nprobe = 0;                    // IVF lists to scan; 0: the service's default
+  int ef_search = 0;                 // HNSW candidate list size; 0: the service's default
+  AnnFilter filter;                  // only items whose catalog fields match; empty: all
   std::string text;                  // text requests
   std::string image;                 // "image" requests: the client's path or file:// uri
   std::vector<uint8_t> image_bytes;  // image_base64 requests: the decoded bytes
@@ -79,7 +93,8 @@ class QueryRejected : public RequestRefused {
 };
 
 // Parses one request message. Throws QueryRejected naming the field and the cause ("request is
-// not valid JSON: ...", "k must be an integer from 1 to 1024 (got 2000)", "text is 10485760 bytes,
+// not valid JSON: ...", "k must be an integer from 1 to 1024 (got 2000)", "filter.price: unknown
+// operator 'between' (use in, gt, gte, lt, lte)", "text is 10485760 bytes,
 // more than max-text-bytes (4096)", ...). An "image" value is not read here: see
 // read_query_image_file.
 QueryRequest parse_query_request(std::string_view message, const QueryLimits& limits);

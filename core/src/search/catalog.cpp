@@ -57,7 +57,17 @@ std::string extra_members(JsonObject* obj) {
 
 }  // namespace
 
-const char* ann_index_type_name(AnnIndexType type) { return type == AnnIndexType::Hnsw ? "hnsw" : "flat"; }
+const char* ann_index_type_name(AnnIndexType type) {
+  switch (type) {
+    case AnnIndexType::Hnsw:
+      return "hnsw";
+    case AnnIndexType::Ivf:
+      return "ivf";
+    case AnnIndexType::Flat:
+      break;
+  }
+  return "flat";
+}
 
 std::string catalog_id_from_path(const std::string& path) {
   std::string name = take_string(g_path_get_basename(path.c_str()));
@@ -152,6 +162,7 @@ AnnItemTable parse_ann_item_table(std::string_view text, const std::string& item
     if (header_type != ann_index_type_name(type))
       throw Error(what + ": index_type '" + header_type + "' but the index '" + index_path + "' is " +
                   ann_index_type_name(type));
+    out.factory = json::get_string_or(h, "factory", "", what);
     if (JsonObject* p = json::get_object_or_null(h, "provenance", what)) {
       const std::string pwhat = what + " provenance";
       AnnProvenance prov{json::get_string(p, "encoder", pwhat), json::get_string(p, "encoder_fingerprint", pwhat),

@@ -9,6 +9,7 @@
 
 #include <cerrno>
 #include <climits>
+#include <cmath>
 #include <cstdlib>
 #include <memory>
 
@@ -18,8 +19,9 @@ namespace moe {
 
 namespace {
 
-// Members a request may carry: id, one query field, k, and a few that clients add.
-constexpr size_t kMaxRequestJsonValues = 64;
+// Members a request may carry: id, one query field, k, the search knobs, a filter (up to
+// kMaxFilterFields conditions, "in" sets of up to kMaxFilterSetValues), and a few that clients add.
+constexpr size_t kMaxRequestJsonValues = 1024;
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
@@ -84,7 +86,10 @@ class RequestParser {
     }
     read_id();
     read_modality();
-    read_k();
+    request_.k = bounded_int("k", kMinQueryK, kMaxQueryK);
+    request_.nprobe = bounded_int("nprobe", 1, kMaxQueryNprobe);
+    request_.ef_search = bounded_int("ef_search", 1, kMaxQueryEfSearch);
+    read_filter();
     // Sizes are checked before a value is kept: a refused request's record is echoed back.
     if (json_object_has_member(object_, "text")) {
       std::string text = string_member("text", "a string");
@@ -169,16 +174,103 @@ class RequestParser {
       reject("request needs exactly one of text, image, image_base64; it has " + (count ? present : "none"));
   }
 
-  void read_k() {
-    JsonNode* k = json_object_get_member(object_, "k");
-    if (!k) return;
-    const bool integer = JSON_NODE_HOLDS_VALUE(k) && json_node_get_value_type(k) == G_TYPE_INT64;
+  // Member `name`, an integer from `min` to `max`; 0 when it is absent.
+  int bounded_int(const char* name, int min, int max) {
+    JsonNode* node = json_object_get_member(object_, name);
+    if (!node) return 0;
+    const bool integer = JSON_NODE_HOLDS_VALUE(node) && json_node_get_value_type(node) == G_TYPE_INT64;
     const std::string range =
-        "k must be an integer from " + std::to_string(kMinQueryK) + " to " + std::to_string(kMaxQueryK);
-    if (!integer) reject(range + " (got " + json_type_name(k) + ")");
-    const gint64 value = json_node_get_int(k);
-    if (value < kMinQueryK || value > kMaxQueryK) reject(range + " (got " + std::to_string(value) + ")");
-    request_.k = static_cast<int>(value);
+        std::string(name) + " must be an integer from " + std::to_string(min) + " to " + std::to_string(max);
+    if (!integer) reject(range + " (got " + json_type_name(node) + ")");
+    const gint64 value = json_node_get_int(node);
+    if (value < min || value > max) reject(range + " (got " + std::to_string(value) + ")");
+    return static_cast<int>(value);
+  }
+
+  // "filter": {"field": value, "field": {"in": [values]}, "field": {"gte": x, "lt": y}, ...}; every
+  // condition must hold. Values are strings, numbers or booleans; bounds are numbers.
+  void read_filter() {
+    JsonNode* node = json_object_get_member(object_, "filter");
+    if (!node) return;
+    if (!JSON_NODE_HOLDS_OBJECT(node))
+      reject(std::string("filter must be an object of field conditions (got ") + json_type_name(node) + ")");
+    JsonObject* filter = json_node_get_object(node);
+    if (json_object_get_size(filter) > kMaxFilterFields)
+      reject("filter has " + std::to_string(json_object_get_size(filter)) + " fields, more than " +
+             std::to_string(kMaxFilterFields));
+    // In the request's order (json_object_get_members keeps it), so that messages name the first.
+    std::unique_ptr<GList, decltype(&g_list_free)> names(json_object_get_members(filter), g_list_free);
+    for (GList* name = names.get(); name != nullptr; name = name->next) {
+      const char* field = static_cast<const char*>(name->data);
+      request_.filter.all_of.push_back(read_condition(field, json_object_get_member(filter, field)));
+    }
+  }
+
+  AnnFilterCondition read_condition(const std::string& name, JsonNode* node) {
+    const std::string what = "filter." + clip_utf8(name, kMaxFilterNameBytes);
+    if (name.empty()) reject("filter has a field with an empty name");
+    if (name.size() > kMaxFilterNameBytes)
+      reject(what + ": the field name is " + std::to_string(name.size()) + " bytes, more than " +
+             std::to_string(kMaxFilterNameBytes));
+    AnnFilterCondition condition{name};
+    if (!JSON_NODE_HOLDS_OBJECT(node)) {
+      condition.any_of.push_back(field_value(what, node));
+      return condition;
+    }
+    JsonObject* ops = json_node_get_object(node);
+    if (json_object_get_size(ops) == 0) reject(what + ": an empty condition (use in, gt, gte, lt or lte)");
+    std::unique_ptr<GList, decltype(&g_list_free)> names(json_object_get_members(ops), g_list_free);
+    for (GList* name = names.get(); name != nullptr; name = name->next) {
+      const char* op = static_cast<const char*>(name->data);
+      JsonNode* operand = json_object_get_member(ops, op);
+      const std::string op_what = what + "." + clip_utf8(op, kMaxFilterNameBytes);
+      if (g_str_equal(op, "in")) {
+        if (!JSON_NODE_HOLDS_ARRAY(operand))
+          reject(op_what + " must be an array of values (got " + json_type_name(operand) + ")");
+        JsonArray* values = json_node_get_array(operand);
+        if (json_array_get_length(values) > kMaxFilterSetValues)
+          reject(op_what + " has " + std::to_string(json_array_get_length(values)) + " values, more than " +
+                 std::to_string(kMaxFilterSetValues));
+        for (guint i = 0; i < json_array_get_length(values); ++i)
+          condition.any_of.push_back(
+              field_value(op_what + "[" + std::to_string(i) + "]", json_array_get_element(values, i)));
+        continue;
+      }
+      std::optional<double>* bound = g_str_equal(op, "gt")    ? &condition.gt
+                                     : g_str_equal(op, "gte") ? &condition.gte
+                                     : g_str_equal(op, "lt")  ? &condition.lt
+                                     : g_str_equal(op, "lte") ? &condition.lte
+                                                              : nullptr;
+      if (!bound)
+        reject(what + ": unknown operator " + quote(clip_utf8(op, kMaxFilterNameBytes)) +
+               " (use in, gt, gte, lt, lte)");
+      const AnnFieldValue number = field_value(op_what, operand);
+      if (!std::holds_alternative<double>(number))
+        reject(op_what + " must be a number (got " + json_type_name(operand) + ")");
+      *bound = std::get<double>(number);
+    }
+    if (json_object_has_member(ops, "in") && condition.is_range())
+      reject(what + ": \"in\" cannot be combined with a range (gt, gte, lt, lte)");
+    return condition;
+  }
+
+  // A value a field is compared with: a string (up to kMaxFilterStringBytes), a number or a boolean.
+  AnnFieldValue field_value(const std::string& what, JsonNode* node) {
+    const GType type = JSON_NODE_HOLDS_VALUE(node) ? json_node_get_value_type(node) : G_TYPE_INVALID;
+    if (type == G_TYPE_STRING) {
+      std::string value = json_node_get_string(node);
+      if (value.size() > kMaxFilterStringBytes)
+        reject(what + " is " + std::to_string(value.size()) + " bytes, more than " +
+               std::to_string(kMaxFilterStringBytes));
+      return value;
+    }
+    if (type == G_TYPE_BOOLEAN) return static_cast<bool>(json_node_get_boolean(node));
+    if (type == G_TYPE_INT64 || type == G_TYPE_DOUBLE) {
+      const double value = json_node_get_double(node);
+      if (!std::isfinite(value)) reject(what + " is not a finite number");
+      return value;
+    }
+    reject(what + " must be a string, a number or a boolean (got " + json_type_name(node) + ")");
   }
 
   // Decodes base64 (standard alphabet, '=' padding; whitespace such as the line breaks of
