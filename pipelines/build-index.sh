@@ -26,7 +26,7 @@ RECURSIVE=${RECURSIVE:-0}
 ALLOW_FAILURES=${ALLOW_FAILURES:-0}
 PROGRESS_ITEMS=${PROGRESS_ITEMS:-32}
 ITEMS=$INDEX.items.jsonl
-mkdir -p -- "$(dirname -- "$INDEX")"
+case $INDEX in */*) [ -d "${INDEX%/*}" ] || mkdir -p -- "${INDEX%/*}" ;; esac
 recursive=false
 [ "$RECURSIVE" = 1 ] && recursive=true
 # ann-query's documents (one error document per failed image, then the index-built summary),
@@ -98,10 +98,13 @@ if [ -z "$interrupted" ]; then
   [ "$status" -eq 0 ] || exit "$status"
   # The index-built document is the last one; a quote inside a JSON string is escaped, so the
   # pattern matches only its own members.
-  summary=$(grep -o '"type":"index-built".*' "$docs" | tail -n 1)
-  items=$(printf '%s' "$summary" | grep -o '"items":[0-9]*' | cut -d: -f2)
-  failed=$(printf '%s' "$summary" | grep -o '"failed":[0-9]*' | cut -d: -f2)
-  failed=${failed:-0}
+  # Shell builtins only: the sanitizer run preloads ASan into every program this script starts.
+  summary= items= failed=0
+  while IFS= read -r line || [ -n "$line" ]; do
+    case $line in *'"type":"index-built"'*) summary=${line##*'"type":"index-built"'} ;; esac
+  done < "$docs"
+  [[ $summary =~ \"items\":([0-9]+) ]] && items=${BASH_REMATCH[1]}
+  [[ $summary =~ \"failed\":([0-9]+) ]] && failed=${BASH_REMATCH[1]}
   if [ "$failed" -eq 0 ]; then
     echo "build-index: indexed ${items:-?} images into $INDEX"
     exit 0

@@ -362,6 +362,16 @@ std::string endpoint() {
   return "tcp://127.0.0.1:" + std::to_string(port);
 }
 
+// For a gst-launch whose exit LeakSanitizer cannot check (the sanitizer run only): its tracer
+// crashes (SIGSEGV in StopTheWorld) at the exit of the 4-bit service, and pango's fontconfig
+// caches behind textoverlay leak by design. Address and UB checks stay on; the elements' own
+// leaks are checked in-process by the harness suites and by this test's own process.
+std::vector<std::string> without_leak_check(std::vector<std::string> env) {
+  if (const char* asan = g_getenv("ASAN_OPTIONS"))
+    env.push_back(std::string("ASAN_OPTIONS=") + asan + ":detect_leaks=0");
+  return env;
+}
+
 class E2E : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -619,8 +629,8 @@ TEST_F(E2E, ServeScriptRunsTheShippedInt4Adapter) {
   int rc = -1;
   std::thread service([&] {
     rc = run({kSource + "/pipelines/serve.sh", index},
-             {"MODEL=" + model, "PRECISION=int4", "QUERY_ENDPOINT=" + req, "RESULT_ENDPOINT=" + res,
-              "NUM_REQUESTS=" + std::to_string(kRequests), "IMAGE_ROOT=" + demo},
+             without_leak_check({"MODEL=" + model, "PRECISION=int4", "QUERY_ENDPOINT=" + req, "RESULT_ENDPOINT=" + res,
+                                 "NUM_REQUESTS=" + std::to_string(kRequests), "IMAGE_ROOT=" + demo}),
              &out);
   });
   {
@@ -700,10 +710,11 @@ TEST_F(E2E, PythonApplicationPrintsResultsAndErrors) {
 TEST_F(E2E, CaptionVideoScriptWritesTheBestMatchOnFrames) {
   constexpr int kFrames = 30;
   std::string out;
-  const int rc = run({kSource + "/pipelines/caption-video.sh"},
-                     {"MODEL=" + kModel, "ADAPTER=" + kAdapter, "INDEX=" + catalog().index, "SINK=fakesink",
-                      "NUM_BUFFERS=" + std::to_string(kFrames), "GST_DEBUG=basetextoverlay:5"},
-                     &out);
+  const int rc =
+      run({kSource + "/pipelines/caption-video.sh"},
+          without_leak_check({"MODEL=" + kModel, "ADAPTER=" + kAdapter, "INDEX=" + catalog().index, "SINK=fakesink",
+                              "NUM_BUFFERS=" + std::to_string(kFrames), "GST_DEBUG=basetextoverlay:5"}),
+          &out);
   ASSERT_EQ(rc, 0) << out;
   const std::string marker = "Rendering text '";
   int captioned = 0;
