@@ -4,10 +4,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
+#include <random>
 #include <set>
 #include <sstream>
 #include <string>
@@ -330,7 +332,9 @@ TEST_P(AnnIndexFiles, HeaderWithoutProvenanceStillLoads) {
   const std::string old_header = std::string(R"({"format":"gst-moe-items","version":1,"count":120,"dim":)") +
                                  std::to_string(kDim) + R"(,"index_type":")" +
                                  moe::ann_index_type_name(GetParam().type) + "\"";
-  EXPECT_EQ(items.substr(0, items.find('\n')), old_header + ",\"factory\":\"" + GetParam().factory + "\"}");
+  const std::string written =
+      old_header + ",\"factory\":\"" + GetParam().factory + "\",\"generation\":1,\"index_crc32\":";
+  EXPECT_EQ(items.substr(0, written.size()), written);
   write_text(path + ".items.jsonl", old_header + "}" + items.substr(items.find('\n')));
   const AnnIndex loaded = AnnIndex::load(path);
   EXPECT_FALSE(loaded.provenance().has_value());
@@ -649,13 +653,15 @@ const char* const kColours[] = {"red", "blue", "green", "white", "black"};
 
 // Items with fields: category (i % 3), colour (i % 5), price (i % 50, an integer), in_stock (even i);
 // every 7th item has no fields.
+std::string fields_of_row(int64_t i) {
+  if (i % 7 == 6) return "";
+  return std::string(R"({"category":")") + kCategories[i % 3] + R"(","colour":")" + kColours[i % 5] + R"(","price":)" +
+         std::to_string(i % 50) + R"(,"in_stock":)" + (i % 2 ? "false" : "true") + "}";
+}
+
 std::vector<AnnItem> fielded_items(int64_t n) {
   auto items = numbered_items(n);
-  for (int64_t i = 0; i < n; ++i) {
-    if (i % 7 == 6) continue;
-    items[i].fields = std::string(R"({"category":")") + kCategories[i % 3] + R"(","colour":")" + kColours[i % 5] +
-                      R"(","price":)" + std::to_string(i % 50) + R"(,"in_stock":)" + (i % 2 ? "false" : "true") + "}";
-  }
+  for (int64_t i = 0; i < n; ++i) items[i].fields = fields_of_row(i);
   return items;
 }
 
@@ -834,6 +840,301 @@ INSTANTIATE_TEST_SUITE_P(Types, AnnIndexFilterSearch,
                              if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
                            return name;
                          });
+
+// ---- live updates: upsert / remove / find ----------------------------------------------------------
+
+// What an index should hold after live updates: every row's vector, and which rows are live.
+struct LiveReference {
+  int dim;
+  std::vector<float> vectors;  // row-major, every row ever added
+  std::vector<AnnItem> items;
+  std::vector<bool> live;
+
+  // The exact top-k among the live rows `filter` ("" for none) matches.
+  std::vector<std::vector<AnnHit>> search(const std::vector<float>& queries, int k, const std::string& filter) const {
+    std::vector<float> subset;
+    std::vector<int64_t> rows;
+    for (int64_t i = 0; i < static_cast<int64_t>(live.size()); ++i)
+      if (live[i] && (filter.empty() || reference_match(filter, i))) {
+        rows.push_back(i);
+        subset.insert(subset.end(), vectors.begin() + i * dim, vectors.begin() + (i + 1) * dim);
+      }
+    auto out = brute_force(subset, queries, dim, k);
+    for (auto& hits : out)
+      for (AnnHit& hit : hits) hit.item = rows[static_cast<size_t>(hit.item)];
+    return out;
+  }
+  int64_t find(const std::string& id) const {
+    for (int64_t i = static_cast<int64_t>(items.size()) - 1; i >= 0; --i)
+      if (live[i] && items[i].id == id) return i;
+    return -1;
+  }
+};
+
+class AnnIndexLiveUpdates : public ::testing::TestWithParam<const char*> {};
+
+// Upserts (new ids and replacements) and removes on a built index, then every search (with and
+// without filters) against the exact search over the live rows, before and after a save/load.
+TEST_P(AnnIndexLiveUpdates, EqualBruteForceOverTheLiveRows) {
+  const int dim = 16, k = 10;
+  const int64_t n = 1500;
+  LiveReference ref{dim, clustered_vectors(n, dim, 16, 60), fielded_items(n), std::vector<bool>(n, true)};
+  AnnBuildOptions opts;
+  opts.index_type = GetParam();
+  AnnIndex index = AnnIndex::create(dim, opts);
+  index.add(ref.vectors.data(), n, ref.items);
+  index.train();
+
+  std::mt19937 rng(61);
+  int next_id = static_cast<int>(n);
+  for (int op = 0; op < 400; ++op) {
+    const int kind = static_cast<int>(rng() % 4);
+    if (kind < 3) {
+      // An upsert: a replacement of a live id half the time, else a new id. Its fields follow the
+      // new row's number, so that reference_match describes it.
+      const int64_t row = static_cast<int64_t>(ref.items.size());
+      std::string id = "id-" + std::to_string(next_id++);
+      if (kind == 0) {
+        const int64_t victim = static_cast<int64_t>(rng() % static_cast<uint32_t>(row));
+        if (ref.live[victim]) id = ref.items[victim].id;
+      }
+      const auto v = random_unit_vectors(1, dim, 1000 + op);
+      AnnItem item{id, "file:///catalog/new-" + std::to_string(row) + ".png", "upsert " + std::to_string(op),
+                   fields_of_row(row)};
+      const int64_t old = ref.find(id);
+      ASSERT_EQ(index.upsert(v.data(), dim, item), row);
+      if (old >= 0) ref.live[old] = false;
+      ref.vectors.insert(ref.vectors.end(), v.begin(), v.end());
+      ref.items.push_back(item);
+      ref.live.push_back(true);
+    } else {
+      // A remove of one to three ids, one of them unknown.
+      std::vector<std::string> ids{"no-such-id"};
+      int64_t expected = 0;
+      for (int j = 0, m = 1 + static_cast<int>(rng() % 3); j < m; ++j) {
+        const int64_t row = static_cast<int64_t>(rng() % ref.items.size());
+        const std::string& id = ref.items[row].id;
+        if (std::find(ids.begin(), ids.end(), id) != ids.end()) continue;
+        ids.push_back(id);
+        const int64_t live_row = ref.find(id);
+        if (live_row >= 0) {
+          ref.live[live_row] = false;
+          ++expected;
+        }
+      }
+      ASSERT_EQ(index.remove(ids), expected);
+    }
+  }
+  const int64_t live = std::count(ref.live.begin(), ref.live.end(), true);
+  ASSERT_LT(live, static_cast<int64_t>(ref.live.size()));
+
+  const auto queries = random_unit_vectors(20, dim, 62);
+  const bool exact = std::string(GetParam()).find("PQ") == std::string::npos &&
+                     std::string(GetParam()).find("HNSW") == std::string::npos;
+  auto check = [&](const AnnIndex& idx, const std::string& when) {
+    SCOPED_TRACE(when);
+    EXPECT_EQ(idx.size(), static_cast<int64_t>(ref.items.size()));
+    EXPECT_EQ(idx.live_size(), live);
+    for (int64_t i = 0; i < static_cast<int64_t>(ref.items.size()); i += 7) {
+      EXPECT_EQ(idx.find(ref.items[i].id), ref.find(ref.items[i].id)) << ref.items[i].id;
+      if (ref.live[i]) {
+        EXPECT_EQ(idx.item(i).caption, ref.items[i].caption);
+      }
+    }
+    EXPECT_EQ(idx.find("no-such-id"), -1);
+    EXPECT_EQ(idx.matching({}).size(), static_cast<size_t>(live));
+    for (const char* name : {"", "mug", "red-or-blue", "cheap-red-mug", "broad"}) {
+      const moe::AnnFilter filter = filter_named(name);
+      moe::AnnSearchOptions options;
+      options.filter = &filter;
+      options.nprobe = static_cast<int>(std::max<int64_t>(1, idx.nlist()));
+      options.ef_search = 128;
+      const auto got = idx.search(queries.data(), 20, k, options);
+      const auto want = ref.search(queries, k, name);
+      if (exact) {
+        expect_same_results(got, want);
+        continue;
+      }
+      for (size_t q = 0; q < got.size(); ++q) {
+        ASSERT_EQ(got[q].size(), want[q].size()) << name;  // k hits whenever k live rows match
+        for (const AnnHit& hit : got[q]) {
+          EXPECT_TRUE(ref.live[hit.item]) << name << " returned deleted row " << hit.item;
+          if (*name) {
+            EXPECT_TRUE(reference_match(name, hit.item)) << name << " row " << hit.item;
+          }
+        }
+      }
+      if (idx.type() == AnnIndexType::Hnsw) {
+        EXPECT_GE(recall(got, want), 0.9) << name;
+      }
+    }
+  };
+  check(index, "live");
+  TempDir dir;
+  index.save(dir.file("catalog.faiss"));
+  EXPECT_NE(read_text(dir.file("catalog.faiss.items.jsonl")).find("\"version\":2"), std::string::npos);
+  check(AnnIndex::load(dir.file("catalog.faiss")), "loaded");
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, AnnIndexLiveUpdates,
+                         ::testing::Values("Flat", "HNSW32", "IVF16,Flat", "IVF16,PQ4x4", "OPQ4,IVF16,PQ4x4"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name)
+                             if (!std::isalnum(static_cast<unsigned char>(c))) c = '_';
+                           return name;
+                         });
+
+TEST(AnnIndexLiveUpdates, BoundsAreNamed) {
+  const int dim = 8;
+  const auto base = random_unit_vectors(64, dim, 70);
+  AnnIndex index = AnnIndex::create(dim, {});
+  index.add(base.data(), 64, numbered_items(64));
+  const std::vector<float> wide(dim + 1, 0.5f);
+  expect_error(
+      [&] {
+        index.upsert(wide.data(), dim + 1, AnnItem{"x", "", ""});
+      },
+      {"upsert of 'x'", "9 floats", "8-wide"});
+  expect_error([&] { index.upsert(base.data(), dim, AnnItem{"", "", ""}); }, {"without an id"});
+  std::vector<float> nan(base.begin(), base.begin() + dim);
+  nan[3] = std::nanf("");
+  expect_error(
+      [&] {
+        index.upsert(nan.data(), dim, AnnItem{"x", "", ""});
+      },
+      {"upsert of 'x'", "component 3", "not finite"});
+  EXPECT_EQ(index.live_size(), 64);  // nothing refused was applied
+
+  AnnBuildOptions ivf;
+  ivf.index_type = "IVF4,Flat";
+  AnnIndex untrained = AnnIndex::create(dim, ivf);
+  untrained.add(base.data(), 10, numbered_items(10));
+  expect_error(
+      [&] {
+        untrained.upsert(base.data(), dim, AnnItem{"x", "", ""});
+      },
+      {"upsert of 'x'", "IVF4,Flat", "not trained"});
+  expect_error([&] { untrained.remove({"id-1"}); }, {"remove", "not trained"});
+
+  index.place_on(moe::kernels::make_cpu_backend(), nullptr);
+  expect_error(
+      [&] {
+        index.upsert(base.data(), dim, AnnItem{"x", "", ""});
+      },
+      {"not supported on a device-resident index", "cpu"});
+  expect_error([&] { index.remove({"id-1"}); }, {"not supported on a device-resident index"});
+}
+
+// A deleted row's item stays readable (a hit found just before the remove is described), and an
+// index placed on a backend after deletions searches the live rows only: with few tombstones the
+// exact search fetches k + tombstones hits, with more (k + tombstones > 1024) it goes through
+// FAISS's selector on the CPU copy; both equal the exact search over the live rows.
+TEST(AnnIndexLiveUpdates, DeletedRowsKeepTheirItemsAndStaySkippedOnABackend) {
+  const int dim = 8, n = 1500;
+  const auto base = random_unit_vectors(n, dim, 71);
+  // Rows 5 and 7's own vectors (their tombstones would rank first), then random ones.
+  std::vector<float> queries(base.begin() + 5 * dim, base.begin() + 6 * dim);
+  queries.insert(queries.end(), base.begin() + 7 * dim, base.begin() + 8 * dim);
+  const auto random_queries = random_unit_vectors(3, dim, 76);
+  queries.insert(queries.end(), random_queries.begin(), random_queries.end());
+  AnnIndex index = AnnIndex::create(dim, {});
+  index.add(base.data(), n, numbered_items(n));
+  EXPECT_EQ(index.remove({"id-5", "id-5", "id-7"}), 2);
+  EXPECT_EQ(index.remove({"id-5"}), 0);
+  EXPECT_EQ(index.item(5).id, "id-5");
+  EXPECT_EQ(index.find("id-5"), -1);
+  index.place_on(moe::kernels::make_cpu_backend(), nullptr);
+  std::vector<bool> live(n, true);
+  live[5] = live[7] = false;
+  auto expect_live_search = [&](int k) {
+    std::vector<float> kept;
+    std::vector<int64_t> rows;
+    for (int64_t i = 0; i < n; ++i)
+      if (live[i]) {
+        rows.push_back(i);
+        kept.insert(kept.end(), base.begin() + i * dim, base.begin() + (i + 1) * dim);
+      }
+    auto want = brute_force(kept, queries, dim, k);
+    for (auto& hits : want)
+      for (AnnHit& hit : hits) hit.item = rows[static_cast<size_t>(hit.item)];
+    const auto got = index.search(queries.data(), 5, k);
+    for (size_t q = 0; q < got.size(); ++q) {
+      ASSERT_EQ(got[q].size(), want[q].size());
+      for (size_t j = 0; j < got[q].size(); ++j) {
+        EXPECT_EQ(got[q][j].item, want[q][j].item) << "query " << q << " rank " << j;
+        EXPECT_NEAR(got[q][j].score, want[q][j].score, 1e-5);
+      }
+    }
+  };
+  expect_live_search(100);
+  std::vector<std::string> many;
+  for (int64_t i = 0; i < n; i += 3) {
+    many.push_back("id-" + std::to_string(i));
+    live[i] = false;
+  }
+  EXPECT_EQ(index.place_on("cpu"), "cpu");  // updates need the index in host memory
+  EXPECT_EQ(index.remove(many), 500);
+  index.place_on(moe::kernels::make_cpu_backend(), nullptr);
+  expect_live_search(600);  // 600 + 502 tombstones: through the selector
+  expect_live_search(20);
+}
+
+// Searches from other threads while rows are upserted and removed: none fails, and none returns a
+// row whose remove had returned before the search began.
+TEST(AnnIndexLiveUpdates, SearchesDuringUpdatesNeverSeeDeletedRows) {
+  for (const char* factory : {"Flat", "HNSW16"}) {
+    SCOPED_TRACE(factory);
+    // At least min_updates updates, and more until the searchers have run min_searches searches.
+    const int dim = 16, n = 2000, min_updates = 600, min_searches = 200, max_updates = 20000;
+    const auto base = clustered_vectors(n, dim, 8, 72);
+    AnnBuildOptions opts;
+    opts.index_type = factory;
+    AnnIndex index = AnnIndex::create(dim, opts);
+    index.add(base.data(), n, fielded_items(n));
+    std::vector<std::atomic<bool>> gone(static_cast<size_t>(n + max_updates));
+    std::atomic<bool> done{false};
+    std::atomic<int> violations{0}, failures{0}, searches{0};
+    auto searcher = [&](unsigned seed) {
+      const auto queries = random_unit_vectors(4, dim, seed);
+      const moe::AnnFilter mug = filter_named("mug");
+      while (!done.load()) {
+        std::vector<bool> gone_before(gone.size());
+        for (size_t i = 0; i < gone.size(); ++i) gone_before[i] = gone[i].load();
+        moe::AnnSearchOptions options;
+        if (searches.fetch_add(1) % 2) options.filter = &mug;
+        try {
+          for (const auto& hits : index.search(queries.data(), 4, 20, options))
+            for (const AnnHit& hit : hits) {
+              if (gone_before[static_cast<size_t>(hit.item)]) ++violations;
+              index.item(hit.item);
+            }
+        } catch (const std::exception&) {
+          ++failures;
+        }
+      }
+    };
+    std::thread a(searcher, 73), b(searcher, 74);
+    std::mt19937 rng(75);
+    for (int u = 0; u < max_updates && (u < min_updates || searches.load() < min_searches); ++u) {
+      const std::string id = "id-" + std::to_string(rng() % n);
+      const int64_t old = index.find(id);
+      if (u % 2) {
+        const auto v = random_unit_vectors(1, dim, 2000 + u);
+        index.upsert(v.data(), dim, {id, "", "", fields_of_row(index.size())});
+      } else {
+        index.remove({id});
+      }
+      if (old >= 0) gone[static_cast<size_t>(old)] = true;
+    }
+    done = true;
+    a.join();
+    b.join();
+    EXPECT_GE(searches.load(), min_searches);
+    EXPECT_EQ(violations.load(), 0);
+    EXPECT_EQ(failures.load(), 0);
+  }
+}
 
 // ---- search through a compute backend (GPU-resident flat indexes) --------------------------------
 

@@ -1,7 +1,7 @@
-// Fuzz target: an index's item table (INDEX.items.jsonl), through parse_ann_item_table, the parser
-// AnnIndex::load runs on the file's text. The index it must describe comes from the input's last
-// three bytes (libFuzzer's FuzzedDataProvider reads integers from the end): item count 0..8 (the
-// last byte), dimension 1..16, flat or HNSW; the rest is the table's text.
+// Fuzz target: an index's item table (INDEX.items.jsonl), through parse_ann_pair_seal and
+// parse_ann_item_table, the parsers AnnIndex::load runs on the file's text. The index it must describe comes from the
+// input's last three bytes (libFuzzer's FuzzedDataProvider reads integers from the end): item count 0..8 (the last
+// byte), dimension 1..16, flat or HNSW; the rest is the table's text.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <cstddef>
@@ -22,6 +22,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int dim = in.ConsumeIntegralInRange<int>(1, 16);
   const moe::AnnIndexType type = in.ConsumeBool() ? moe::AnnIndexType::Hnsw : moe::AnnIndexType::Flat;
   const std::string text = in.ConsumeRemainingBytesAsString();
+  try {
+    moe::parse_ann_pair_seal(text, "fuzz.faiss.items.jsonl");
+  } catch (const moe::Error&) {
+  }
   try {
     const moe::AnnItemTable table =
         moe::parse_ann_item_table(text, "fuzz.faiss.items.jsonl", "fuzz.faiss", count, dim, type);

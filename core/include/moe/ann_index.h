@@ -7,7 +7,7 @@
 // Similarity is cosine: vectors are L2-normalised on the way in (add and search), and the index
 // ranks by inner product, so a score is the cosine similarity in [-1, 1], higher is better.
 //
-// On disk an index is two files side by side:
+// On disk an index is two files side by side, and a journal once live updates are journaled:
 //   PATH               the FAISS index (faiss::write_index format)
 //   PATH.items.jsonl   the item table, JSON Lines: a header object
 //                        {"format":"gst-moe-items","version":1,"count":N,"dim":D,
@@ -25,9 +25,16 @@
 //                      they are optional members that older readers skip, and their absence
 //                      already says "unknown" / "none", so a version number would tell a reader
 //                      nothing more.
+//                      A row deleted by a live update is {"item":i,"deleted":true}; a table with
+//                      such rows is "version":2, which version-1 readers refuse rather than serve
+//                      deleted rows. save() also seals the header to its FAISS file with
+//                      "generation", "index_crc32" and "index_bytes" (see save()).
+//   PATH.journal       live updates since the pair was saved (attach_journal), binary.
+// The seal and the journal are described in docs/model-formats.md.
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -138,8 +145,11 @@ class AnnIndex {
   // index_type and FAISS's reason (an unknown string, a PQ size that does not divide dim, a kind
   // not listed in AnnBuildOptions).
   static AnnIndex create(int dim, const AnnBuildOptions& options);
-  // Reads PATH and PATH.items.jsonl and checks that they agree. Throws moe::Error naming the
-  // file and the reason (FAISS's own message for an unreadable index, the line for a bad item).
+  // Reads PATH and PATH.items.jsonl and checks that they agree (counts, and the FAISS file's
+  // CRC-32 where the table records it; see save() for the recovery of an interrupted save), then
+  // replays PATH.journal (attach_journal). Throws moe::Error naming the file and the reason
+  // (FAISS's own message for an unreadable index, the line for a bad item, a pair that does not
+  // match, a journal newer than the pair).
   // The item table's text is parsed by parse_ann_item_table (moe/catalog.h), which needs no FAISS.
   static AnnIndex load(const std::string& path);
 
@@ -149,8 +159,7 @@ class AnnIndex {
 
   // Appends n vectors (row-major n x dim) and their items (items.size() == n). An index that must
   // be trained holds the vectors back until train_size of them have come, then trains on them and
-  // adds them (train() does it sooner). Not safe to call while another thread searches: build
-  // first, then search.
+  // adds them (train() does it sooner). Throws moe::Error once a journal is attached (use upsert).
   void add(const float* vectors, int64_t n, const std::vector<AnnItem>& items);
   // Trains an untrained index on the vectors add() holds back and adds them; nothing when it is
   // trained. Throws moe::Error when there are too few to train on (fewer than the IVF lists: the
@@ -158,16 +167,19 @@ class AnnIndex {
   void train();
   bool is_trained() const;
 
-  // Trains (train()) if needed, then writes PATH and PATH.items.jsonl. Each goes to a temporary
-  // file in the same directory that is renamed into place only once complete, so a failed write
-  // never leaves half a file (and load() rejects a pair whose counts disagree). Throws moe::Error
-  // naming the file.
+  // Trains (train()) if needed, then writes PATH and PATH.items.jsonl, crash-consistently as a
+  // pair: both are written and flushed to disk as PATH.new and PATH.items.jsonl.new, then renamed
+  // into place (the table first); the table's header holds the pair's generation and the FAISS
+  // file's CRC-32. A save cut short before the first rename leaves the old pair; one cut between
+  // the renames is finished by the next load(), which takes PATH.new when PATH does not match the
+  // table. Searches go on while it writes; updates wait. Throws moe::Error naming the file.
   void save(const std::string& path);
 
   // The best min(k, matching items) hits for each of the n queries (row-major n x dim), best
-  // first. k must be >= 1. Safe to call from several threads at once; HNSW searches of one index
-  // are serialised, the others run concurrently. FAISS parallelises each batch over its OpenMP
-  // threads. Throws moe::Error naming the cause (an index still holding vectors back to train).
+  // first; rows deleted by live updates are never among them, nor counted as matching. k must be
+  // >= 1. Safe to call from several threads at once; HNSW searches of one index are serialised,
+  // the others run concurrently. FAISS parallelises each batch over its OpenMP threads. Throws
+  // moe::Error naming the cause (an index still holding vectors back to train).
   //
   // Approximate types may find fewer than k without a filter (HNSW returns at most ef_search; an
   // IVF search, what its nprobe lists hold). With a filter, FAISS's ID selector restricts the
@@ -182,17 +194,57 @@ class AnnIndex {
   static constexpr int64_t kExactFilterRows = 8192;
   static constexpr int kMaxFilteredEf = 4096;
 
-  // The rows whose fields `filter` matches, ascending (an empty filter: every row).
+  // Live updates (ann-query allow-updates), on a built (trained) index in host memory. Items are
+  // addressed by their catalog id (AnnItem::id), unique among the live items. Safe while other
+  // threads search: searches share a lock that an update holds alone for the moment it changes the
+  // index, so a search sees the index before or after an update, never half of one. Rows keep
+  // their numbers: an update only appends rows, a deleted row (a tombstone) is never returned by
+  // search() or matching() again, and item() still describes it (a hit found just before a
+  // concurrent remove stays readable). Tombstones are kept by every type, saved in the item table
+  // as deleted rows and read back by load(); nothing compacts them (rebuild the index for that).
+  // Both throw moe::Error naming the cause: an index still training, a device-resident index
+  // (place_on a device: not supported on a device-resident index), a journal write that failed
+  // (the update is then not applied).
+  //
+  // Upserts `vector` (width floats, width == dim()) as `item`: a live row holding item.id is
+  // deleted and the new row appended. Returns the new row. Throws also for a width other than
+  // dim(), a non-finite component, or an empty id.
+  int64_t upsert(const float* vector, int64_t width, const AnnItem& item);
+  // Deletes the live rows holding these ids; returns how many rows were deleted (unknown ids are
+  // skipped; an index built with repeated ids deletes every live row of one).
+  int64_t remove(const std::vector<std::string>& ids);
+  // The live row holding catalog id `id` (the last added, for repeated ids), or -1.
+  int64_t find(const std::string& id) const;
+  // Rows live (size() minus the tombstones).
+  int64_t live_size() const;
+
+  // Crash-consistent persistence of live updates (single writer per PATH). After
+  // attach_journal(PATH), every upsert() and remove() that changes the index is appended to
+  // PATH.journal as a checksummed record (format: docs/model-formats.md) and flushed to disk
+  // (fdatasync) before it is applied and returns; add() then throws (it is not journaled). When
+  // PATH does not hold this index's current state (it was not loaded from or saved to PATH, or
+  // changed since without this journal), attach_journal saves it to PATH first; a torn record at
+  // the journal's end (a crash mid-append: never acknowledged) is cut off. load(PATH) replays the
+  // journal's complete records over the saved pair, in order (each is an upsert or delete by id,
+  // so the state is the same however often one is applied). save(PATH) writes the new pair under
+  // a higher generation, and only once it is durable starts an empty journal of that generation;
+  // load() ignores a journal of an older generation, whose records the pair already holds. So a
+  // kill at any moment leaves load(PATH) every acknowledged update and at most the one in flight.
+  // Throws moe::Error naming the file and the reason.
+  void attach_journal(const std::string& path);
+
+  // The live rows whose fields `filter` matches, ascending (an empty filter: every live row).
   std::vector<int64_t> matching(const AnnFilter& filter) const;
 
   // Where search() runs: "cpu" (the default: FAISS), "cuda:N", or "auto" (cuda:0 when a usable
   // CUDA device exists, else FAISS on the CPU). On a CUDA device the vectors of a flat index are
   // copied to device memory once (a GPU-resident index) and every search is the exact
   // inner-product top-k there (Backend::inner_product_topk: k ≤ 1024; the hits equal FAISS's
-  // flat search up to float rounding, ties to the lower item); filtered searches run on the CPU
-  // copy, through FAISS's selector. HNSW and IVF indexes are searched by FAISS on the CPU: a
-  // CUDA device is an error for them, and "auto" chooses the CPU. Returns the device chosen
-  // ("cpu" or "cuda:N").
+  // flat search up to float rounding, ties to the lower item); deleted rows are fetched and
+  // dropped while k + their count is at most 1024. Filtered searches, and those of an index with
+  // more deleted rows, run on the CPU copy, through FAISS's selector. HNSW and IVF indexes are
+  // searched by FAISS on the CPU: a CUDA device is an error for them, and "auto" chooses the CPU.
+  // Returns the device chosen ("cpu" or "cuda:N"). A placed index takes no live updates.
   // Call after the last add(); add() afterwards throws. Throws moe::Error naming the device and
   // the reason (no usable CUDA device, an index that is not flat, out of device memory).
   std::string place_on(const std::string& device);
@@ -201,15 +253,16 @@ class AnnIndex {
   void place_on(std::shared_ptr<kernels::Backend> backend, std::shared_ptr<std::mutex> mutex);
 
   int dim() const { return dim_; }
-  // Items added, including any held back for training.
-  int64_t size() const { return static_cast<int64_t>(items_.size()); }
+  // Rows: items added, including any held back for training and deleted rows.
+  int64_t size() const;
   AnnIndexType type() const { return type_; }
   // The index_factory string it was made with ("IVF256,PQ16"); for an index loaded from a table
   // without one, "Flat" or "HNSW<M>" as read from the FAISS file.
   const std::string& factory() const { return factory_; }
   // IVF: the number of lists (the most nprobe can usefully be); 0 for other types.
   int64_t nlist() const;
-  // The item at row i; throws moe::Error when i is out of range.
+  // The item at row i (a deleted row's item: see upsert()); throws moe::Error when i is out of
+  // range. The reference stays valid while the index lives (rows are never moved).
   const AnnItem& item(int64_t i) const;
   // The longest folder ("file:///srv/catalog/", up to and including a '/') that holds every item's
   // uri (items without one are skipped): what rebase_uri replaces. "" when the uris share none.
@@ -225,6 +278,14 @@ class AnnIndex {
   AnnIndex(std::unique_ptr<faiss::Index> index, AnnIndexType type, std::string factory, int dim);
   std::vector<std::vector<AnnHit>> search_filtered(const float* unit, int64_t n, int k,
                                                    const AnnSearchOptions& options) const;
+  // The unlocked halves of the public calls (the caller holds the locks they need).
+  int64_t rows() const { return static_cast<int64_t>(items_.size()); }
+  std::vector<int64_t> live_matching(const AnnFilter& filter) const;
+  int64_t apply_upsert(const float* vector, const AnnItem& item);
+  int64_t apply_remove(const std::vector<std::string>& ids);
+  void train_pending();
+  void save_pair(const std::string& path);
+  void replay_journal(const std::string& path, uint64_t generation);
 
   std::unique_ptr<faiss::Index> index_;
   AnnIndexType type_;
@@ -234,11 +295,13 @@ class AnnIndex {
   std::vector<float> pending_;  // unit vectors held back for training, row-major
   struct FieldColumns;          // the items' fields as columns, parsed at the first filtered search
   std::unique_ptr<FieldColumns> columns_;
-  std::vector<AnnItem> items_;
+  std::deque<AnnItem> items_;  // a deque: item() references survive appends
   std::optional<AnnProvenance> provenance_;
   std::unique_ptr<std::mutex> search_mutex_;  // HNSW: guards hnsw.efSearch (see search())
   struct DeviceVectors;                       // the vectors in a backend's memory (place_on)
   std::unique_ptr<DeviceVectors> device_;
+  struct Live;  // tombstones, the id lookup, the update locks and the journal
+  std::unique_ptr<Live> live_;
 };
 
 }  // namespace moe

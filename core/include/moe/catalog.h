@@ -37,15 +37,30 @@ CatalogEntry parse_catalog_line(std::string_view line, const std::string& folder
 // The default id of an item at `path`: the file name without its extension.
 std::string catalog_id_from_path(const std::string& path);
 
-// The item table's format name and version (its header's "format" and "version").
+// The item table's format name and newest version (its header's "format" and "version"): 2 marks
+// a table with deleted rows (which a version-1 reader would take for live ones), 1 any other.
 constexpr const char* kAnnItemsFormat = "gst-moe-items";
-constexpr int kAnnItemsVersion = 1;
+constexpr int kAnnItemsVersion = 2;
 
 struct AnnItemTable {
-  std::vector<AnnItem> items;
+  std::vector<AnnItem> items;    // a deleted row's item is empty
+  std::vector<int64_t> deleted;  // the rows marked {"deleted":true}, ascending
   std::optional<AnnProvenance> provenance;
   std::string factory;  // the header's "factory", "" when it has none
 };
+
+// What a save() seals an item table to (its header's "generation", "index_crc32" and
+// "index_bytes"): the generation of the pair, and the CRC-32 and size of the FAISS file written
+// with it. Tables written before these existed have generation 0 and no checksum.
+struct AnnPairSeal {
+  uint64_t generation = 0;
+  std::optional<uint32_t> index_crc32;
+  uint64_t index_bytes = 0;  // with index_crc32
+};
+
+// The seal in the header line of an item table's text; throws moe::Error naming `items_path` for
+// a header that is not JSON or holds a member of the wrong type or range.
+AnnPairSeal parse_ann_pair_seal(std::string_view text, const std::string& items_path);
 
 // Parses the text of an item table (`items_path`, for messages) that must describe the index
 // `index_path`: `count` items, vectors of dimension `dim`, of `type`. Lines split as

@@ -121,6 +121,27 @@ CatalogEntry parse_catalog_line(std::string_view line, const std::string& folder
   return item;
 }
 
+AnnPairSeal parse_ann_pair_seal(std::string_view text, const std::string& items_path) {
+  if (text.empty()) throw Error("ANN item table '" + items_path + "': empty file (no header line)");
+  const size_t nl = text.find('\n');
+  const std::string what = "ANN item table '" + items_path + "' line 1 (header)";
+  json::Document doc(text.substr(0, nl), what);
+  JsonObject* h = doc.root_object();
+  AnnPairSeal seal;
+  const int64_t generation = json::get_int_or(h, "generation", 0, what);
+  if (generation < 0) throw Error(what + ": negative generation " + std::to_string(generation));
+  seal.generation = static_cast<uint64_t>(generation);
+  if (json_object_has_member(h, "index_crc32")) {
+    const int64_t crc = json::get_int(h, "index_crc32", what);
+    const int64_t bytes = json::get_int(h, "index_bytes", what);
+    if (crc < 0 || crc > 0xffffffffLL) throw Error(what + ": index_crc32 " + std::to_string(crc) + " is not a CRC-32");
+    if (bytes < 0) throw Error(what + ": negative index_bytes " + std::to_string(bytes));
+    seal.index_crc32 = static_cast<uint32_t>(crc);
+    seal.index_bytes = static_cast<uint64_t>(bytes);
+  }
+  return seal;
+}
+
 void check_ann_provenance(const AnnProvenance& p, const std::string& what) {
   if (p.encoder_fingerprint.empty()) throw Error(what + ": no encoder fingerprint (encoder '" + p.encoder + "')");
 }
@@ -148,8 +169,9 @@ AnnItemTable parse_ann_item_table(std::string_view text, const std::string& item
     JsonObject* h = doc.root_object();
     if (json::get_string(h, "format", what) != kAnnItemsFormat)
       throw Error(what + ": format is not '" + kAnnItemsFormat + "'");
-    if (json::get_int(h, "version", what) != kAnnItemsVersion)
-      throw Error(what + ": unsupported version " + std::to_string(json::get_int(h, "version", what)));
+    const int64_t version = json::get_int(h, "version", what);
+    if (version < 1 || version > kAnnItemsVersion)
+      throw Error(what + ": unsupported version " + std::to_string(version));
     const int64_t header_count = json::get_int(h, "count", what);
     const int64_t header_dim = json::get_int(h, "dim", what);
     const std::string header_type = json::get_string(h, "index_type", what);
@@ -185,6 +207,11 @@ AnnItemTable parse_ann_item_table(std::string_view text, const std::string& item
     if (json::get_int(obj, "item", what) != i)
       throw Error(what + ": item " + std::to_string(json::get_int(obj, "item", what)) + " where " + std::to_string(i) +
                   " was expected (items must be in index order)");
+    if (json::get_bool_or(obj, "deleted", false, what)) {
+      out.deleted.push_back(i);
+      out.items.emplace_back();
+      continue;
+    }
     // "fields" is absent from tables written before it existed, and when an item has none.
     JsonObject* fields = json::get_object_or_null(obj, "fields", what);
     out.items.push_back({json::get_string_or(obj, "id", "", what), json::get_string_or(obj, "uri", "", what),
