@@ -1,17 +1,21 @@
 // MoE block and adapter against Hugging Face MixtralSparseMoeBlock / Qwen2MoeSparseMoeBlock,
-// loaded from real (tiny, sharded) checkpoints; grouped execution against the naive reference.
+// loaded from real (tiny, sharded) checkpoints; grouped execution against the naive reference;
+// the adapter's cross-modal gate against torch (tools/make_gate_fixture.py).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <sstream>
 
 #include "backend.h"
 #include "io/json_util.h"
 #include "moe/error.h"
 #include "moe/moe_layer.h"
+#include "moe/routing_policy.h"
 #include "test_util.h"
 
 using moe::MoeLayer;
@@ -49,6 +53,120 @@ Tensor random_rows(int64_t rows, int64_t cols, unsigned seed) {
   Tensor t = Tensor::zeros(moe::DType::F32, {rows, cols});
   for (int64_t i = 0; i < t.numel(); ++i) t.data<float>()[i] = nd(rng);
   return t;
+}
+
+// One tensor of a safetensors file being written: dtype as the format spells it ("F32", "I32"),
+// and its bytes.
+struct StoredTensor {
+  std::string name, dtype;
+  moe::Shape shape;
+  std::string bytes;
+};
+
+// adapter_tiny_gate's tensors without its cross-modal gate: adapter_tiny's (all f32).
+std::vector<StoredTensor> adapter_tensors_without_gate() {
+  auto file = moe::SafetensorsFile::open(fixture_path("adapter_tiny_gate/adapter.safetensors"));
+  std::vector<StoredTensor> out;
+  for (const std::string& name : file.names()) {
+    if (name.rfind("cross_modal_gate.", 0) == 0) continue;
+    const moe::TensorInfo& info = file.info(name);
+    EXPECT_EQ(info.dtype, moe::DType::F32) << name;
+    const auto* p = reinterpret_cast<const char*>(file.bytes(name));
+    out.push_back({name, "F32", info.shape, std::string(p, p + (info.end - info.begin))});
+  }
+  return out;
+}
+
+// An adapter directory in `dir` with adapter_tiny's config and `tensors` in adapter.safetensors.
+std::string write_adapter(const moe::test::TempDir& dir, const std::vector<StoredTensor>& tensors) {
+  std::filesystem::copy_file(fixture_path("adapter_tiny/adapter_config.json"), dir.file("adapter_config.json"),
+                             std::filesystem::copy_options::overwrite_existing);
+  std::ostringstream header;
+  std::string data;
+  header << "{";
+  for (const StoredTensor& t : tensors) {
+    header << (&t == &tensors.front() ? "" : ",") << "\"" << t.name << "\":{\"dtype\":\"" << t.dtype
+           << "\",\"shape\":[";
+    for (size_t i = 0; i < t.shape.size(); ++i) header << (i ? "," : "") << t.shape[i];
+    header << "],\"data_offsets\":[" << data.size() << "," << data.size() + t.bytes.size() << "]}";
+    data += t.bytes;
+  }
+  header << "}";
+  std::string text = header.str();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+  dir.write("adapter.safetensors", bytes + text + data);
+  return dir.path();
+}
+
+// A tensor of `shape` holding zeros, in `dtype` ("F32" or "I32": four bytes per value).
+StoredTensor zeros(const std::string& name, const std::string& dtype, const moe::Shape& shape) {
+  return {name, dtype, shape, std::string(static_cast<size_t>(moe::shape_numel(shape)) * 4, '\0')};
+}
+
+// adapter_tiny's config with `num_experts` experts and "joint_experts": `joint` (JSON text).
+void write_joint_config(const moe::test::TempDir& dir, int num_experts, const std::string& joint) {
+  dir.write("adapter_config.json",
+            "{\"format\": \"gst-moe-adapter\", \"version\": 1, \"hidden_size\": 16, \"num_experts\": " +
+                std::to_string(num_experts) +
+                ", \"top_k\": 2, \"intermediate_size\": 24, \"routing\": \"mixtral\", \"norm_topk_prob\": true, "
+                "\"joint_experts\": " +
+                joint + "}");
+}
+
+// adapter_tiny with `joint` joint visual-text experts appended: copies of its first experts with
+// w2 doubled (other outputs), and router rows of constant 4 + j, so that on joint_rows() they
+// would outrank every other expert if nothing masked them.
+std::string write_joint_adapter(const moe::test::TempDir& dir, int joint) {
+  constexpr int kExperts = 6;
+  std::vector<StoredTensor> tensors = adapter_tensors_without_gate();
+  std::vector<StoredTensor> added;
+  for (StoredTensor& t : tensors) {
+    if (t.name == "gate.weight") {
+      std::vector<float> rows(static_cast<size_t>(joint * 16));
+      for (size_t i = 0; i < rows.size(); ++i) rows[i] = 4.0f + static_cast<float>(i / 16);
+      t.bytes.append(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(float));
+      t.shape[0] += joint;
+      continue;
+    }
+    for (int j = 0; j < joint; ++j) {
+      const std::string from = "experts." + std::to_string(j) + ".";
+      if (t.name.rfind(from, 0) != 0) continue;
+      StoredTensor copy = t;
+      copy.name = "experts." + std::to_string(kExperts + j) + "." + t.name.substr(from.size());
+      if (copy.name.find(".w2.") != std::string::npos) {
+        std::vector<float> w(copy.bytes.size() / sizeof(float));
+        std::memcpy(w.data(), copy.bytes.data(), copy.bytes.size());
+        for (float& v : w) v *= 2.0f;
+        std::memcpy(copy.bytes.data(), w.data(), copy.bytes.size());
+      }
+      added.push_back(std::move(copy));
+    }
+  }
+  tensors.insert(tensors.end(), added.begin(), added.end());
+  write_adapter(dir, tensors);
+  write_joint_config(dir, kExperts + joint, std::to_string(joint));
+  return dir.path();
+}
+
+// Rows with a positive mean: the joint experts' constant router rows give them large logits.
+Tensor joint_rows(int64_t rows, unsigned seed) {
+  Tensor x = random_rows(rows, 16, seed);
+  for (int64_t i = 0; i < x.numel(); ++i) x.data<float>()[i] += 3.0f;
+  return x;
+}
+
+std::vector<int32_t> row_ids(const moe::Routing& r, int64_t row) {
+  return {r.expert_ids.begin() + row * r.top_k, r.expert_ids.begin() + (row + 1) * r.top_k};
+}
+
+std::vector<float> row_weights(const moe::Routing& r, int64_t row) {
+  return {r.weights.begin() + row * r.top_k, r.weights.begin() + (row + 1) * r.top_k};
+}
+
+bool same_bits(const Tensor& a, const Tensor& b) {
+  return a.shape() == b.shape() && std::memcmp(a.raw_data(), b.raw_data(), a.nbytes()) == 0;
 }
 
 }  // namespace
@@ -243,4 +361,205 @@ TEST(MoeLayer, RejectsBadInputs) {
   EXPECT_EQ(bad.router_temperature, 1.0);  // none in the file
   bad.router_temperature = 0.0;
   expect_error([&] { bad.validate(); }, {"router_temperature", "outside [0.001, 1000]"});
+}
+
+// The gate against the seeds' CrossModalGate in torch, at weights from balanced to saturated.
+TEST(MoeAdapter, CrossModalGateMatchesTorch) {
+  auto io = moe::SafetensorsFile::open(fixture_path("gate_io.safetensors"));
+  const auto adapter = moe::MoeAdapter::load(fixture_path("adapter_tiny_gate"));
+  ASSERT_TRUE(adapter.has_cross_modal_gate());
+  Tensor weights;
+  const Tensor fused = adapter.fuse(io.get("image"), io.get("text"), &weights);
+  EXPECT_LT(max_abs_error(weights, io.get("weights")), 1e-6);
+  EXPECT_LT(moe::test::max_rel_error(fused, io.get("fused"), 1e-3), 1e-5);
+  EXPECT_EQ(max_abs_error(adapter.fuse(io.get("image"), io.get("text"), nullptr), fused), 0.0);
+  // The fused rows go through the same experts as adapter_tiny's: the gate changes no other weight.
+  const auto plain = moe::MoeAdapter::load(fixture_path("adapter_tiny"));
+  EXPECT_LT(max_abs_error(adapter.apply(fused).embeddings, plain.apply(fused).embeddings), 1e-6);
+  // The gate is part of the weights: the fingerprint is the file's, not adapter_tiny's.
+  EXPECT_EQ(adapter.fingerprint(),
+            moe::Checkpoint::open(fixture_path("adapter_tiny_gate/adapter.safetensors")).fingerprint());
+  EXPECT_NE(adapter.fingerprint(), plain.fingerprint());
+}
+
+TEST(MoeAdapter, WithoutGateFusesThePlainAverage) {
+  const auto adapter = moe::MoeAdapter::load(fixture_path("adapter_tiny"));
+  EXPECT_FALSE(adapter.has_cross_modal_gate());
+  const Tensor image = random_rows(5, 16, 21), text = random_rows(5, 16, 22);
+  Tensor weights;
+  const Tensor fused = adapter.fuse(image, text, &weights);
+  ASSERT_EQ(weights.shape(), (moe::Shape{5, 2}));
+  for (int64_t i = 0; i < weights.numel(); ++i) EXPECT_EQ(weights.data<float>()[i], 0.5f);
+  Tensor average = Tensor::zeros(moe::DType::F32, {5, 16});
+  for (int64_t i = 0; i < average.numel(); ++i)
+    average.data<float>()[i] = 0.5f * (image.data<float>()[i] + text.data<float>()[i]);
+  EXPECT_LT(max_abs_error(fused, average), 1e-6);
+  // No rows: nothing to fuse.
+  const Tensor none = adapter.fuse(random_rows(0, 16, 1), random_rows(0, 16, 1), &weights);
+  EXPECT_EQ(none.shape(), (moe::Shape{0, 16}));
+  EXPECT_EQ(weights.shape(), (moe::Shape{0, 2}));
+}
+
+TEST(MoeAdapter, FuseRejectsMismatchedInputs) {
+  const auto adapter = moe::MoeAdapter::load(fixture_path("adapter_tiny_gate"));
+  expect_error([&] { adapter.fuse(random_rows(3, 16, 1), random_rows(2, 16, 2), nullptr); },
+               {"fuse", "3 image rows and 2 text rows"});
+  expect_error([&] { adapter.fuse(random_rows(2, 16, 1), random_rows(2, 8, 2), nullptr); },
+               {"fuse: text", "f32[2,8]", "expected f32[rows,16]"});
+  expect_error([&] { adapter.fuse(random_rows(2, 32, 1), random_rows(2, 16, 2), nullptr); },
+               {"fuse: image", "f32[2,32]"});
+}
+
+// A gate must be whole and of the adapter's width; the error names the tensor and the shapes.
+TEST(MoeAdapter, RejectsBadCrossModalGates) {
+  moe::test::TempDir dir;
+  const auto with = [&](std::vector<StoredTensor> extra) {
+    std::vector<StoredTensor> tensors = adapter_tensors_without_gate();
+    tensors.insert(tensors.end(), extra.begin(), extra.end());
+    return write_adapter(dir, tensors);
+  };
+  const StoredTensor weight = zeros("cross_modal_gate.weight", "F32", {2, 32});
+  const StoredTensor bias = zeros("cross_modal_gate.bias", "F32", {2});
+  EXPECT_TRUE(moe::MoeAdapter::load(with({weight, bias})).has_cross_modal_gate());
+  EXPECT_FALSE(moe::MoeAdapter::load(with({})).has_cross_modal_gate());
+  expect_error([&] { moe::MoeAdapter::load(with({weight})); },
+               {"adapter.safetensors", "'cross_modal_gate.bias' is missing"});
+  expect_error([&] { moe::MoeAdapter::load(with({bias})); },
+               {"adapter.safetensors", "'cross_modal_gate.weight' is missing"});
+  expect_error(
+      [&] {
+        moe::MoeAdapter::load(with({zeros("cross_modal_gate.weight", "F32", {2, 16}), bias}));
+      },
+      {"'cross_modal_gate.weight'", "shape [2,16]", "expected [2,32]"});
+  expect_error(
+      [&] {
+        moe::MoeAdapter::load(with({zeros("cross_modal_gate.weight", "F32", {3, 32}), bias}));
+      },
+      {"'cross_modal_gate.weight'", "shape [3,32]", "expected [2,32]"});
+  expect_error(
+      [&] {
+        moe::MoeAdapter::load(with({weight, zeros("cross_modal_gate.bias", "F32", {1, 2})}));
+      },
+      {"'cross_modal_gate.bias'", "shape [1,2]", "expected [2]"});
+  expect_error(
+      [&] {
+        moe::MoeAdapter::load(with({zeros("cross_modal_gate.weight", "I32", {2, 32}), bias}));
+      },
+      {"'cross_modal_gate.weight'", "integer dtype"});
+}
+
+// The same gate on a CUDA device (its topk_softmax, moe_permute and moe_unpermute), against torch.
+TEST(MoeAdapter, CrossModalGateOnCudaMatchesTorch) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  auto io = moe::SafetensorsFile::open(fixture_path("gate_io.safetensors"));
+  moe::ComputeOptions options;
+  options.device = "cuda:0";
+  const auto adapter = moe::MoeAdapter::load(fixture_path("adapter_tiny_gate"), options);
+  Tensor weights;
+  const Tensor fused = adapter.fuse(io.get("image"), io.get("text"), &weights);
+  EXPECT_LT(max_abs_error(weights, io.get("weights")), 1e-6);
+  EXPECT_LT(moe::test::max_rel_error(fused, io.get("fused"), 1e-3), 1e-5);
+}
+
+// Joint visual-text experts (adapter_config.json "joint_experts"): a single-modality row never
+// routes to them and is routed and adapted exactly, bit for bit, as by the adapter without them;
+// a fused hybrid row routes among all experts.
+TEST(MoeAdapter, JointExpertsServeOnlyFusedRows) {
+  moe::test::TempDir dir;
+  const auto tiny = moe::MoeAdapter::load(fixture_path("adapter_tiny"));
+  const auto joint = moe::MoeAdapter::load(write_joint_adapter(dir, 2));
+  EXPECT_EQ(tiny.num_joint_experts(), 0);
+  ASSERT_EQ(joint.num_joint_experts(), 2);
+  constexpr int64_t kRows = 37;
+  const Tensor x = joint_rows(kRows, 5);
+
+  const Tensor logits = joint.layer().router_logits(x), want_logits = tiny.layer().router_logits(x);
+  for (int64_t n = 0; n < kRows; ++n)
+    for (int64_t e = 0; e < 8; ++e) {
+      const float got = logits.data<float>()[n * 8 + e];
+      if (e < 6)
+        EXPECT_EQ(got, want_logits.data<float>()[n * 6 + e]) << "row " << n << " expert " << e;
+      else
+        EXPECT_EQ(got, -INFINITY) << "row " << n << " expert " << e;
+    }
+  for (int k = 1; k <= 6; ++k) {
+    const moe::Routing got = joint.route(x, k), want = tiny.route(x, k);
+    EXPECT_EQ(got.expert_ids, want.expert_ids) << "top_k " << k;
+    EXPECT_EQ(got.weights, want.weights) << "top_k " << k;
+  }
+  expect_error([&] { joint.route(x, 7); }, {"top_k 7", "outside [1, 6]", "2 of the 8 experts are joint"});
+  const moe::AdapterOutput single = joint.apply(x), want = tiny.apply(x);
+  EXPECT_TRUE(same_bits(single.embeddings, want.embeddings));
+  EXPECT_EQ(single.routing.expert_ids, want.routing.expert_ids);
+  EXPECT_EQ(single.routing.weights, want.routing.weights);
+  // Routing policies see -inf for the joint experts: the tiny adapter's routing, batch after batch.
+  for (const double capacity : {0.0, 1.0}) {
+    moe::RoutingPolicy policy;
+    policy.capacity_factor = capacity;
+    policy.balance = moe::LoadBalance::Bias;
+    policy.balance_rate = 0.05;
+    policy.balance_margin = 1.0;
+    policy.temperature = 1.5;
+    moe::Router with_joint(8, policy), without(6, policy);
+    for (int batch = 0; batch < 3; ++batch) {
+      const Tensor xb = joint_rows(kRows, 40u + static_cast<unsigned>(batch));
+      const moe::Routing got = with_joint.route(joint.layer().router_logits(xb).data<float>(), kRows);
+      const moe::Routing expected = without.route(tiny.layer().router_logits(xb).data<float>(), kRows);
+      EXPECT_EQ(got.expert_ids, expected.expert_ids) << "capacity " << capacity << " batch " << batch;
+      EXPECT_EQ(got.weights, expected.weights) << "capacity " << capacity << " batch " << batch;
+    }
+  }
+
+  // Fused rows: the joint experts outrank every other one.
+  const MoeLayer::FusedRows all_fused(kRows, true);
+  const moe::AdapterOutput fused = joint.apply(x, all_fused);
+  for (int64_t n = 0; n < kRows; ++n) EXPECT_EQ(row_ids(fused.routing, n), (std::vector<int32_t>{7, 6})) << n;
+  EXPECT_GT(max_abs_error(fused.embeddings, want.embeddings), 1e-3);
+
+  // One batch of both kinds: each row routed as its kind alone.
+  MoeLayer::FusedRows mixed(kRows);
+  for (int64_t n = 0; n < kRows; n += 3) mixed[static_cast<size_t>(n)] = true;
+  const moe::AdapterOutput both = joint.apply(x, mixed);
+  for (int64_t n = 0; n < kRows; ++n) {
+    const moe::AdapterOutput& as = mixed[static_cast<size_t>(n)] ? fused : want;
+    EXPECT_EQ(row_ids(both.routing, n), row_ids(as.routing, n)) << n;
+    EXPECT_EQ(row_weights(both.routing, n), row_weights(as.routing, n)) << n;
+    for (int64_t d = 0; d < 16; ++d)
+      EXPECT_NEAR(both.embeddings.data<float>()[n * 16 + d], as.embeddings.data<float>()[n * 16 + d], 1e-6) << n;
+  }
+  expect_error([&] { joint.route(x, MoeLayer::FusedRows(3, true)); }, {"router", "3 fused-row flags for 37 rows"});
+}
+
+TEST(MoeConfig, RefusesBadJointExperts) {
+  moe::test::TempDir dir;
+  const std::string path = dir.file("adapter_config.json");
+  for (const auto& [value, message] :
+       std::vector<std::pair<std::string, std::string>>{{"-1", "'joint_experts' -1 outside [0, num_experts=8)"},
+                                                        {"8", "'joint_experts' 8 outside [0, num_experts=8)"},
+                                                        {"7", "joint_experts 7 outside [0, num_experts - top_k = 6]"},
+                                                        {"\"two\"", "joint_experts"}}) {
+    write_joint_config(dir, 8, value);
+    expect_error([&] { moe::MoeConfig::from_adapter_config(path); }, {path, message});
+  }
+  write_joint_config(dir, 8, "6");
+  EXPECT_EQ(moe::MoeConfig::from_adapter_config(path).joint_experts, 6);
+}
+
+// The same masking on a CUDA device (routing through its topk_softmax).
+TEST(MoeAdapter, JointExpertsOnCudaServeOnlyFusedRows) {
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) == 0) GTEST_SKIP() << why;
+  moe::ComputeOptions options;
+  options.device = "cuda:0";
+  moe::test::TempDir dir;
+  const auto tiny = moe::MoeAdapter::load(fixture_path("adapter_tiny"), options);
+  const auto joint = moe::MoeAdapter::load(write_joint_adapter(dir, 2), options);
+  const Tensor x = joint_rows(37, 6);
+  const moe::AdapterOutput single = joint.apply(x), want = tiny.apply(x);
+  EXPECT_TRUE(same_bits(single.embeddings, want.embeddings));
+  EXPECT_EQ(single.routing.expert_ids, want.routing.expert_ids);
+  EXPECT_EQ(single.routing.weights, want.routing.weights);
+  const moe::Routing fused = joint.route(x, MoeLayer::FusedRows(37, true));
+  for (int64_t n = 0; n < 37; ++n) EXPECT_EQ(row_ids(fused, n), (std::vector<int32_t>{7, 6})) << n;
 }

@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <numeric>
+#include <random>
+#include <utility>
 #include <vector>
 
 #include "moe/error.h"
@@ -304,4 +307,74 @@ TEST(ExpertLoadMeter, RatesDecayAndSharesAndPeaksCount) {
   const std::vector<double> shares = meter.shares();
   EXPECT_NEAR(shares[0], 2.0 / 7, 1e-12);
   EXPECT_NEAR(shares[2], 4.0 / 7, 1e-12);
+}
+
+// A -inf logit marks an expert the row may not use (MoeLayer's masked joint experts): rows whose
+// logits end in -inf route exactly, bit for bit, as the same rows without those experts, under
+// every policy, batch after batch (the balancing bias and the load of the others included), and
+// the masked experts are never selected, explored or rerouted to.
+TEST(RoutingPolicy, MinusInfinityExpertsAreIneligible) {
+  constexpr int kExperts = 5, kMasked = 2, kRows = 40;
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.0f, 2.0f);
+  const auto policy_with = [](const std::function<void(RoutingPolicy&)>& edit) {
+    RoutingPolicy p;
+    edit(p);
+    return p;
+  };
+  const std::vector<std::pair<const char*, RoutingPolicy>> policies = {
+      {"top-k", policy_with([](RoutingPolicy&) {})},
+      {"top-k unnormalised", policy_with([](RoutingPolicy& p) { p.renormalize = false; })},
+      {"temperature", policy_with([](RoutingPolicy& p) { p.temperature = 2.5; })},
+      {"top-p", policy_with([](RoutingPolicy& p) {
+         p.selection = ExpertSelection::TopP;
+         p.top_p = 0.999;
+         p.min_k = 1;
+         p.max_k = 5;
+       })},
+      {"capacity reroute", policy_with([](RoutingPolicy& p) { p.capacity_factor = 1.0; })},
+      {"capacity drop", policy_with([](RoutingPolicy& p) {
+         p.capacity_factor = 0.6;
+         p.overflow = CapacityOverflow::Drop;
+       })},
+      {"bias", policy_with([](RoutingPolicy& p) {
+         p.balance = LoadBalance::Bias;
+         p.balance_rate = 0.05;
+       })},
+      {"bias, no margin", policy_with([](RoutingPolicy& p) {
+         p.balance = LoadBalance::Bias;
+         p.balance_rate = 0.05;
+         p.balance_margin = 1.0;
+       })},
+      {"explore", policy_with([](RoutingPolicy& p) {
+         p.explore = 0.7;
+         p.seed = 3;
+       })},
+  };
+  for (const auto& [name, policy] : policies) {
+    Router plain(kExperts, policy);
+    Router masked(kExperts + kMasked, policy);
+    for (int batch = 0; batch < 4; ++batch) {
+      std::vector<float> logits(kRows * kExperts), with_masked;
+      for (float& l : logits) l = nd(rng);
+      for (int r = 0; r < kRows; ++r) {
+        with_masked.insert(with_masked.end(), logits.begin() + r * kExperts, logits.begin() + (r + 1) * kExperts);
+        with_masked.insert(with_masked.end(), kMasked, -INFINITY);
+      }
+      const Routing want = plain.route(logits.data(), kRows);
+      const Routing got = masked.route(with_masked.data(), kRows);
+      ASSERT_EQ(got.top_k, want.top_k) << name;
+      EXPECT_EQ(got.expert_ids, want.expert_ids) << name << " batch " << batch;
+      EXPECT_EQ(got.weights, want.weights) << name << " batch " << batch;  // bit for bit
+      EXPECT_EQ(std::vector<float>(masked.bias().begin(), masked.bias().begin() + kExperts), plain.bias()) << name;
+      EXPECT_EQ(std::vector<int64_t>(masked.load().slots.begin(), masked.load().slots.begin() + kExperts),
+                plain.load().slots)
+          << name;
+      EXPECT_EQ(masked.load().dropped, plain.load().dropped) << name;
+      for (int e = kExperts; e < kExperts + kMasked; ++e) {
+        EXPECT_EQ(masked.load().slots[static_cast<size_t>(e)], 0) << name;
+        EXPECT_EQ(masked.bias()[static_cast<size_t>(e)], 0.0f) << name;
+      }
+    }
+  }
 }

@@ -116,6 +116,8 @@ int main(int argc, char** argv) {
     const moe::MoeAdapter adapter = moe::MoeAdapter::load(adapter_dir);
     const moe::AnnIndex index = moe::AnnIndex::load(index_path);
     const int experts = adapter.layer().config().num_experts;
+    // Text queries are never routed to joint visual-text experts (their logits are -inf here).
+    const int eligible = experts - adapter.num_joint_experts();
     const auto n = static_cast<int64_t>(queries.size());
 
     std::vector<std::string> texts;
@@ -126,7 +128,7 @@ int main(int argc, char** argv) {
 
     // Each expert alone, for every query: the best one by average precision.
     std::vector<std::vector<double>> ap(static_cast<size_t>(n), std::vector<double>(static_cast<size_t>(experts)));
-    for (int e = 0; e < experts; ++e) {
+    for (int e = 0; e < eligible; ++e) {
       moe::Routing only;
       only.rows = n;
       only.top_k = 1;
@@ -144,7 +146,7 @@ int main(int argc, char** argv) {
       const float* l = logits.data() + q * experts;
       const auto& a = ap[static_cast<size_t>(q)];
       int b = 0;
-      for (int e = 1; e < experts; ++e)
+      for (int e = 1; e < eligible; ++e)
         if (a[static_cast<size_t>(e)] > a[static_cast<size_t>(b)] ||
             (a[static_cast<size_t>(e)] == a[static_cast<size_t>(b)] && l[e] > l[b]))
           b = e;

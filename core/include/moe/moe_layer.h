@@ -34,6 +34,10 @@ struct MoeConfig {
   // The router's calibrated softmax temperature (adapter_config.json "router_temperature", fitted
   // by moe-calibrate-temperature; 1: none). Routing policies use it; MoeLayer::route does not.
   double router_temperature = 1.0;
+  // The last joint_experts experts (ids num_experts - joint_experts .. num_experts - 1) are joint
+  // visual-text experts (adapter_config.json "joint_experts"; 0: none): only rows that are fused
+  // hybrid queries route to them (MoeLayer::route). In [0, num_experts - top_k].
+  int joint_experts = 0;
   std::string source;  // file it came from, for messages
 
   // The project's adapter format (adapter_config.json; see docs/model-formats.md).
@@ -83,11 +87,19 @@ class MoeLayer {
   // codes, scales and zero points, else num_experts · 3 matrices in precision().
   size_t expert_bytes() const;
 
-  // Router logits [rows, num_experts] for x [rows, hidden] (f32).
-  Tensor router_logits(const Tensor& x) const;
-  Routing route(const Tensor& x) const;
-  // Routing with another number of experts per row (1..num_experts) than the config's top_k.
-  Routing route(const Tensor& x, int top_k) const;
+  // Which rows of x are fused hybrid queries (MoeAdapter::fuse): one flag per row, or empty for
+  // none. Every other row is single-modality and never routes to a joint expert
+  // (MoeConfig::joint_experts): its logits for them are -inf, and it routes exactly (same ids,
+  // same weights, bit for bit) as in a layer made of the first num_experts - joint_experts
+  // experts and router rows. Fused rows route among all experts. No effect without joint experts.
+  using FusedRows = std::vector<bool>;
+
+  // Router logits [rows, num_experts] for x [rows, hidden] (f32); -inf where masked (FusedRows).
+  Tensor router_logits(const Tensor& x, const FusedRows& fused = {}) const;
+  Routing route(const Tensor& x, const FusedRows& fused = {}) const;
+  // Routing with another number of experts per row than the config's top_k: 1..num_experts, and
+  // at most num_experts - joint_experts when some row is single-modality.
+  Routing route(const Tensor& x, int top_k, const FusedRows& fused = {}) const;
   // Σ_k w_k · expert_k(x) (+ gated shared expert): the block's output, [rows, hidden].
   Tensor run_experts(const Tensor& x, const Routing& routing) const;
   // Reference: the same sum computed row by row with plain loops in double over the host f32
@@ -118,6 +130,7 @@ class MoeLayer {
   MoeLayer();
   void check_input(const Tensor& x, const char* what) const;
   void check_routing(const Tensor& x, const Routing& routing) const;
+  void check_fused(const Tensor& x, const FusedRows& fused, const char* what) const;
   friend class MoeAdapter;  // runs routing and experts in one call on the backend
   struct Impl;
   std::unique_ptr<Impl> impl_;
@@ -139,16 +152,45 @@ class MoeAdapter {
   const MoeLayer& layer() const { return layer_; }
   // What the adapted embeddings were made by; load() takes it from adapter.safetensors.
   const std::string& fingerprint() const { return fingerprint_; }
-  Routing route(const Tensor& x) const { return layer_.route(x); }
-  Routing route(const Tensor& x, int top_k) const { return layer_.route(x, top_k); }
+  // The joint visual-text experts among the last ones (MoeConfig::joint_experts).
+  int num_joint_experts() const { return layer_.config().joint_experts; }
+  // `fused`: MoeLayer::FusedRows (empty: every row single-modality, joint experts masked).
+  Routing route(const Tensor& x, const MoeLayer::FusedRows& fused = {}) const { return layer_.route(x, fused); }
+  Routing route(const Tensor& x, int top_k, const MoeLayer::FusedRows& fused = {}) const {
+    return layer_.route(x, top_k, fused);
+  }
   // normalize(x + run_experts(x, routing)), all on the layer's backend.
   Tensor apply_experts(const Tensor& x, const Routing& routing) const;
   // route + apply_experts in one call on the backend (x uploaded once).
-  AdapterOutput apply(const Tensor& x) const;
+  AdapterOutput apply(const Tensor& x, const MoeLayer::FusedRows& fused = {}) const;
+
+  // The cross-modal gate for hybrid (image + text) queries, after the seeds' CrossModalGate:
+  // per row, w = softmax(W [image; text] + b) over two logits, and the fused vector
+  // w_image · image + w_text · text is the adapter's input (route, apply). Stored in
+  // adapter.safetensors as "cross_modal_gate.weight" [2, 2 · hidden] (columns: the image half,
+  // then the text half) and "cross_modal_gate.bias" [2] (logit 0: image, 1: text), floating point
+  // (f32 as tools/train writes it; f16/bf16 widened); load() refuses one without the other, other
+  // shapes and integer dtypes, naming the tensor. Adapters without them load as before (same
+  // weights, same fingerprint) and have none.
+  bool has_cross_modal_gate() const { return gate_ != nullptr; }
+  // `image` and `text`: f32 [rows, hidden] host embeddings of the same requests, as the encoder
+  // gives them (projected, not normalised), row n of one paired with row n of the other.
+  // Returns the fused [rows, hidden] and sets `weights` to [rows, 2] (w_image, w_text) when not
+  // null. Without a gate: w = (0.5, 0.5), the plain average. On the layer's backend. Throws
+  // moe::Error for other shapes or dtypes, or row counts that differ.
+  Tensor fuse(const Tensor& image, const Tensor& text, Tensor* weights) const;
+
+  // Threads: as MoeLayer.
+
+  MoeAdapter(MoeAdapter&&) noexcept;
+  MoeAdapter& operator=(MoeAdapter&&) noexcept;
+  ~MoeAdapter();
 
  private:
+  struct CrossModalGate;
   MoeLayer layer_;
   std::string fingerprint_;
+  std::unique_ptr<const CrossModalGate> gate_;  // null: none
 };
 
 }  // namespace moe

@@ -25,6 +25,13 @@
 //   weights       each kept slot's unbiased probability, renormalised over the row's kept slots
 //                 when `renormalize` (Mixtral; Qwen2-MoE's norm_topk_prob).
 //
+// A -inf logit marks an expert the row may not use (MoeLayer::router_logits masks the joint
+// experts of single-modality rows so): it has probability 0 and is never selected, explored or
+// rerouted to, a row takes at most its eligible experts, and experts that no row of the batch
+// may use count neither in the capacity nor in the balancing (their bias stays). A batch whose
+// rows all mask the same experts thus routes exactly as it would without those experts. A row of
+// -inf only is routed as equal logits.
+//
 // Rows may end with different numbers of experts: Routing::top_k is then the most any row can
 // have, and a row's unused slots hold expert -1 with weight 0, after its used ones (which are in
 // descending order of weight). A row whose every slot was dropped has only -1 slots.

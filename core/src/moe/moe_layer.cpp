@@ -2,8 +2,10 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "runtime/compute_util.h"
 #include "io/json_util.h"
@@ -67,6 +69,11 @@ MoeConfig MoeConfig::from_adapter_config(const std::string& path) {
   c.norm_topk_prob = json::get_bool_or(o, "norm_topk_prob", c.routing == RoutingKind::Mixtral, path);
   c.shared_expert_intermediate_size = static_cast<int>(json::get_int_or(o, "shared_expert_intermediate_size", 0, path));
   c.router_temperature = json::get_double_or(o, "router_temperature", 1.0, path);
+  const int64_t joint = json::get_int_or(o, "joint_experts", 0, path);
+  if (joint < 0 || joint >= c.num_experts)
+    throw Error(path + ": 'joint_experts' " + std::to_string(joint) +
+                " outside [0, num_experts=" + std::to_string(c.num_experts) + ")");
+  c.joint_experts = static_cast<int>(joint);
   c.validate();
   return c;
 }
@@ -114,6 +121,9 @@ void MoeConfig::validate() const {
   if (shared_expert_intermediate_size < 0) throw Error(w + ": shared_expert_intermediate_size must not be negative");
   if (shared_expert_intermediate_size > 0 && routing != RoutingKind::Qwen2Moe)
     throw Error(w + ": a shared expert needs qwen2_moe routing");
+  if (joint_experts < 0 || joint_experts > num_experts - top_k)
+    throw Error(w + ": joint_experts " + std::to_string(joint_experts) + " outside [0, num_experts - top_k = " +
+                std::to_string(num_experts - top_k) + "] (a single-modality row routes to top_k of the others)");
   if (!(router_temperature >= 1e-3 && router_temperature <= 1e3))
     throw Error(w + ": router_temperature " + std::to_string(router_temperature) + " outside [0.001, 1000]");
 }
@@ -190,12 +200,44 @@ struct MoeLayer::Impl {
     return q;
   }
 
-  // Router on the backend: x [N, D] -> ids, weights [N, top_k] (backend memory).
-  void route_on(Call& call, const float* x, int64_t N, int top_k, int32_t* ids, float* weights) const {
+  // Router logits [N, E] in backend memory for x [N, D] (backend memory), masked by `fused`
+  // (FusedRows). A masked row's logits come from a linear over the first E - J router rows alone
+  // (a GEMM with another number of outputs need not round the same), so they are the very numbers
+  // a layer without the joint experts computes; topk_softmax then gives those rows the same ids
+  // and weights (exp(-inf) adds exact zeros to the softmax sum). The rows are merged on the host:
+  // N · E floats.
+  float* logits_on(Call& call, const float* x, int64_t N, const FusedRows& fused) const {
     kernels::Backend& b = call.backend();
-    float* logits = call.ws().f32(N * cfg.num_experts);
-    b.linear(x, weight_ref(dev_gate), nullptr, logits, N, cfg.num_experts, cfg.hidden_size);
-    b.topk_softmax(logits, N, cfg.num_experts, top_k, cfg.norm_topk_prob, ids, weights);
+    const int64_t D = cfg.hidden_size, E = cfg.num_experts, S = E - cfg.joint_experts;
+    const int64_t n_fused = std::count(fused.begin(), fused.end(), true);
+    float* logits = call.ws().f32(N * E);
+    if (cfg.joint_experts == 0 || n_fused == N) {
+      b.linear(x, weight_ref(dev_gate), nullptr, logits, N, E, D);
+      return logits;
+    }
+    float* single = call.ws().f32(N * S);
+    b.linear(x, weight_ref(dev_gate), nullptr, single, N, S, D);  // the gate's first S rows
+    float* merged = call.host_f32(N * E);
+    if (n_fused > 0) {
+      b.linear(x, weight_ref(dev_gate), nullptr, logits, N, E, D);
+      call.to_host(merged, logits, static_cast<size_t>(N * E) * sizeof(float));
+    }
+    float* host_single = call.host_f32(N * S);
+    call.to_host(host_single, single, static_cast<size_t>(N * S) * sizeof(float));
+    for (int64_t n = 0; n < N; ++n) {
+      if (n_fused > 0 && fused[static_cast<size_t>(n)]) continue;
+      float* row = merged + n * E;
+      std::copy(host_single + n * S, host_single + (n + 1) * S, row);
+      std::fill(row + S, row + E, -INFINITY);
+    }
+    return call.device(merged, N * E);
+  }
+
+  // Router on the backend: x [N, D] -> ids, weights [N, top_k] (backend memory).
+  void route_on(Call& call, const float* x, int64_t N, int top_k, const FusedRows& fused, int32_t* ids,
+                float* weights) const {
+    const float* logits = logits_on(call, x, N, fused);
+    call.backend().topk_softmax(logits, N, cfg.num_experts, top_k, cfg.norm_topk_prob, ids, weights);
   }
 
   // y [N, D] = Σ_j weights[n, j] · expert_{ids[n, j]}(x[n]) (+ sigmoid(shared_gate · x[n]) ·
@@ -386,26 +428,37 @@ void MoeLayer::check_routing(const Tensor& x, const Routing& r) const {
                   ")");
 }
 
-Tensor MoeLayer::router_logits(const Tensor& x) const {
+void MoeLayer::check_fused(const Tensor& x, const FusedRows& fused, const char* what) const {
+  if (!fused.empty() && static_cast<int64_t>(fused.size()) != x.dim(0))
+    throw Error(std::string(what) + ": " + std::to_string(fused.size()) + " fused-row flags for " +
+                std::to_string(x.dim(0)) + " rows");
+}
+
+Tensor MoeLayer::router_logits(const Tensor& x, const FusedRows& fused) const {
   check_input(x, "router");
+  check_fused(x, fused, "router");
   const Impl& m = *impl_;
   const int64_t N = x.dim(0), E = m.cfg.num_experts;
   if (N == 0) return Tensor::zeros(DType::F32, {0, E});
   Call call(m.be, m.workspace);
-  float* logits = call.ws().f32(N * E);
-  call.backend().linear(call.input(x.data<float>(), x.numel()), weight_ref(m.dev_gate), nullptr, logits, N, E,
-                        m.cfg.hidden_size);
-  return call.to_host(logits, {N, E});
+  return call.to_host(m.logits_on(call, call.input(x.data<float>(), x.numel()), N, fused), {N, E});
 }
 
-Routing MoeLayer::route(const Tensor& x) const { return route(x, impl_->cfg.top_k); }
+Routing MoeLayer::route(const Tensor& x, const FusedRows& fused) const { return route(x, impl_->cfg.top_k, fused); }
 
-Routing MoeLayer::route(const Tensor& x, int top_k) const {
-  const Impl& m = *impl_;
-  if (top_k < 1 || top_k > m.cfg.num_experts)
-    throw Error("route: top_k " + std::to_string(top_k) +
-                " outside [1, num_experts=" + std::to_string(m.cfg.num_experts) + "]");
+Routing MoeLayer::route(const Tensor& x, int top_k, const FusedRows& fused) const {
   check_input(x, "router");
+  check_fused(x, fused, "router");
+  const Impl& m = *impl_;
+  const bool all_fused = !fused.empty() && std::count(fused.begin(), fused.end(), true) == x.dim(0);
+  const int routable = all_fused ? m.cfg.num_experts : m.cfg.num_experts - m.cfg.joint_experts;
+  if (top_k < 1 || top_k > routable)
+    throw Error("route: top_k " + std::to_string(top_k) + " outside [1, " +
+                (routable == m.cfg.num_experts
+                     ? "num_experts=" + std::to_string(routable) + "]"
+                     : std::to_string(routable) + "] (" + std::to_string(m.cfg.joint_experts) + " of the " +
+                           std::to_string(m.cfg.num_experts) +
+                           " experts are joint: single-modality rows do not use them)"));
   Routing r;
   r.rows = x.dim(0);
   r.top_k = top_k;
@@ -415,7 +468,7 @@ Routing MoeLayer::route(const Tensor& x, int top_k) const {
   Call call(m.be, m.workspace);
   int32_t* ids = call.ws().i32(r.rows * top_k);
   float* weights = call.ws().f32(r.rows * top_k);
-  m.route_on(call, call.input(x.data<float>(), x.numel()), r.rows, top_k, ids, weights);
+  m.route_on(call, call.input(x.data<float>(), x.numel()), r.rows, top_k, fused, ids, weights);
   call.to_host(r.expert_ids.data(), ids, r.expert_ids.size() * sizeof(int32_t));
   call.to_host(r.weights.data(), weights, r.weights.size() * sizeof(float));
   return r;
@@ -477,15 +530,52 @@ Tensor MoeLayer::run_experts_reference(const Tensor& x, const Routing& r) const 
 
 // ---------------------------------------------------------------------------------------------
 
+// The gate's Linear(2·D -> 2) split into its image and text column halves, so that [image; text]
+// is never concatenated: logits = W_image · image + W_text · text + b. In backend memory, f32.
+struct MoeAdapter::CrossModalGate {
+  Tensor image_weight, text_weight;  // [2, D]
+  Tensor bias;                       // [2]
+};
+
+namespace {
+
+constexpr const char* kGateWeight = "cross_modal_gate.weight";
+constexpr const char* kGateBias = "cross_modal_gate.bias";
+
+}  // namespace
+
 MoeAdapter::MoeAdapter(MoeLayer layer, std::string fingerprint)
     : layer_(std::move(layer)), fingerprint_(std::move(fingerprint)) {}
+MoeAdapter::MoeAdapter(MoeAdapter&&) noexcept = default;
+MoeAdapter& MoeAdapter::operator=(MoeAdapter&&) noexcept = default;
+MoeAdapter::~MoeAdapter() = default;
 
 MoeAdapter MoeAdapter::load(const std::string& dir, const ComputeOptions& options) {
   const MoeConfig cfg = MoeConfig::from_adapter_config(dir + "/adapter_config.json");
   // Refuses quantisation schemes other than W4A16 pack-quantized (tools/moe-quantize.py).
   Int4QuantConfig::from_hf_config(dir + "/adapter_config.json");
   const Checkpoint weights = Checkpoint::open(dir + "/adapter.safetensors");
-  return MoeAdapter(MoeLayer::load(cfg, weights, "", options), weights.fingerprint());
+  MoeAdapter adapter(MoeLayer::load(cfg, weights, "", options), weights.fingerprint());
+  const bool has_weight = weights.contains(kGateWeight), has_bias = weights.contains(kGateBias);
+  if (has_weight != has_bias)
+    throw Error(weights.path() + ": tensor '" + (has_weight ? kGateBias : kGateWeight) +
+                "' is missing: a cross-modal gate needs both '" + kGateWeight + "' and '" + kGateBias + "'");
+  if (has_weight) {
+    const int64_t D = cfg.hidden_size;
+    const Tensor w = weights.get_f32(kGateWeight, {2, 2 * D});
+    auto gate = std::make_unique<CrossModalGate>();
+    Tensor half[2] = {Tensor::zeros(DType::F32, {2, D}), Tensor::zeros(DType::F32, {2, D})};
+    for (int64_t logit = 0; logit < 2; ++logit)
+      for (int h = 0; h < 2; ++h)
+        std::memcpy(half[h].data<float>() + logit * D, w.data<float>() + (logit * 2 + h) * D,
+                    static_cast<size_t>(D) * sizeof(float));
+    const ModelBackend& be = adapter.layer_.impl_->be;
+    gate->image_weight = be.f32(half[0]);
+    gate->text_weight = be.f32(half[1]);
+    gate->bias = be.f32(weights.get_f32(kGateBias, {2}));
+    adapter.gate_ = std::move(gate);
+  }
+  return adapter;
 }
 
 Tensor MoeAdapter::apply_experts(const Tensor& x, const Routing& routing) const {
@@ -505,8 +595,9 @@ Tensor MoeAdapter::apply_experts(const Tensor& x, const Routing& routing) const 
   return call.to_host(y, {N, D});
 }
 
-AdapterOutput MoeAdapter::apply(const Tensor& x) const {
+AdapterOutput MoeAdapter::apply(const Tensor& x, const MoeLayer::FusedRows& fused) const {
   layer_.check_input(x, "router");
+  layer_.check_fused(x, fused, "router");
   const MoeLayer::Impl& m = *layer_.impl_;
   const int64_t N = x.dim(0), D = m.cfg.hidden_size;
   const int K = m.cfg.top_k;
@@ -524,7 +615,7 @@ AdapterOutput MoeAdapter::apply(const Tensor& x) const {
   const float* dx = call.input(x.data<float>(), x.numel());
   int32_t* ids = call.ws().i32(N * K);
   float* weights = call.ws().f32(N * K);
-  m.route_on(call, dx, N, K, ids, weights);
+  m.route_on(call, dx, N, K, fused, ids, weights);
   call.to_host(out.routing.expert_ids.data(), ids, out.routing.expert_ids.size() * sizeof(int32_t));
   call.to_host(out.routing.weights.data(), weights, out.routing.weights.size() * sizeof(float));
   float* y = call.ws().f32(N * D);
@@ -533,6 +624,58 @@ AdapterOutput MoeAdapter::apply(const Tensor& x) const {
   b.l2_normalize_rows(y, N, D, 1e-12f);
   out.embeddings = call.to_host(y, {N, D});
   return out;
+}
+
+Tensor MoeAdapter::fuse(const Tensor& image, const Tensor& text, Tensor* weights) const {
+  layer_.check_input(image, "fuse: image");
+  layer_.check_input(text, "fuse: text");
+  if (image.dim(0) != text.dim(0))
+    throw Error("fuse: " + std::to_string(image.dim(0)) + " image rows and " + std::to_string(text.dim(0)) +
+                " text rows; each request needs both");
+  const MoeLayer::Impl& m = *layer_.impl_;
+  const int64_t N = image.dim(0), D = m.cfg.hidden_size;
+  if (weights != nullptr) *weights = Tensor::zeros(DType::F32, {N, 2});
+  if (N == 0) return Tensor::zeros(DType::F32, {0, D});
+  Call call(m.be, m.workspace);
+  kernels::Backend& b = call.backend();
+  const float* dimage = call.input(image.data<float>(), image.numel());
+  const float* dtext = call.input(text.data<float>(), text.numel());
+  float* logits;
+  if (gate_ != nullptr) {
+    logits = call.ws().f32(N * 2);
+    b.linear(dimage, weight_ref(gate_->image_weight), f32_ptr(gate_->bias), logits, N, 2, D);
+    float* text_logits = call.ws().f32(N * 2);
+    b.linear(dtext, weight_ref(gate_->text_weight), nullptr, text_logits, N, 2, D);
+    b.add(logits, text_logits, N * 2);
+  } else {
+    float* zeros = call.host_f32(N * 2);  // equal logits: softmax gives exactly (0.5, 0.5)
+    std::fill(zeros, zeros + N * 2, 0.0f);
+    logits = call.device(zeros, N * 2);
+  }
+  // The gate is a router over two "experts" that every row takes both of, the image row and the
+  // text row, so the MoE operations compute it: topk_softmax with top_k 2 gives each row's softmax
+  // (as ids, best first, and their weights); moe_permute groups the slots per id, which puts
+  // expert 0's slots (one per row, in row order) at rows [0, N) and expert 1's at [N, N·2) of
+  // `inputs`, filling both with image rows; the text rows then replace the second half, and
+  // moe_unpermute sums each row's two inputs with their weights.
+  int32_t* ids = call.ws().i32(N * 2);
+  float* gate_weights = call.ws().f32(N * 2);
+  b.topk_softmax(logits, N, 2, 2, false, ids, gate_weights);
+  float* inputs = call.ws().f32(N * 2 * D);
+  int32_t* slot_of = call.ws().i32(N * 2);
+  b.moe_permute(ids, N, 2, 2, dimage, D, inputs, slot_of);
+  b.copy_on_device(inputs + N * D, dtext, static_cast<size_t>(N * D) * sizeof(float));
+  float* fused = call.ws().f32(N * D);
+  b.moe_unpermute(inputs, slot_of, gate_weights, N, 2, D, fused);
+  if (weights != nullptr) {
+    std::vector<int32_t> host_ids(static_cast<size_t>(N * 2));
+    std::vector<float> host_weights(host_ids.size());
+    call.to_host(host_ids.data(), ids, host_ids.size() * sizeof(int32_t));
+    call.to_host(host_weights.data(), gate_weights, host_weights.size() * sizeof(float));
+    for (size_t slot = 0; slot < host_ids.size(); ++slot)
+      weights->data<float>()[(slot / 2) * 2 + static_cast<size_t>(host_ids[slot])] = host_weights[slot];
+  }
+  return call.to_host(fused, {N, D});
 }
 
 }  // namespace moe

@@ -77,6 +77,13 @@ void probabilities(const float* logits, int experts, double temperature, float* 
   for (int e = 0; e < experts; ++e) probs[e] /= sum;
 }
 
+// Whether the row may use each expert: a finite logit (or +inf); -inf marks an expert it may not
+// use (MoeLayer's masked joint experts), unless the whole row is -inf (routed as equal logits).
+void eligible_experts(const float* logits, int experts, char* eligible) {
+  const bool all_masked = std::all_of(logits, logits + experts, [](float l) { return l == -INFINITY; });
+  for (int e = 0; e < experts; ++e) eligible[e] = all_masked || logits[e] != -INFINITY;
+}
+
 struct Slot {
   int64_t row;
   int rank;  // 0: the row's first choice
@@ -97,9 +104,18 @@ Routing Router::route(const float* logits, int64_t rows) {
   std::vector<std::vector<int32_t>> chosen(static_cast<size_t>(rows));
   std::vector<float> score(ue);
   std::vector<char> candidate(ue);
+  // Ineligible experts (-inf logits) get probability 0 and are never selected, explored or
+  // rerouted to. Experts no row of the batch may use are left out of the capacity and of the
+  // balancing, so a batch routes exactly as it would among the eligible experts alone.
+  std::vector<char> eligible(probs.size());
+  std::vector<char> in_batch(ue, 0);
   for (int64_t r = 0; r < rows; ++r) {
     float* pr = probs.data() + r * E;
     probabilities(logits + r * E, E, p.temperature, pr);
+    char* el = eligible.data() + r * E;
+    eligible_experts(logits + r * E, E, el);
+    for (size_t e = 0; e < ue; ++e) in_batch[e] |= el[e];
+    const int usable = static_cast<int>(std::count(el, el + E, 1));
     // The bias only reorders the experts within balance_margin of the row's k-th most probable
     // (k = top_k, or min_k for top-p): it never steers a row to an expert the router rates far
     // lower (which is what costs recall).
@@ -112,12 +128,14 @@ Routing Router::route(const float* logits, int64_t rows) {
       threshold = sorted[kth] - static_cast<float>(p.balance_margin);
     }
     for (size_t e = 0; e < ue; ++e) {
-      candidate[e] = pr[e] >= threshold;
+      candidate[e] = el[e] && pr[e] >= threshold;
       score[e] = candidate[e] ? pr[e] + bias_[e] : pr[e];
     }
     int32_t* o = order.data() + r * E;
     std::iota(o, o + E, 0);
+    // Candidates, then the other eligible experts, then the ineligible ones.
     std::stable_sort(o, o + E, [&](int32_t a, int32_t b) {
+      if (el[a] != el[b]) return el[a] > el[b];
       return candidate[a] != candidate[b] ? candidate[a] > candidate[b] : score[a] > score[b];
     });
     int k = p.top_k;
@@ -125,10 +143,10 @@ Routing Router::route(const float* logits, int64_t rows) {
       // The smallest prefix whose (unbiased) probability reaches p.
       float mass = 0.0f;
       k = 0;
-      while (k < E && mass < static_cast<float>(p.top_p)) mass += pr[o[k++]];
+      while (k < usable && mass < static_cast<float>(p.top_p)) mass += pr[o[k++]];
       k = std::clamp(k, p.min_k, p.max_k);
     }
-    chosen[static_cast<size_t>(r)].assign(o, o + k);
+    chosen[static_cast<size_t>(r)].assign(o, o + std::min(k, usable));
   }
 
   // Exploration: the row's last slot to the least-used expert it does not already use.
@@ -142,8 +160,9 @@ Routing Router::route(const float* logits, int64_t rows) {
       const bool adds = c.size() == 1;  // never take a row's only choice: add a slot instead
       if (adds && slots < 2) continue;
       int32_t pick = -1;
+      const char* el = eligible.data() + r * E;
       for (int32_t e = 0; e < E; ++e) {
-        if (std::find(c.begin(), c.end(), e) != c.end()) continue;
+        if (!el[e] || std::find(c.begin(), c.end(), e) != c.end()) continue;
         if (pick < 0 || usage[static_cast<size_t>(e)] < usage[static_cast<size_t>(pick)]) pick = e;
       }
       if (pick < 0) continue;
@@ -161,9 +180,10 @@ Routing Router::route(const float* logits, int64_t rows) {
   for (const auto& c : chosen) total += static_cast<int64_t>(c.size());
   std::vector<int64_t> taken(ue, 0);
   std::vector<std::vector<int32_t>> kept(static_cast<size_t>(rows));
+  const auto experts_in_batch = static_cast<int>(std::count(in_batch.begin(), in_batch.end(), 1));
   if (p.capacity_factor > 0.0 && rows > 0) {
-    const auto capacity =
-        static_cast<int64_t>(std::ceil(p.capacity_factor * static_cast<double>(total) / static_cast<double>(E)));
+    const auto capacity = static_cast<int64_t>(
+        std::ceil(p.capacity_factor * static_cast<double>(total) / static_cast<double>(experts_in_batch)));
     std::vector<Slot> queue;
     queue.reserve(static_cast<size_t>(total));
     for (int64_t r = 0; r < rows; ++r) {
@@ -183,10 +203,11 @@ Routing Router::route(const float* logits, int64_t rows) {
         if (p.overflow == CapacityOverflow::Reroute) {
           // The row's next most probable expert (true probability) with room that it does not use.
           const float* pr = probs.data() + s.row * E;
+          const char* el = eligible.data() + s.row * E;
           const auto& c = chosen[static_cast<size_t>(s.row)];
           for (int32_t cand = 0; cand < E; ++cand) {
             const size_t uc = static_cast<size_t>(cand);
-            if (taken[uc] >= capacity || std::find(c.begin(), c.end(), cand) != c.end() ||
+            if (!el[uc] || taken[uc] >= capacity || std::find(c.begin(), c.end(), cand) != c.end() ||
                 std::find(k.begin(), k.end(), cand) != k.end())
               continue;
             if (e < 0 || pr[cand] > pr[e]) e = cand;
@@ -228,9 +249,10 @@ Routing Router::route(const float* logits, int64_t rows) {
 
   // Balancing: move every expert's bias one step towards the batch's mean load.
   if (p.balance == LoadBalance::Bias && rows > 0) {
-    const double mean = static_cast<double>(std::accumulate(taken.begin(), taken.end(), int64_t{0})) / E;
+    const double mean = static_cast<double>(std::accumulate(taken.begin(), taken.end(), int64_t{0})) / experts_in_batch;
     const auto step = static_cast<float>(p.balance_rate);
     for (size_t e = 0; e < ue; ++e) {
+      if (!in_batch[e]) continue;
       const auto t = static_cast<double>(taken[e]);
       if (t > mean) bias_[e] -= step;
       if (t < mean) bias_[e] += step;
