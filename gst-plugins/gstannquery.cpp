@@ -45,9 +45,25 @@
  * tensors, or a dimension string that is not W[:R...] within bounds (W up to 65536) are refused
  * at caps time with an error naming the caps field, and so is a width other than the index's.
  *
+ * Hybrid requests (an image with a text) normally reach ann-query fused by moe-route; one that
+ * arrives unfused (no adapter in the pipeline, e.g. ADAPTER=none) is searched as the plain average
+ * of its two embeddings, each normalised, and its result document says so ("fusion", method
+ * "average").
+ *
+ * Live updates: with `allow-updates` the element applies catalog upserts (rows whose vector is the
+ * new item's) and deletes to the index it searches, journals each beside it (INDEX.journal, on
+ * disk before the answer) and answers each with an "update" document; `snapshot-interval` writes
+ * the index anew every so many updates (and at stop), which empties the journal. Without it every
+ * update is answered with an "updates_disabled" error document.
+ *
+ * Hot swap: setting `index` while searching loads the new index in the background; the old one
+ * keeps answering the rows of its models until rows of the new one's come (docs/architecture.md,
+ * "Hot swap", for the order in which to swap the index and the adapter).
+ *
  * The `stats` property counts, since the element started, the requests received, the result and
  * error documents sent, the requests refused for their models, the rows added to a build, the
- * batches, and the time spent searching; in a build also its progress (total, rate, eta-s).
+ * batches, the time spent searching, the updates applied and refused, and the swaps (with the
+ * index in use); in a build also its progress (total, rate, eta-s).
  *
  * ## Example launch lines
  * |[
@@ -86,6 +102,11 @@
  * on rows from other models. A search answers every request whose models differ from those the
  * index records with an error document; an index without provenance is searched unchecked.
  *
+ * Threads: the streaming thread searches and applies updates; a swap's index loads on a thread of
+ * its own (IndexLoader) and joins the indexes held under serving_mutex, which the streaming thread
+ * holds for each batch, so a batch is answered by one set of indexes. moe::AnnIndex's own locks
+ * let its searches and updates overlap; here they take turns on the streaming thread anyway.
+ *
  * The documents are written by gstmoeresult.h. */
 #include "gstannquery.h"
 
@@ -93,9 +114,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <set>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -125,6 +151,8 @@ enum {
   PROP_DEVICE,
   PROP_URI_BASE,
   PROP_PROGRESS_ITEMS,
+  PROP_ALLOW_UPDATES,
+  PROP_SNAPSHOT_INTERVAL,
   PROP_STATS,
 };
 
@@ -140,24 +168,104 @@ enum {
 #define DEFAULT_TRAIN_SIZE 0
 #define DEFAULT_DEVICE "cpu"
 #define DEFAULT_PROGRESS_ITEMS 32
+#define DEFAULT_ALLOW_UPDATES FALSE
+#define DEFAULT_SNAPSHOT_INTERVAL 0
 #define PROGRESS_CODE "index-build"
+#define INDEX_MESSAGE "ann-query-index"  // element message: an index loaded by a swap, or retired
 
 namespace {
 
 // Failed items the build summary names (it counts all of them; their error documents list all).
 constexpr size_t kMaxNamedFailures = 50;
 
+// An index that answers searches, with what serving it needs.
+struct ServedIndex {
+  explicit ServedIndex(moe::AnnIndex loaded) : index(std::move(loaded)) {}
+  moe::AnnIndex index;
+  std::string path;              // as set in `index`
+  std::string name;              // its basename, for the result documents
+  std::shared_ptr<void> memory;  // a flat index: its vectors in the metrics
+  std::string uri_folder;        // the items' common uri folder, which uri-base replaces
+  bool journaled = false;        // allow-updates: updates are journaled beside `path`
+  uint64_t unsaved = 0;          // updates applied since the index was last written
+};
+
+// What loading an index for searching needs, fixed at start.
+struct ServeSettings {
+  std::string device;    // `device`
+  std::string uri_base;  // `uri-base`, "" to serve uris as built
+  bool allow_updates = false;
+};
+
+// Why an index could not be loaded for searching.
+struct LoadFailure {
+  bool device = false;  // it loaded, but cannot be searched on the device
+  std::string message;  // names the file or the device, and the reason
+};
+
+// Runs the latest requested load on a thread of its own, one at a time: a request made while one
+// runs waits for it, and replaces any earlier request still waiting.
+class IndexLoader {
+ public:
+  explicit IndexLoader(std::function<void(const std::string&)> load)
+      : load_(std::move(load)), thread_([this] { run(); }) {}
+  IndexLoader(const IndexLoader&) = delete;
+  IndexLoader& operator=(const IndexLoader&) = delete;
+  // Waits for a load under way (FAISS cannot cancel one); drops a request not started.
+  ~IndexLoader() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+  }
+  void request(const std::string& path) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      requested_ = path;
+    }
+    wake_.notify_all();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      std::string path;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return stopping_ || requested_.has_value(); });
+        if (stopping_) return;
+        path = std::move(*requested_);
+        requested_.reset();
+      }
+      load_(path);
+    }
+  }
+
+  std::function<void(const std::string&)> load_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::optional<std::string> requested_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
 // What one run works with: created by start() (READY->PAUSED), destroyed by stop()
-// (PAUSED->READY); only the streaming thread touches it while the pads are active.
+// (PAUSED->READY); only the streaming thread touches it while the pads are active, except
+// `serving` and `width` in search mode, which a swap's loader thread adopts into under
+// `serving_mutex`.
 struct AnnQueryState {
   GstAnnQueryMode mode = DEFAULT_MODE;
-  std::string index_path;                        // as set in `index`
-  moe::AnnBuildOptions build;                    // build mode
-  std::optional<moe::AnnIndex> index;            // search: loaded; build: created at the first caps
-  std::string index_name;                        // basename of index_path, for the result documents
-  std::shared_ptr<void> index_memory;            // search mode, flat index: its vectors in the metrics
-  std::string uri_base;                          // search mode: `uri-base`, "" to serve uris as built
-  std::string uri_folder;                        // search mode: the items' common uri folder, uri_base replaces it
+  std::string index_path;              // as set in `index` at start
+  moe::AnnBuildOptions build;          // build mode
+  std::optional<moe::AnnIndex> index;  // build mode: created at the first caps
+  std::string index_name;              // basename of index_path, for the result documents
+  ServeSettings serve;                 // search mode
+  // Search mode: the indexes answering, oldest first: the one in use and, after a swap until rows
+  // of the new one's models come, the previous one (for rows of its models). Never empty.
+  std::mutex serving_mutex;
+  std::vector<std::unique_ptr<ServedIndex>> serving;
   int width = 0;                                 // negotiated tensor width; 0 before caps
   int64_t build_failed = 0;                      // build mode: error documents sent
   std::optional<moe::AnnProvenance> built_from;  // build mode: the models of the first rows
@@ -178,11 +286,14 @@ struct AnnQueryState {
   // The caps last refused (their error is posted): upstream retries a refused sticky caps event
   // before each buffer and event, and one error says it all.
   GstCaps* refused_caps = nullptr;
+  // Search mode: loads the index of a swap (`index` set while running); made at the first one.
+  std::unique_ptr<IndexLoader> loader;
 
   AnnQueryState() = default;
   AnnQueryState(const AnnQueryState&) = delete;
   AnnQueryState& operator=(const AnnQueryState&) = delete;
   ~AnnQueryState() {
+    loader.reset();  // before `serving`, which its thread adopts into
     gst_buffer_list_unref(held_errors);
     gst_caps_replace(&refused_caps, nullptr);
   }
@@ -218,16 +329,24 @@ struct _GstAnnQuery {
   gchar* device;
   gchar* uri_base;
   guint progress_items;
+  gboolean allow_updates;
+  guint snapshot_interval;
 
   // Behind `stats`, under the object lock: reset at start, kept after stop.
-  guint64 requests;        // rows and failed requests received
-  guint64 results;         // result documents sent
-  guint64 errors;          // error documents sent
-  guint64 refused;         // requests refused because other models made them
-  guint64 added;           // rows added to the index being built
-  guint64 batches;         // tensor buffers received
-  gdouble search_ms;       // time spent in index searches
-  BuildProgress progress;  // build mode
+  guint64 requests;         // rows and failed requests received
+  guint64 results;          // result documents sent
+  guint64 errors;           // error documents sent
+  guint64 refused;          // requests refused because other models made them
+  guint64 added;            // rows added to the index being built
+  guint64 batches;          // tensor buffers received
+  gdouble search_ms;        // time spent in index searches
+  guint64 updates;          // catalog updates applied
+  guint64 updates_refused;  // catalog updates answered with an error document
+  guint64 swaps;            // indexes swapped in while running
+  guint64 swap_failures;    // swaps whose index could not be loaded (the one in use stays)
+  gchar* serving_index;     // the index in use (the newest loaded)
+  gchar* previous_index;    // after a swap, the one kept for rows of its models; nullptr when none
+  BuildProgress progress;   // build mode
   // The id of the next row that arrives without a request meta, counted over the element's life
   // (streaming thread only), so ids stay unique across restarts.
   guint64 next_id;
@@ -262,6 +381,16 @@ GST_ELEMENT_REGISTER_DEFINE(ann_query, "ann-query", GST_RANK_NONE, GST_TYPE_ANN_
 
 /* ---- properties ------------------------------------------------------------------------ */
 
+static void swap_in(GstAnnQuery* self, AnnQueryState& s, const std::string& path);
+
+// `index` set while a search runs: loads it in the background (swap_in). Object lock held.
+static void request_swap(GstAnnQuery* self, const gchar* path) {
+  AnnQueryState* s = self->state;
+  if (!s || s->mode != GST_ANN_QUERY_MODE_SEARCH || !path || !*path) return;
+  if (!s->loader) s->loader = std::make_unique<IndexLoader>([self, s](const std::string& p) { swap_in(self, *s, p); });
+  s->loader->request(path);
+}
+
 static void gst_ann_query_set_property(GObject* object, guint prop_id, const GValue* value, GParamSpec* pspec) {
   GstAnnQuery* self = GST_ANN_QUERY(object);
   GST_OBJECT_LOCK(self);
@@ -269,6 +398,7 @@ static void gst_ann_query_set_property(GObject* object, guint prop_id, const GVa
     case PROP_INDEX:
       g_free(self->index_path);
       self->index_path = g_value_dup_string(value);
+      request_swap(self, self->index_path);
       break;
     case PROP_K:
       self->k = g_value_get_uint(value);
@@ -309,6 +439,12 @@ static void gst_ann_query_set_property(GObject* object, guint prop_id, const GVa
       break;
     case PROP_PROGRESS_ITEMS:
       self->progress_items = g_value_get_uint(value);
+      break;
+    case PROP_ALLOW_UPDATES:
+      self->allow_updates = g_value_get_boolean(value);
+      break;
+    case PROP_SNAPSHOT_INTERVAL:
+      self->snapshot_interval = g_value_get_uint(value);
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -357,14 +493,23 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
     case PROP_PROGRESS_ITEMS:
       g_value_set_uint(value, self->progress_items);
       break;
+    case PROP_ALLOW_UPDATES:
+      g_value_set_boolean(value, self->allow_updates);
+      break;
+    case PROP_SNAPSHOT_INTERVAL:
+      g_value_set_uint(value, self->snapshot_interval);
+      break;
     case PROP_STATS:
       g_value_take_boxed(
-          value, gst_structure_new("ann-query-stats", "requests", G_TYPE_UINT64, self->requests, "results",
-                                   G_TYPE_UINT64, self->results, "errors", G_TYPE_UINT64, self->errors, "refused",
-                                   G_TYPE_UINT64, self->refused, "added", G_TYPE_UINT64, self->added, "batches",
-                                   G_TYPE_UINT64, self->batches, "search-ms", G_TYPE_DOUBLE, self->search_ms, "total",
-                                   G_TYPE_INT64, self->progress.total, "rate", G_TYPE_DOUBLE, self->progress.rate,
-                                   "eta-s", G_TYPE_DOUBLE, self->progress.eta_s, nullptr));
+          value, gst_structure_new(
+                     "ann-query-stats", "requests", G_TYPE_UINT64, self->requests, "results", G_TYPE_UINT64,
+                     self->results, "errors", G_TYPE_UINT64, self->errors, "refused", G_TYPE_UINT64, self->refused,
+                     "added", G_TYPE_UINT64, self->added, "batches", G_TYPE_UINT64, self->batches, "search-ms",
+                     G_TYPE_DOUBLE, self->search_ms, "updates", G_TYPE_UINT64, self->updates, "updates-refused",
+                     G_TYPE_UINT64, self->updates_refused, "swaps", G_TYPE_UINT64, self->swaps, "swap-failures",
+                     G_TYPE_UINT64, self->swap_failures, "index", G_TYPE_STRING, self->serving_index, "previous-index",
+                     G_TYPE_STRING, self->previous_index, "total", G_TYPE_INT64, self->progress.total, "rate",
+                     G_TYPE_DOUBLE, self->progress.rate, "eta-s", G_TYPE_DOUBLE, self->progress.eta_s, nullptr));
       break;
     default:
       G_OBJECT_WARN_INVALID_PROPERTY_ID(object, prop_id, pspec);
@@ -375,11 +520,89 @@ static void gst_ann_query_get_property(GObject* object, guint prop_id, GValue* v
 
 /* ---- state ----------------------------------------------------------------------------- */
 
+// Loads the index at `path` for searching: places it on the device, finds the folder uri-base
+// replaces and, when updates are allowed, attaches its journal (PATH.journal). Throws LoadFailure.
+static std::unique_ptr<ServedIndex> load_served(GstAnnQuery* self, const ServeSettings& settings,
+                                                const std::string& path) {
+  std::unique_ptr<ServedIndex> served;
+  try {
+    served = std::make_unique<ServedIndex>(moe::AnnIndex::load(path));
+  } catch (const moe::Error& e) {
+    throw LoadFailure{false, e.what()};
+  }
+  moe::AnnIndex& index = served->index;
+  served->path = path;
+  gchar* base = g_path_get_basename(path.c_str());
+  served->name = base;
+  g_free(base);
+  std::string searched_on;
+  try {
+    searched_on = index.place_on(settings.device);
+  } catch (const moe::Error& e) {  // names the device and the reason
+    throw LoadFailure{true,
+                      "cannot search the ANN index '" + path + "' on device '" + settings.device + "': " + e.what()};
+  }
+  if (settings.allow_updates && searched_on != "cpu")  // the engine updates host-memory indexes only
+    throw LoadFailure{true, "allow-updates needs the ANN index '" + path + "' in host memory, but device '" +
+                                settings.device + "' placed it on " + searched_on + ": use device=cpu to update it"};
+  if (settings.allow_updates) {
+    try {
+      index.attach_journal(path);
+      served->journaled = true;
+    } catch (const moe::Error& e) {
+      throw LoadFailure{false, "cannot journal updates of '" + path + "': " + e.what()};
+    }
+  }
+  GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s (%s), searched on %s%s%s",
+                  path.c_str(), index.live_size(), index.dim(), index.factory().c_str(),
+                  moe::ann_index_type_name(index.type()), searched_on.c_str(),
+                  searched_on == "cpu" ? " (FAISS)" : " (GPU-resident, exact; filtered requests: FAISS)",
+                  served->journaled ? ", updates journaled" : "");
+  if (settings.device == "auto" && searched_on == "cpu" && index.type() != moe::AnnIndexType::Flat)
+    GST_INFO_OBJECT(self, "device auto: %s is searched by FAISS on the CPU (the GPU path is for flat indexes)",
+                    index.factory().c_str());
+  if (index.type() == moe::AnnIndexType::Flat)  // an HNSW graph's size is not known
+    served->memory = gstmoe::metrics::hold_device_memory(
+        "index", searched_on, static_cast<uint64_t>(index.size()) * index.dim() * sizeof(float));
+  if (index.provenance())
+    GST_INFO_OBJECT(self, "%s was built from %s", path.c_str(), index.provenance()->describe().c_str());
+  else
+    GST_INFO_OBJECT(self,
+                    "%s records no provenance (written before gst-moe recorded it, or from vectors of unknown "
+                    "origin): queries cannot be checked against the encoder and adapter that built it; "
+                    "rebuild it to enable the check",
+                    path.c_str());
+  if (index.live_size() == 0) GST_WARNING_OBJECT(self, "index '%s' is empty: results will be empty", path.c_str());
+  if (!settings.uri_base.empty()) {
+    served->uri_folder = index.uri_folder();
+    if (served->uri_folder.empty())
+      GST_WARNING_OBJECT(self, "uri-base '%s' is not used: the uris of '%s' share no folder", settings.uri_base.c_str(),
+                         path.c_str());
+    else
+      GST_INFO_OBJECT(self, "serving uris under %s as %s", served->uri_folder.c_str(), settings.uri_base.c_str());
+  }
+  return served;
+}
+
+// Writes `served` and its item table, which empties its journal (snapshot-interval, and at stop).
+static void save_served(GstAnnQuery* self, ServedIndex& served) {
+  try {
+    served.index.save(served.path);
+    served.unsaved = 0;
+    GST_INFO_OBJECT(self, "wrote %s with its updates (%" G_GINT64_FORMAT " items)", served.path.c_str(),
+                    served.index.live_size());
+  } catch (const moe::Error& e) {  // the journal still holds the updates
+    GST_ELEMENT_WARNING(self, RESOURCE, WRITE, ("%s", e.what()),
+                        ("saving '%s' with its updates; they stay in its journal", served.path.c_str()));
+  }
+}
+
 // Reads the properties and loads the index (search) or checks that it can be written (build).
 static gboolean gst_ann_query_start(GstAnnQuery* self) {
   auto s = std::make_unique<AnnQueryState>();
   GST_OBJECT_LOCK(self);
   self->requests = self->results = self->errors = self->refused = self->added = self->batches = 0;
+  self->updates = self->updates_refused = self->swaps = self->swap_failures = 0;
   self->search_ms = 0;
   self->progress = BuildProgress();
   s->mode = self->mode;
@@ -390,8 +613,9 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
   s->build.train_size = self->train_size;
   s->build.hnsw_m = static_cast<int>(self->hnsw_m);
   s->build.ef_construction = static_cast<int>(self->ef_construction);
-  const std::string device = self->device;
-  s->uri_base = self->uri_base ? self->uri_base : "";
+  s->serve.device = self->device;
+  s->serve.uri_base = self->uri_base ? self->uri_base : "";
+  s->serve.allow_updates = self->allow_updates;
   GST_OBJECT_UNLOCK(self);
 
   if (s->index_path.empty()) {
@@ -406,49 +630,14 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
 
   if (s->mode == GST_ANN_QUERY_MODE_SEARCH) {
     try {
-      s->index = moe::AnnIndex::load(s->index_path);
-    } catch (const moe::Error& e) {
-      GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", e.what()),
-                        ("loading the ANN index '%s'", s->index_path.c_str()));
-      return FALSE;
-    }
-    std::string searched_on;
-    try {
-      searched_on = s->index->place_on(device);
-    } catch (const moe::Error& e) {  // names the device and the reason
-      GST_ELEMENT_ERROR(
-          self, RESOURCE, SETTINGS,
-          ("cannot search the ANN index '%s' on device '%s': %s", s->index_path.c_str(), device.c_str(), e.what()),
-          (nullptr));
-      return FALSE;
-    }
-    GST_INFO_OBJECT(self, "loaded %s: %" G_GINT64_FORMAT " items, dimension %d, %s (%s), searched on %s%s",
-                    s->index_path.c_str(), s->index->size(), s->index->dim(), s->index->factory().c_str(),
-                    moe::ann_index_type_name(s->index->type()), searched_on.c_str(),
-                    searched_on == "cpu" ? " (FAISS)" : " (GPU-resident, exact; filtered requests: FAISS)");
-    if (device == "auto" && searched_on == "cpu" && s->index->type() != moe::AnnIndexType::Flat)
-      GST_INFO_OBJECT(self, "device auto: %s is searched by FAISS on the CPU (the GPU path is for flat indexes)",
-                      s->index->factory().c_str());
-    if (s->index->type() == moe::AnnIndexType::Flat)  // an HNSW graph's size is not known
-      s->index_memory = gstmoe::metrics::hold_device_memory(
-          "index", searched_on, static_cast<uint64_t>(s->index->size()) * s->index->dim() * sizeof(float));
-    if (s->index->provenance())
-      GST_INFO_OBJECT(self, "%s was built from %s", s->index_path.c_str(), s->index->provenance()->describe().c_str());
-    else
-      GST_INFO_OBJECT(self,
-                      "%s records no provenance (written before gst-moe recorded it, or from vectors of unknown "
-                      "origin): queries cannot be checked against the encoder and adapter that built it; "
-                      "rebuild it to enable the check",
-                      s->index_path.c_str());
-    if (s->index->size() == 0)
-      GST_WARNING_OBJECT(self, "index '%s' is empty: results will be empty", s->index_path.c_str());
-    if (!s->uri_base.empty()) {
-      s->uri_folder = s->index->uri_folder();
-      if (s->uri_folder.empty())
-        GST_WARNING_OBJECT(self, "uri-base '%s' is not used: the uris of '%s' share no folder", s->uri_base.c_str(),
-                           s->index_path.c_str());
+      s->serving.push_back(load_served(self, s->serve, s->index_path));
+    } catch (const LoadFailure& f) {
+      if (f.device)
+        GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("%s", f.message.c_str()), (nullptr));
       else
-        GST_INFO_OBJECT(self, "serving uris under %s as %s", s->uri_folder.c_str(), s->uri_base.c_str());
+        GST_ELEMENT_ERROR(self, RESOURCE, OPEN_READ, ("%s", f.message.c_str()),
+                          ("loading the ANN index '%s'", s->index_path.c_str()));
+      return FALSE;
     }
   } else {
     // Fail now rather than at EOS, after the whole catalog was encoded.
@@ -463,16 +652,25 @@ static gboolean gst_ann_query_start(GstAnnQuery* self) {
     if (!writable) return FALSE;
   }
   GST_OBJECT_LOCK(self);
+  g_free(self->serving_index);
+  self->serving_index = g_strdup(s->mode == GST_ANN_QUERY_MODE_SEARCH ? s->index_path.c_str() : nullptr);
+  g_clear_pointer(&self->previous_index, g_free);
   self->state = s.release();
   GST_OBJECT_UNLOCK(self);
   return TRUE;
 }
 
+// Drops the running state; a searched index with updates not yet written is saved, so that a
+// clean stop leaves the pair whole and its journal empty.
 static void gst_ann_query_stop(GstAnnQuery* self) {
   GST_OBJECT_LOCK(self);
   AnnQueryState* state = self->state;
   self->state = nullptr;
   GST_OBJECT_UNLOCK(self);
+  if (!state) return;
+  state->loader.reset();
+  for (const std::unique_ptr<ServedIndex>& served : state->serving)
+    if (served->journaled && served->unsaved > 0) save_served(self, *served);
   delete state;
 }
 
@@ -544,29 +742,35 @@ static moe::AnnProvenance provenance_of(const gstmoe::BatchRecords& batch) {
   return {batch.encoder, batch.encoder_fingerprint, adapted ? batch.adapter : "", batch.adapter_fingerprint};
 }
 
-// Search mode: why the rows of `batch` may not be searched (empty: they may). Rows without an
-// encoder fingerprint (not from moe-encode) cannot be checked and are searched, as before.
-static std::string search_refusal(GstAnnQuery* self, AnnQueryState& s, const gstmoe::BatchRecords& batch) {
-  const std::optional<moe::AnnProvenance>& built = s.index->provenance();
-  if (batch.rows.empty() || !built) return {};  // an index without provenance was logged at start
+// Search mode: the held index that answers the rows of `batch` (serving_mutex held): the newest
+// whose provenance their models match (an index without provenance, and rows without an encoder
+// fingerprint, which are not from moe-encode, match any). Null when none does, with `refusal`
+// naming the newest index's models and theirs. Batches without rows get the newest.
+static ServedIndex* index_for(GstAnnQuery* self, AnnQueryState& s, const gstmoe::BatchRecords& batch,
+                              std::string* refusal) {
+  ServedIndex& newest = *s.serving.back();
+  if (batch.rows.empty()) return &newest;
   const moe::AnnProvenance query = provenance_of(batch);
   if (query.encoder_fingerprint.empty()) {
-    if (!s.unchecked_logged)
+    if (!s.unchecked_logged && newest.index.provenance())
       GST_INFO_OBJECT(self,
                       "rows without an encoder fingerprint (not encoded by moe-encode): searched without "
                       "checking them against the provenance of '%s'",
-                      s.index_path.c_str());
+                      newest.path.c_str());
     s.unchecked_logged = true;
-    return {};
+    return &newest;
   }
-  if (built->same_models(query)) return {};
-  const std::string reason = "the index " + s.index_path + " was built from " + built->describe() +
-                             ", but this query was encoded by " + query.describe() +
-                             ": rebuild the index with this pipeline or search it with the pipeline that built it";
+  for (auto it = s.serving.rbegin(); it != s.serving.rend(); ++it) {
+    const std::optional<moe::AnnProvenance>& built = (*it)->index.provenance();
+    if (!built || built->same_models(query)) return it->get();
+  }
+  *refusal = "the index " + newest.path + " was built from " + newest.index.provenance()->describe() +
+             ", but this query was encoded by " + query.describe() +
+             ": rebuild the index with this pipeline or search it with the pipeline that built it";
   if (!s.mismatch_logged)
-    GST_WARNING_OBJECT(self, "refusing queries (later batches are not logged): %s", reason.c_str());
+    GST_WARNING_OBJECT(self, "refusing queries (later batches are not logged): %s", refusal->c_str());
   s.mismatch_logged = true;
-  return reason;
+  return nullptr;
 }
 
 // Build mode: why the rows of `batch` may not join the index (empty: they may). The first rows
@@ -585,8 +789,8 @@ static std::string build_refusal(AnnQueryState& s, const gstmoe::BatchRecords& b
 
 // Searches every row of `batch` in one call and adds one result buffer per row to `list`.
 // Returns the time the search took (ms; 0 when there was none, or it failed).
-static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchRecords& batch, const float* vectors,
-                          GstBuffer* in, GstBufferList* list) {
+static double search_rows(GstAnnQuery* self, AnnQueryState& s, ServedIndex& served, gstmoe::BatchRecords& batch,
+                          const float* vectors, GstBuffer* in, GstBufferList* list) {
   if (batch.rows.empty()) return 0;
   GST_OBJECT_LOCK(self);
   const int default_k = static_cast<int>(self->k);
@@ -627,16 +831,16 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
         queries.insert(queries.end(), vectors + g * static_cast<size_t>(s.width),
                        vectors + (g + 1) * static_cast<size_t>(s.width));
       }
-      auto found = s.index->search(queries.data(), static_cast<int64_t>(group.size()), k_max, options[i]);
+      auto found = served.index.search(queries.data(), static_cast<int64_t>(group.size()), k_max, options[i]);
       for (size_t t = 0; t < group.size(); ++t) hits[group[t]] = std::move(found[t]);
     }
   } catch (const moe::Error& e) {
     GST_WARNING_OBJECT(self, "search failed: %s", e.what());
-    fail_rows(batch, std::string("search in '") + s.index_path + "' failed: " + e.what());
+    fail_rows(batch, std::string("search in '") + served.path + "' failed: " + e.what());
     return 0;
   }
   const double search_ms = gstmoe::elapsed_ms(start, g_get_monotonic_time());
-  const gstmoe::ModelIds model{batch.encoder, batch.adapter, s.index_name};
+  const gstmoe::ModelIds model{batch.encoder, batch.adapter, served.name};
 
   for (size_t i = 0; i < batch.rows.size(); ++i) {
     gstmoe::RequestRecord& row = batch.rows[i];
@@ -644,9 +848,9 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
     std::vector<gstmoe::ResultHit> results;
     const size_t n = std::min(hits[i].size(), static_cast<size_t>(ks[i]));
     for (size_t j = 0; j < n; ++j) {
-      const moe::AnnItem& item = s.index->item(hits[i][j].item);
-      results.push_back({hits[i][j].item, item.id, moe::rebase_uri(item.uri, s.uri_folder, s.uri_base), item.caption,
-                         item.fields, hits[i][j].score});
+      const moe::AnnItem& item = served.index.item(hits[i][j].item);
+      results.push_back({hits[i][j].item, item.id, moe::rebase_uri(item.uri, served.uri_folder, s.serve.uri_base),
+                         item.caption, item.fields, hits[i][j].score});
     }
     const int64_t now = g_get_monotonic_time();
     GstBuffer* out = json_buffer(gstmoe::result_document(row, ks[i], results, model, now), in, &row);
@@ -660,18 +864,279 @@ static double search_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchReco
   return search_ms;
 }
 
+/* ---- hybrid rows and live updates ------------------------------------------------------- */
+
+// A hybrid request's row that no moe-route fused (its text embedding still beside it: no adapter
+// ran, e.g. ADAPTER=none) is searched as the plain average of its image and text embeddings, each
+// L2-normalised first (CLIP's towers give embeddings of different norms, and the larger would
+// outweigh the other), then normalised. Writes `width` floats to `out`.
+static void average_fusion(const float* image, const float* text, int width, float* out) {
+  auto inverse_norm = [width](const float* v) {
+    double sum = 0;
+    for (int i = 0; i < width; ++i) sum += static_cast<double>(v[i]) * v[i];
+    return sum > 0 ? 1.0 / std::sqrt(sum) : 0.0;
+  };
+  const double image_scale = inverse_norm(image), text_scale = inverse_norm(text);
+  for (int i = 0; i < width; ++i) out[i] = static_cast<float>(0.5 * (image[i] * image_scale + text[i] * text_scale));
+  const double scale = inverse_norm(out);
+  for (int i = 0; i < width; ++i) out[i] = static_cast<float>(out[i] * scale);
+}
+
+// Search mode, before the search: fuses the hybrid rows that arrive unfused (average_fusion,
+// fusion method "average"; a text embedding of another width than the rows fails its request),
+// and moves the upsert rows and their vectors to `upserts` and `upsert_vectors`. Returns the
+// vectors of the rows left in batch.rows: `vectors` when nothing changed, else kept's.
+static const float* prepare_rows(const AnnQueryState& s, gstmoe::BatchRecords& batch, const float* vectors,
+                                 std::vector<float>* kept, std::vector<gstmoe::RequestRecord>* upserts,
+                                 std::vector<float>* upsert_vectors) {
+  auto unfused = [](const gstmoe::RequestRecord& r) {
+    return r.modality == gstmoe::Modality::Hybrid && !r.text_embedding.empty();
+  };
+  if (std::none_of(batch.rows.begin(), batch.rows.end(),
+                   [&](const gstmoe::RequestRecord& r) { return r.op != gstmoe::RequestOp::Search || unfused(r); }))
+    return vectors;
+  const size_t width = static_cast<size_t>(s.width);
+  std::vector<gstmoe::RequestRecord> rows;
+  for (size_t i = 0; i < batch.rows.size(); ++i) {
+    gstmoe::RequestRecord& row = batch.rows[i];
+    std::vector<float>& to = row.op == gstmoe::RequestOp::Upsert ? *upsert_vectors : *kept;
+    const float* vector = vectors + i * width;
+    if (unfused(row)) {
+      if (row.text_embedding.size() != width) {
+        const std::string reason = "hybrid request: its text embedding has " +
+                                   std::to_string(row.text_embedding.size()) + " values, its image embedding " +
+                                   std::to_string(width);
+        batch.failed.push_back({std::move(row), STAGE_NAME, reason, moe::error_code::kInternal});
+        continue;
+      }
+      to.resize(to.size() + width);
+      average_fusion(vector, row.text_embedding.data(), s.width, to.data() + to.size() - width);
+      row.text_embedding.clear();
+      row.fusion = gstmoe::Fusion{0.5f, 0.5f, "average"};
+    } else {
+      to.insert(to.end(), vector, vector + width);
+    }
+    if (row.op == gstmoe::RequestOp::Upsert)
+      upserts->push_back(std::move(row));
+    else
+      rows.push_back(std::move(row));
+  }
+  batch.rows = std::move(rows);
+  return kept->data();
+}
+
+// After an update applied to `served`: counts it and, every snapshot-interval updates, writes the
+// index (which empties its journal).
+static void note_update(GstAnnQuery* self, ServedIndex& served) {
+  if (!served.journaled) return;
+  GST_OBJECT_LOCK(self);
+  const guint interval = self->snapshot_interval;
+  GST_OBJECT_UNLOCK(self);
+  ++served.unsaved;
+  if (interval > 0 && served.unsaved >= interval) save_served(self, served);
+}
+
+// Adds a buffer with the update document of `request` and a meta holding just it.
+static void add_update_buffer(GstBufferList* list, gstmoe::RequestRecord request, const gstmoe::UpdateOutcome& outcome,
+                              const gstmoe::BatchRecords& batch, GstBuffer* in) {
+  GstBuffer* out = json_buffer(gstmoe::update_document(request, outcome, g_get_monotonic_time()), in, &request);
+  gstmoe::BatchRecords single = models_of(batch);
+  if (request.op == gstmoe::RequestOp::Upsert)
+    single.rows.push_back(std::move(request));
+  else
+    single.controls.push_back(std::move(request));
+  gst_buffer_add_moe_batch_meta(out, single);
+  gst_buffer_list_add(list, out);
+  gstmoe::metrics::count_update();
+}
+
+// Without allow-updates: moves `updates` to batch.failed, refused as updates_disabled.
+static void refuse_updates(gstmoe::BatchRecords& batch, std::vector<gstmoe::RequestRecord>& updates) {
+  const std::string reason =
+      "catalog updates are disabled: this service takes searches only (ann-query allow-updates=true accepts "
+      "upserts and deletes)";
+  for (gstmoe::RequestRecord& r : updates)
+    batch.failed.push_back({std::move(r), STAGE_NAME, reason, moe::error_code::kUpdatesDisabled});
+  updates.clear();
+}
+
+// Applies each upsert row to `served`, the index its models match (serving_mutex held), and adds
+// its update document to `list` (or, failed, moves it to batch.failed). Returns how many applied.
+static uint64_t apply_upserts(GstAnnQuery* self, AnnQueryState& s, ServedIndex* served, gstmoe::BatchRecords& batch,
+                              std::vector<gstmoe::RequestRecord>& upserts, const std::vector<float>& upsert_vectors,
+                              GstBuffer* in, GstBufferList* list) {
+  if (!s.serve.allow_updates) {
+    refuse_updates(batch, upserts);
+    return 0;
+  }
+  uint64_t applied = 0;
+  for (size_t i = 0; i < upserts.size(); ++i) {
+    gstmoe::RequestRecord& row = upserts[i];
+    const int64_t start = g_get_monotonic_time();
+    gstmoe::UpdateOutcome outcome;
+    try {
+      outcome.replaced = served->index.find(row.item.id) >= 0;
+      outcome.row = served->index.upsert(upsert_vectors.data() + i * static_cast<size_t>(s.width), s.width, row.item);
+    } catch (const moe::Error& e) {
+      const std::string reason = "upsert of '" + row.item.id + "' into '" + served->path + "' failed: " + e.what();
+      batch.failed.push_back({std::move(row), STAGE_NAME, reason, moe::error_code::kInternal});
+      continue;
+    }
+    note_update(self, *served);
+    outcome.items = served->index.live_size();
+    outcome.index = served->name;
+    row.timings_ms.emplace_back("update", gstmoe::elapsed_ms(start, g_get_monotonic_time()));
+    add_update_buffer(list, std::move(row), outcome, batch, in);
+    ++applied;
+  }
+  upserts.clear();
+  return applied;
+}
+
+// Applies each deletion of batch.controls to every index held (serving_mutex held), so that no
+// index answering serves a deleted item, and adds its update document to `list` (or, failed, moves
+// it to batch.failed). Returns how many applied.
+static uint64_t apply_deletes(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchRecords& batch, GstBuffer* in,
+                              GstBufferList* list) {
+  if (!s.serve.allow_updates) {
+    refuse_updates(batch, batch.controls);
+    return 0;
+  }
+  uint64_t applied = 0;
+  ServedIndex& newest = *s.serving.back();
+  for (gstmoe::RequestRecord& control : batch.controls) {
+    if (control.op != gstmoe::RequestOp::Delete) {
+      batch.failed.push_back({std::move(control), STAGE_NAME, "a request without a vector that is no deletion",
+                              moe::error_code::kInternal});
+      continue;
+    }
+    const int64_t start = g_get_monotonic_time();
+    gstmoe::UpdateOutcome outcome;
+    std::vector<std::string> ids;  // each once, in the request's order
+    std::set<std::string> seen;
+    for (const std::string& id : control.item_ids)
+      if (seen.insert(id).second) ids.push_back(id);
+    try {
+      for (const std::string& id : ids) {
+        const bool present = std::any_of(s.serving.begin(), s.serving.end(),
+                                         [&](const std::unique_ptr<ServedIndex>& h) { return h->index.find(id) >= 0; });
+        if (present)
+          ++outcome.deleted;
+        else
+          outcome.missing.push_back(id);
+      }
+      for (const std::unique_ptr<ServedIndex>& held : s.serving)
+        if (held->index.remove(ids) > 0) note_update(self, *held);
+    } catch (const moe::Error& e) {
+      const std::string reason = "delete from '" + newest.path + "' failed: " + e.what();
+      batch.failed.push_back({std::move(control), STAGE_NAME, reason, moe::error_code::kInternal});
+      continue;
+    }
+    outcome.items = newest.index.live_size();
+    outcome.index = newest.name;
+    control.timings_ms.emplace_back("update", gstmoe::elapsed_ms(start, g_get_monotonic_time()));
+    add_update_buffer(list, std::move(control), outcome, batch, in);
+    ++applied;
+  }
+  batch.controls.clear();
+  return applied;
+}
+
+/* ---- hot swap -------------------------------------------------------------------------- */
+
+// Posts an INDEX_MESSAGE element message: `event` "loaded" (a swap's index now answers the rows
+// of its models; `previous` still answers the rows of its own) or "retired" (dropped).
+static void post_index_message(GstAnnQuery* self, const char* event, const std::string& index, int64_t items,
+                               const std::string& previous) {
+  GstStructure* st = gst_structure_new(INDEX_MESSAGE, "event", G_TYPE_STRING, event, "index", G_TYPE_STRING,
+                                       index.c_str(), "items", G_TYPE_INT64, items, "previous", G_TYPE_STRING,
+                                       previous.empty() ? nullptr : previous.c_str(), nullptr);
+  gst_element_post_message(GST_ELEMENT(self), gst_message_new_element(GST_OBJECT(self), st));
+}
+
+// The loader thread of a swap: loads `path` while the held indexes keep answering, then adds it
+// as the newest (between two batches, under serving_mutex). Two are held at most: a third drops
+// the oldest. A failure posts a warning and changes nothing. The stats and the messages change under
+// serving_mutex too, so that they follow the order of the swaps and retirements.
+static void swap_in(GstAnnQuery* self, AnnQueryState& s, const std::string& path) {
+  std::unique_ptr<ServedIndex> fresh, dropped;
+  std::string failure;
+  try {
+    fresh = load_served(self, s.serve, path);
+  } catch (const LoadFailure& f) {
+    failure = f.message;
+  }
+  if (fresh) {
+    std::lock_guard<std::mutex> lock(s.serving_mutex);
+    if (s.width != 0 && fresh->index.dim() != s.width) {
+      failure = "the index '" + path + "' holds " + std::to_string(fresh->index.dim()) +
+                "-wide vectors, but the stream's are " + std::to_string(s.width) + "-wide";
+    } else {
+      if (s.serving.size() > 1) {
+        dropped = std::move(s.serving.front());
+        s.serving.erase(s.serving.begin());
+      }
+      const std::string previous = s.serving.back()->path;
+      const int64_t items = fresh->index.live_size();
+      s.serving.push_back(std::move(fresh));
+      GST_OBJECT_LOCK(self);
+      self->swaps += 1;
+      g_free(self->serving_index);
+      self->serving_index = g_strdup(path.c_str());
+      g_free(self->previous_index);
+      self->previous_index = g_strdup(previous.c_str());
+      GST_OBJECT_UNLOCK(self);
+      GST_INFO_OBJECT(self, "swapped in %s; %s answers the rows of its models until rows of the new one's come",
+                      path.c_str(), previous.c_str());
+      if (dropped) post_index_message(self, "retired", dropped->path, dropped->index.live_size(), "");
+      post_index_message(self, "loaded", path, items, previous);
+      return;
+    }
+  }
+  GST_OBJECT_LOCK(self);
+  self->swap_failures += 1;
+  const std::string in_use = self->serving_index ? self->serving_index : "";
+  if (g_strcmp0(self->index_path, path.c_str()) == 0) {  // `index` reads the one in use again
+    g_free(self->index_path);
+    self->index_path = g_strdup(in_use.c_str());
+  }
+  GST_OBJECT_UNLOCK(self);
+  GST_ELEMENT_WARNING(self, RESOURCE, OPEN_READ, ("Index swap failed: %s", failure.c_str()),
+                      ("still answering from '%s'", in_use.c_str()));
+}
+
+// The previous index's rows have stopped coming (a batch was answered from the newest): says so
+// (serving_mutex held; the caller drops it).
+static void note_retired(GstAnnQuery* self, const ServedIndex& retired) {
+  GST_OBJECT_LOCK(self);
+  g_clear_pointer(&self->previous_index, g_free);
+  GST_OBJECT_UNLOCK(self);
+  GST_INFO_OBJECT(self, "retired %s: rows of the newest index's models have come", retired.path.c_str());
+  post_index_message(self, "retired", retired.path, retired.index.live_size(), "");
+}
+
 /* ---- build mode ------------------------------------------------------------------------ */
 
+constexpr const char* kBuildTakesNoUpdates =
+    "ann-query mode=build adds catalog rows: updates go to a searching ann-query with allow-updates=true";
+
 // Adds every row of `batch` to the index being built (the request's text is the caption). A row
-// whose id an earlier row has fails, naming both uris: an id names one item.
+// whose id an earlier row has fails, naming both uris: an id names one item; so do updates.
 // Returns how many were added.
 static size_t collect_rows(GstAnnQuery* self, AnnQueryState& s, gstmoe::BatchRecords& batch, const float* vectors) {
+  for (gstmoe::RequestRecord& r : batch.controls)
+    batch.failed.push_back({std::move(r), STAGE_NAME, kBuildTakesNoUpdates, moe::error_code::kUpdatesDisabled});
+  batch.controls.clear();
   if (batch.rows.empty()) return 0;
   std::vector<gstmoe::RequestRecord> rows;
   std::vector<moe::AnnItem> items;
   std::vector<float> unique_vectors;
   for (size_t i = 0; i < batch.rows.size(); ++i) {
     gstmoe::RequestRecord& row = batch.rows[i];
+    if (row.op != gstmoe::RequestOp::Search) {
+      batch.failed.push_back({std::move(row), STAGE_NAME, kBuildTakesNoUpdates, moe::error_code::kUpdatesDisabled});
+      continue;
+    }
     const auto [first, added] = s.built_uris.emplace(row.id, row.uri);
     if (!added) {
       const std::string reason = "duplicate id '" + row.id + "': " + row.uri + " has the id of " + first->second +
@@ -904,7 +1369,7 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
     gst_buffer_unref(in);
     return GST_FLOW_ERROR;
   }
-  const size_t requests = batch.rows.size() + batch.failed.size();
+  const size_t requests = batch.rows.size() + batch.failed.size() + batch.controls.size();
 
   GstMapInfo map;
   if (!gst_buffer_map(in, &map, GST_MAP_READ)) {
@@ -925,14 +1390,31 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
   GstBufferList* list = gst_buffer_list_new();
   bool refused = false;  // build mode: this batch's rows came from other models
   size_t refused_rows = 0, added = 0;
+  uint64_t updates = 0;
   double search_ms = 0;
   if (s.mode == GST_ANN_QUERY_MODE_SEARCH) {
-    const std::string refusal = search_refusal(self, s, batch);
-    if (!refusal.empty()) {
-      refused_rows = batch.rows.size();
-      fail_rows(batch, refusal, moe::error_code::kModelMismatch);
+    std::unique_ptr<ServedIndex> retired;  // dropped after the lock: freeing a large index takes a while
+    {
+      std::lock_guard<std::mutex> lock(s.serving_mutex);
+      std::string refusal;
+      ServedIndex* served = index_for(self, s, batch, &refusal);
+      if (!served) {
+        refused_rows = batch.rows.size();
+        fail_rows(batch, refusal, moe::error_code::kModelMismatch);
+      } else if (!batch.rows.empty() && s.serving.size() > 1 && served == s.serving.back().get()) {
+        retired = std::move(s.serving.front());
+        s.serving.erase(s.serving.begin());
+        note_retired(self, *retired);
+      }
+      std::vector<float> kept, upsert_vectors;
+      std::vector<gstmoe::RequestRecord> upserts;
+      const float* searched = prepare_rows(s, batch, vectors, &kept, &upserts, &upsert_vectors);
+      // In arrival order as far as a batch tells it: its rows (upserts first), then its deletions,
+      // which came after them (moe-encode starts a new buffer for rows after a deletion).
+      updates = apply_upserts(self, s, served, batch, upserts, upsert_vectors, in, list);
+      if (served) search_ms = search_rows(self, s, *served, batch, searched, in, list);
+      updates += apply_deletes(self, s, batch, in, list);
     }
-    search_ms = search_rows(self, s, batch, vectors, in, list);
   } else {
     const std::string refusal = build_refusal(s, batch);
     if (!refusal.empty()) {
@@ -947,7 +1429,11 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
     s.build_failed += static_cast<int64_t>(batch.failed.size());
     for (const gstmoe::FailedRequest& f : batch.failed) note_failure(s, f);
   }
-  const guint results = gst_buffer_list_length(list);  // so far only result documents
+  const guint results = gst_buffer_list_length(list) - static_cast<guint>(updates);  // so far no error documents
+  const auto updates_refused =
+      static_cast<guint64>(std::count_if(batch.failed.begin(), batch.failed.end(), [](const gstmoe::FailedRequest& f) {
+        return f.request.op != gstmoe::RequestOp::Search;
+      }));
   // A build holds its error documents back until EOS (finish_build says why), unless it stops here.
   const bool hold_errors = s.mode == GST_ANN_QUERY_MODE_BUILD && !refused;
   if (refused) send_held_errors(self, s);
@@ -964,6 +1450,8 @@ static GstFlowReturn gst_ann_query_chain(GstPad*, GstObject* parent, GstBuffer* 
   self->added += added;
   self->batches += 1;
   self->search_ms += search_ms;
+  self->updates += updates;
+  self->updates_refused += updates_refused;
   GST_OBJECT_UNLOCK(self);
   gstmoe::metrics::count_search(search_ms);
   gstmoe::metrics::count_indexed(added);
@@ -989,15 +1477,20 @@ static gboolean handle_caps(GstAnnQuery* self, AnnQueryState& s, GstCaps* caps) 
                        "tensor (" GST_MOE_NNS_TENSORS_MEDIA_TYPE " or " GST_MOE_NNS_TENSOR_MEDIA_TYPE ")"));
     return FALSE;
   }
-  if (s.mode == GST_ANN_QUERY_MODE_SEARCH && width != s.index->dim()) {
-    const std::string built =
-        s.index->provenance() ? " (it was built from " + s.index->provenance()->describe() + ")" : std::string();
-    GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
-                      ("Embedding width %d does not match the dimension %d of the index '%s'", width, s.index->dim(),
-                       s.index_path.c_str()),
-                      ("upstream produces %d-wide vectors; query an index built with the same encoder and adapter%s",
-                       width, built.c_str()));
-    return FALSE;
+  if (s.mode == GST_ANN_QUERY_MODE_SEARCH) {
+    std::lock_guard<std::mutex> lock(s.serving_mutex);
+    const ServedIndex& served = *s.serving.back();
+    if (width != served.index.dim()) {
+      const std::optional<moe::AnnProvenance>& provenance = served.index.provenance();
+      const std::string built = provenance ? " (it was built from " + provenance->describe() + ")" : std::string();
+      GST_ELEMENT_ERROR(self, CORE, NEGOTIATION,
+                        ("Embedding width %d does not match the dimension %d of the index '%s'", width,
+                         served.index.dim(), served.path.c_str()),
+                        ("upstream produces %d-wide vectors; query an index built with the same encoder and adapter%s",
+                         width, built.c_str()));
+      return FALSE;
+    }
+    s.width = width;  // read by a swap's loader
   }
   if (s.mode == GST_ANN_QUERY_MODE_BUILD && s.index && width != s.index->dim()) {
     if (s.index->size() > 0) {
@@ -1017,7 +1510,7 @@ static gboolean handle_caps(GstAnnQuery* self, AnnQueryState& s, GstCaps* caps) 
       return FALSE;
     }
   }
-  s.width = width;
+  if (s.mode == GST_ANN_QUERY_MODE_BUILD) s.width = width;
   if (gst_pad_has_current_caps(self->srcpad)) return TRUE;
   GstCaps* json_caps = gst_caps_new_empty_simple(GST_MOE_JSON_CAPS);
   const gboolean ok = gst_pad_push_event(self->srcpad, gst_event_new_caps(json_caps));
@@ -1066,6 +1559,8 @@ static void gst_ann_query_finalize(GObject* object) {
   g_free(self->device);
   g_free(self->uri_base);
   gst_ann_query_stop(self);
+  g_free(self->serving_index);
+  g_free(self->previous_index);
   G_OBJECT_CLASS(parent_class)->finalize(object);
 }
 
@@ -1079,10 +1574,17 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
 
   g_object_class_install_property(
       gobject_class, PROP_INDEX,
-      g_param_spec_string("index", "Index file",
-                          "FAISS index file to search (mode=search) or to write (mode=build); its item table is "
-                          "INDEX.items.jsonl beside it",
-                          DEFAULT_INDEX, gstmoe::kPropertyMutableReady));
+      g_param_spec_string(
+          "index", "Index file",
+          "FAISS index file to search (mode=search) or to write (mode=build); its item table is INDEX.items.jsonl "
+          "beside it. Set while searching, it is a hot swap: the new index loads in the background while the one in "
+          "use keeps answering; then each batch is answered from the newest of the two whose provenance matches its "
+          "models (the new one when both do), and the old one is dropped when a batch is answered from the new one "
+          "(or at the next swap). A full swap of models, with none answered from a mismatched pair: 1) ann-query "
+          "index=NEW, 2) moe-expert model=NEW, 3) moe-route model=NEW. A failed load posts a warning and changes "
+          "nothing; the bus gets an element message \"" INDEX_MESSAGE "\" (event loaded or retired, index, items, "
+          "previous)",
+          DEFAULT_INDEX, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_K,
       g_param_spec_uint("k", "Results",
@@ -1162,14 +1664,36 @@ static void gst_ann_query_class_init(GstAnnQueryClass* klass) {
                         "is written) and names each failed item with its reason",
                         0, G_MAXUINT, DEFAULT_PROGRESS_ITEMS, gstmoe::kPropertyMutableReady));
   g_object_class_install_property(
+      gobject_class, PROP_ALLOW_UPDATES,
+      g_param_spec_boolean(
+          "allow-updates", "Allow updates",
+          "mode=search: apply catalog updates (upsert and delete requests, docs/zmq-schema.md \"Live updates\") to "
+          "the index while searching, each answered by an update document, and journal them beside the index "
+          "(INDEX.journal, flushed before the answer) so that they survive a crash; an upsert made by other models "
+          "than the index's is refused like a query. The index must be searched on the CPU (a device-resident "
+          "one fails the start). FALSE (the default): every update is answered by an error document with code "
+          "\"updates_disabled\"",
+          DEFAULT_ALLOW_UPDATES, gstmoe::kPropertyMutableReady));
+  g_object_class_install_property(
+      gobject_class, PROP_SNAPSHOT_INTERVAL,
+      g_param_spec_uint("snapshot-interval", "Snapshot interval",
+                        "With allow-updates: write the index and its item table anew (which empties the journal) "
+                        "after this many updates; the write runs between two batches, which wait for it. 0 (the "
+                        "default): only when the element stops; until then the journal holds the updates",
+                        0, G_MAXUINT, DEFAULT_SNAPSHOT_INTERVAL, gstmoe::kPropertyMutablePlaying));
+  g_object_class_install_property(
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(
           "ann-query-stats: requests (rows and failed requests received), results (result documents sent), errors "
           "(error documents sent: for requests that failed upstream, failed here or were refused), refused "
           "(requests refused because other models than the index's made them, or than the first rows' in a build), "
           "added (rows added to the index being built), batches (tensor buffers received), search-ms (time spent "
-          "searching the index); in a build also total (items upstream announced, -1: unknown), rate (items taken "
-          "per second since the start) and eta-s (seconds left at that rate, -1: unknown); reset at start"));
+          "searching the index), updates (catalog updates applied), updates-refused (updates answered with an "
+          "error document), swaps (indexes swapped in while running), swap-failures (swaps whose index did not "
+          "load), index (the index in use: the newest), previous-index (after a swap, the one still answering the "
+          "rows of its models; NULL when none); in a build also total (items upstream announced, -1: unknown), rate "
+          "(items taken per second since the start) and eta-s (seconds left at that rate, -1: unknown); reset at "
+          "start"));
 
   gst_element_class_add_static_pad_template(element_class, &sink_template);
   gst_element_class_add_static_pad_template(element_class, &src_template);
@@ -1216,6 +1740,8 @@ static void gst_ann_query_init(GstAnnQuery* self) {
   self->train_size = DEFAULT_TRAIN_SIZE;
   self->device = g_strdup(DEFAULT_DEVICE);
   self->progress_items = DEFAULT_PROGRESS_ITEMS;
+  self->allow_updates = DEFAULT_ALLOW_UPDATES;
+  self->snapshot_interval = DEFAULT_SNAPSHOT_INTERVAL;
   self->progress = BuildProgress();
   self->next_id = 0;
 }

@@ -12,6 +12,14 @@
  * (invalid UTF-8, an image that does not decode) is not an element error: it travels on in the
  * meta's failed list, and ann-query answers it with an error document.
  *
+ * A hybrid request (an image and a text: "like this photo, but red"; its buffer holds the image,
+ * its record the text) has both encoded in its batch: its row is the image's embedding and its
+ * record's text_embedding the text's, for moe-route (or ann-query) to fuse. Catalog upserts are
+ * encoded like queries (their record keeps the item); row-less requests (catalog deletes, the
+ * meta's controls) pass through in their place in the queue: a batch's output buffer carries its
+ * rows, then the controls that came after them, so a row that came after a control leaves in the
+ * next buffer, and a batch of controls alone leaves as an empty buffer.
+ *
  * Batching is continuous: a request that finds the encoder idle is encoded at once, alone; the
  * requests that arrive while it is busy leave together, up to `max-batch`, as soon as it is done.
  * A lone request never waits for company, and batches grow with the load. `max-latency` holds
@@ -29,13 +37,15 @@
  *
  * A query cache of `cache-bytes` (least recently used entries go first; 0 disables it) keeps the
  * embeddings of recent requests: a text that tokenises like an earlier one, or an image request
- * with the same file bytes, gets the earlier embedding, bit for bit, without an encoder call, as
+ * with the same file bytes, gets the earlier embedding, bit for bit, without an encoder call (the
+ * two halves of a hybrid are looked up each under its own key, so one may hit and the other not), as
  * long as the model, device and precision are the same (they are part of every key). Video frames
  * are not cached. Hits still travel in their batch, so moe-route routes them again: routing is
  * cheap, and this way the cache never needs to know the router's settings.
  *
  * The `stats` property counts, since the element started: the requests and the batches, the
- * batches by size, the requests that failed here, the time spent in the encoder, the time the
+ * batches by size, the requests that failed here, the hybrid requests encoded, the time spent in
+ * the encoder, the time the
  * requests spent queued (total and longest), the requests that queued longer than
  * max-latency, and the query cache's hits, misses, evictions and refusals; it also gives what the
  * cache holds now.
@@ -65,7 +75,15 @@
 /* Why batches: the engine encodes a batch with one GEMM per layer, much faster per request than
  * one call each. When a batch may leave is the engine's policy (moe/batcher.h); every output
  * buffer says in its meta which request each row answers, so a batch may mix texts and images
- * and nothing downstream relies on buffer order.
+ * and nothing downstream relies on buffer order, except for controls: a catalog delete must not
+ * overtake an upsert sent before it, nor follow one sent after it (ann-query applies a buffer's
+ * upsert rows, then its controls).
+ *
+ * max-batch counts requests, and a hybrid is one: it adds one input to each tower's call, so
+ * neither call ever takes more than max-batch inputs (as a batch of texts or images alone). A
+ * batch of hybrids costs both towers' time, up to twice a single-modality batch's; counting it
+ * twice would instead halve the batch for the rows that need both towers, without bounding either
+ * call any better.
  *
  * Threads: the streaming thread turns buffers into requests (converting frames, decoding images)
  * and queues them; while a whole batch is queued already it waits (backpressure), since the
@@ -100,6 +118,7 @@
 #include <gst/base/gsttypefindhelper.h>
 #include <gst/video/video.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -186,12 +205,16 @@ struct EncodeModel {
 
 // One entry of the queue: a request, already turned into what the engine takes, or one that
 // failed (here on arrival, or upstream) and only travels on to be answered.
+// A hybrid request is both: its text goes to the text tower, its image to the image tower.
 struct Pending {
-  gstmoe::RequestRecord record;       // record.text is what text requests encode
-  std::vector<int32_t> token_ids;     // text requests: the text as the encoder takes it
-  moe::RgbImage image;                // image requests that were not found in the query cache
-  std::vector<float> cached;          // its embedding, when the query cache had it
-  std::string cache_key;              // a miss: where its embedding goes in the query cache
+  gstmoe::RequestRecord record;       // record.text is what text and hybrid requests encode
+  std::vector<int32_t> token_ids;     // text and hybrid requests: the text as the encoder takes it
+  moe::RgbImage image;                // image and hybrid requests: the image, unless the query cache had it
+  std::vector<float> text_cached;     // the text's embedding, when the query cache had it
+  std::vector<float> image_cached;    // the image's embedding, when the query cache had it
+  std::string text_cache_key;         // a miss: where the text's embedding goes in the query cache
+  std::string image_cache_key;        // a miss: where the image's embedding goes in the query cache
+  bool control = false;               // a request without a row (a catalog delete): it only travels on
   std::string error;                  // set when it failed: it then only travels as a failure
   std::string failed_stage = kStage;  // where it failed: here, or the upstream stage named in the meta
   const char* error_code = moe::error_code::kInternal;  // its error document's code
@@ -291,6 +314,7 @@ struct _GstMoeEncode {
   // batcher's counters are its own (EncodeState::batcher); stop keeps its last ones here.
   moe::BatcherStats* batcher_stats;
   guint64 rows_failed;       // requests that failed here, on arrival or in the engine
+  guint64 rows_hybrid;       // hybrid requests encoded (an image and a text each)
   guint64 frames_processed;  // frames (video, or image files one per buffer) that became requests
   guint64 frames_skipped;    // frames between two that `interval` keeps
   guint64 frames_late;       // frames dropped by QoS
@@ -431,14 +455,15 @@ static GstStructure* encode_stats(GstMoeEncode* self) {
   const moe::QueryCacheStats& c0 = *self->cache_at_start;
   GstStructure* s = gst_structure_new(
       "moe-encode-stats", "requests", G_TYPE_UINT64, static_cast<guint64>(b.requests), "batches", G_TYPE_UINT64,
-      static_cast<guint64>(b.batches), "rows-failed", G_TYPE_UINT64, self->rows_failed, "encode-ms", G_TYPE_DOUBLE,
-      self->encode_ms, "queue-wait-ms", G_TYPE_DOUBLE, b.wait_ms_total, "queue-wait-max-ms", G_TYPE_DOUBLE,
-      b.wait_ms_max, "late", G_TYPE_UINT64, static_cast<guint64>(b.late), "cache-hits", G_TYPE_UINT64,
-      static_cast<guint64>(c.hits - c0.hits), "cache-misses", G_TYPE_UINT64, static_cast<guint64>(c.misses - c0.misses),
-      "cache-evictions", G_TYPE_UINT64, static_cast<guint64>(c.evictions - c0.evictions), "cache-refused",
-      G_TYPE_UINT64, static_cast<guint64>(c.refused - c0.refused), "cache-entries", G_TYPE_UINT64,
-      static_cast<guint64>(c.entries), "cache-held-bytes", G_TYPE_UINT64, static_cast<guint64>(c.bytes),
-      "frames-skipped", G_TYPE_UINT64, self->frames_skipped, "frames-late", G_TYPE_UINT64, self->frames_late, nullptr);
+      static_cast<guint64>(b.batches), "rows-failed", G_TYPE_UINT64, self->rows_failed, "rows-hybrid", G_TYPE_UINT64,
+      self->rows_hybrid, "encode-ms", G_TYPE_DOUBLE, self->encode_ms, "queue-wait-ms", G_TYPE_DOUBLE, b.wait_ms_total,
+      "queue-wait-max-ms", G_TYPE_DOUBLE, b.wait_ms_max, "late", G_TYPE_UINT64, static_cast<guint64>(b.late),
+      "cache-hits", G_TYPE_UINT64, static_cast<guint64>(c.hits - c0.hits), "cache-misses", G_TYPE_UINT64,
+      static_cast<guint64>(c.misses - c0.misses), "cache-evictions", G_TYPE_UINT64,
+      static_cast<guint64>(c.evictions - c0.evictions), "cache-refused", G_TYPE_UINT64,
+      static_cast<guint64>(c.refused - c0.refused), "cache-entries", G_TYPE_UINT64, static_cast<guint64>(c.entries),
+      "cache-held-bytes", G_TYPE_UINT64, static_cast<guint64>(c.bytes), "frames-skipped", G_TYPE_UINT64,
+      self->frames_skipped, "frames-late", G_TYPE_UINT64, self->frames_late, nullptr);
   gst_structure_take_value(s, "batches-by-size", &by_size);
   return s;
 }
@@ -565,7 +590,7 @@ static void gst_moe_encode_start(GstMoeEncode* self) {
   auto* st = new EncodeState(*self->loaded, self->query_cache, batch_limits(self));
   *self->batcher_stats = moe::BatcherStats();
   *self->cache_at_start = self->query_cache->stats();
-  self->rows_failed = 0;
+  self->rows_failed = self->rows_hybrid = 0;
   self->encode_ms = 0.0;
   self->frames_processed = self->frames_skipped = self->frames_late = 0;
   self->qos_proportion = 1.0;
@@ -726,16 +751,22 @@ static std::string buffer_bytes(GstBuffer* buf) {
   return bytes;
 }
 
-// Looks a request up in the query cache (when enabled): a hit carries its embedding from here on,
-// a miss the key its embedding will be stored under.
-static void look_up(EncodeState* st, Pending* p, std::string key) {
-  if (!st->cache->lookup(key, &p->cached)) p->cache_key = std::move(key);
+// Looks one tower's input up in the query cache: a hit carries its embedding from here on (into
+// `cached`), a miss the key its embedding will be stored under (into `cache_key`).
+static void look_up(EncodeState* st, std::string key, std::vector<float>* cached, std::string* cache_key) {
+  if (!st->cache->lookup(key, cached)) *cache_key = std::move(key);
+}
+
+// "text request 'q1'", "hybrid request 'q2'": how messages name a request.
+static std::string request_name(const gstmoe::RequestRecord& r) {
+  return std::string(gstmoe::modality_name(r.modality)) + " request '" + r.id + "'";
 }
 
 static bool caching(EncodeState* st) { return st->cache->stats().capacity_bytes > 0; }
 
-// Checks a text request here, since the engine would reject invalid UTF-8 for the whole batch,
-// and tokenises it here rather than in encode_texts, so that its ids key the query cache.
+// Checks the text of a text or hybrid request here, since the engine would reject invalid UTF-8 for
+// the whole batch, and tokenises it here rather than in encode_texts, so that its ids key the query
+// cache.
 static void set_text(EncodeState* st, Pending* p, const std::string& text) {
   const gchar* end = nullptr;
   if (g_utf8_validate_len(text.data(), text.size(), &end)) {
@@ -744,15 +775,16 @@ static void set_text(EncodeState* st, Pending* p, const std::string& text) {
     try {  // as encode_texts does
       p->token_ids = model.tokenizer().encode(text, static_cast<size_t>(model.config().text.max_position_embeddings));
     } catch (const std::exception& e) {  // no tokenizer in the model directory
-      p->error = "text request '" + p->record.id + "' cannot be encoded: " + e.what();
+      p->error = request_name(p->record) + " cannot be encoded: " + e.what();
       return;
     }
-    if (caching(st)) look_up(st, p, moe::QueryCache::text_key(st->cache_version, p->token_ids));
+    if (caching(st))
+      look_up(st, moe::QueryCache::text_key(st->cache_version, p->token_ids), &p->text_cached, &p->text_cache_key);
     return;
   }
   const std::string offset = std::to_string(end - text.data());
   // A NUL is valid UTF-8 but not text: typically the terminator of a C string an app pushed.
-  p->error = "text request '" + p->record.id + "' " +
+  p->error = request_name(p->record) + " " +
              (*end == '\0' ? "holds a NUL byte at offset " + offset + " (push the text without its terminator)"
                            : "is not valid UTF-8 (invalid byte at offset " + offset + ")");
   p->error_code = moe::error_code::kInvalidRequest;
@@ -762,17 +794,20 @@ static void set_text(EncodeState* st, Pending* p, const std::string& text) {
   g_free(valid);
 }
 
-// Decodes an image request, unless the query cache has the embedding of the same file bytes.
+// Decodes the image of an image or hybrid request, unless the query cache has the embedding of the
+// same file bytes.
 static void set_encoded_image(EncodeState* st, Pending* p, GstBuffer* buf) {
-  std::string what = "image request '" + p->record.id + "'";
+  std::string what = request_name(p->record);
   if (!p->record.uri.empty()) what += " (" + p->record.uri + ")";
   GstMapInfo map;
   if (!gst_buffer_map(buf, &map, GST_MAP_READ)) {
     p->error = what + ": cannot map the buffer";
     return;
   }
-  if (caching(st)) look_up(st, p, moe::QueryCache::image_file_key(st->cache_version, map.data, map.size));
-  if (!p->cached.empty()) {
+  if (caching(st))
+    look_up(st, moe::QueryCache::image_file_key(st->cache_version, map.data, map.size), &p->image_cached,
+            &p->image_cache_key);
+  if (!p->image_cached.empty()) {
     gst_buffer_unmap(buf, &map);
     return;
   }
@@ -793,32 +828,15 @@ static void complete_record(gstmoe::RequestRecord* r, GstBuffer* buf, guint64 n,
   if (r->arrival_mono_us == 0) r->arrival_mono_us = mono;
 }
 
-// Turns an input buffer into queue entries: the upstream failures its meta carries, then its
-// request (normally one). Runs in the streaming thread.
-static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st, GstBuffer* buf) {
+// The queue entries of an input buffer's own request (normally one; none when the buffer only
+// carries upstream failures or controls). Runs in the streaming thread.
+static void add_request(GstMoeEncode* self, EncodeState* st, GstBuffer* buf, const gstmoe::BatchRecords* in,
+                        std::vector<Pending>* out) {
   const int64_t wall = g_get_real_time(), mono = g_get_monotonic_time();
-  const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
-  const gstmoe::BatchRecords* in = meta != nullptr ? meta->records : nullptr;
   const guint64 n = st->requests++;
-  std::vector<Pending> out;
-  const auto add = [&out, buf](Pending&& p) {
-    p.pts = GST_BUFFER_PTS(buf);
-    out.push_back(std::move(p));
-  };
-  if (in != nullptr) {
-    for (const gstmoe::FailedRequest& f : in->failed) {
-      Pending p;
-      p.record = f.request;
-      p.error = f.reason;
-      p.failed_stage = f.stage;
-      p.error_code = f.code;
-      add(std::move(p));
-    }
-  }
-
   if (st->kind == InputKind::Request && (in == nullptr || in->rows.size() != 1)) {
-    // Only an upstream failure: not a request of its own.
-    if (in != nullptr && in->rows.empty() && !in->failed.empty()) return out;
+    // Only upstream failures or controls: not a request of its own.
+    if (in != nullptr && in->rows.empty() && (!in->failed.empty() || !in->controls.empty())) return;
     // A malformed request buffer: every request it names is answered with an error.
     const std::vector<gstmoe::RequestRecord> rows =
         in != nullptr && !in->rows.empty() ? in->rows : std::vector<gstmoe::RequestRecord>(1);
@@ -830,9 +848,9 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st
           "request '" + p.record.id + "': its buffer carries " +
           (in == nullptr ? std::string("no GstMoeBatchMeta") : std::to_string(in->rows.size()) + " request rows") +
           ", expected exactly one request per buffer";
-      add(std::move(p));
+      out->push_back(std::move(p));
     }
-    return out;
+    return;
   }
 
   Pending p;
@@ -862,39 +880,99 @@ static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st
       break;
     }
     case InputKind::Request:
-      if (p.record.modality == gstmoe::Modality::Text)
-        set_text(st, &p, buffer_bytes(buf));
-      else
-        set_encoded_image(st, &p, buf);
+      switch (p.record.modality) {
+        case gstmoe::Modality::Text:
+          set_text(st, &p, buffer_bytes(buf));
+          break;
+        case gstmoe::Modality::Hybrid: {  // the buffer holds the image, the record the text
+          const std::string text = p.record.text;
+          if (text.empty()) {
+            p.error = request_name(p.record) + " has no text: a hybrid request carries its text in its record";
+            p.error_code = moe::error_code::kInvalidRequest;
+            break;
+          }
+          set_text(st, &p, text);
+          if (p.error.empty()) set_encoded_image(st, &p, buf);
+          break;
+        }
+        case gstmoe::Modality::Image:
+        case gstmoe::Modality::Tensor:  // not a request's: the bytes are taken as an image file
+          set_encoded_image(st, &p, buf);
+          break;
+      }
       break;
     case InputKind::None:  // refused by the chain function
       break;
   }
-  add(std::move(p));
+  out->push_back(std::move(p));
+}
+
+// Turns an input buffer into queue entries: the upstream failures its meta carries, its request,
+// then its controls (row-less requests, such as catalog deletes, which keep their place in the
+// queue so that they leave after the rows that came before them). Runs in the streaming thread.
+static std::vector<Pending> collect_requests(GstMoeEncode* self, EncodeState* st, GstBuffer* buf) {
+  const GstMoeBatchMeta* meta = gst_buffer_get_moe_batch_meta(buf);
+  const gstmoe::BatchRecords* in = meta != nullptr ? meta->records : nullptr;
+  std::vector<Pending> out;
+  if (in != nullptr) {
+    for (const gstmoe::FailedRequest& f : in->failed) {
+      Pending p;
+      p.record = f.request;
+      p.error = f.reason;
+      p.failed_stage = f.stage;
+      p.error_code = f.code;
+      out.push_back(std::move(p));
+    }
+  }
+  add_request(self, st, buf, in, &out);
+  if (in != nullptr) {
+    for (const gstmoe::RequestRecord& control : in->controls) {
+      Pending p;
+      p.record = control;
+      p.control = true;
+      out.push_back(std::move(p));
+    }
+  }
+  for (Pending& p : out) p.pts = GST_BUFFER_PTS(buf);
   return out;
 }
 
 /* ----- encoding ----- */
 
-// Encodes a batch into one tensor buffer: the texts the query cache did not hold with one
-// encode_token_ids call, such images with one encode_images call, rows in arrival order; failures
-// go to the meta's failed list, the misses' embeddings to the query cache.
-static GstBuffer* encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<Pending>& batch) {
+static bool uses_text(gstmoe::Modality m) { return m == gstmoe::Modality::Text || m == gstmoe::Modality::Hybrid; }
+static bool uses_image(gstmoe::Modality m) { return m != gstmoe::Modality::Text; }
+
+// One output buffer of a batch: rows, with their records, and the controls that follow them.
+struct OutputBuffer {
+  gstmoe::BatchRecords records;
+  std::vector<const float*> rows;  // each row's embedding (width floats), in records.rows order
+  GstClockTime pts = GST_CLOCK_TIME_NONE;
+};
+
+// Encodes a batch into tensor buffers: the texts the query cache did not hold (of text and hybrid
+// requests) with one encode_token_ids call, such images (of image and hybrid requests) with one
+// encode_images call, rows in arrival order; a hybrid request's row is its image's embedding, its
+// text's goes in its record. Failures go to the meta's failed list, the misses' embeddings to the
+// query cache. Controls keep their place: a buffer's controls come after its rows, so a row that
+// arrived after a control starts another buffer (a batch without controls is one buffer).
+static std::vector<GstBuffer*> encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<Pending>& batch) {
   const size_t width = st->width;
   const int64_t start = g_get_monotonic_time();
   const moe::ClipModel& model = *st->model;
 
   std::vector<std::vector<int32_t>> token_ids;
   std::vector<moe::ImageView> images;
-  std::vector<size_t> slot(batch.size());  // index into token_ids or images; unused for hits
+  // Index into token_ids or images; unused for hits and for the tower a request does not use.
+  std::vector<size_t> text_slot(batch.size()), image_slot(batch.size());
   for (size_t i = 0; i < batch.size(); ++i) {
     Pending& p = batch[i];
-    if (!p.error.empty() || !p.cached.empty()) continue;
-    if (p.record.modality == gstmoe::Modality::Text) {
-      slot[i] = token_ids.size();
+    if (!p.error.empty() || p.control) continue;
+    if (uses_text(p.record.modality) && p.text_cached.empty()) {
+      text_slot[i] = token_ids.size();
       token_ids.push_back(std::move(p.token_ids));
-    } else {
-      slot[i] = images.size();
+    }
+    if (uses_image(p.record.modality) && p.image_cached.empty()) {
+      image_slot[i] = images.size();
       images.push_back(p.image.view());
     }
   }
@@ -906,57 +984,90 @@ static GstBuffer* encode_batch(GstMoeEncode* self, EncodeState* st, std::vector<
   const double encode_ms = gstmoe::elapsed_ms(start, end);
   gstmoe::metrics::count_encoded_batch(batch.size(), encode_ms);
 
-  gstmoe::BatchRecords records;
-  records.encoder = st->encoder_name;
-  records.encoder_fingerprint = model.fingerprint();
-  std::vector<const float*> row_data;
-  guint64 failed_here = 0;
+  std::vector<OutputBuffer> out(1);
+  out.back().pts = batch.front().pts;
+  size_t rows_total = 0;
+  guint64 failed_here = 0, hybrid = 0;
   for (size_t i = 0; i < batch.size(); ++i) {
     Pending& p = batch[i];
-    const bool is_text = p.record.modality == gstmoe::Modality::Text;
-    const bool hit = !p.cached.empty();
-    const moe::BatchRows& rows = is_text ? text_rows : image_rows;
-    if (p.error.empty() && !hit && !rows.errors[slot[i]].empty())
-      p.error = std::string(is_text ? "text" : "image") + " request '" + p.record.id +
-                "' cannot be encoded: " + rows.errors[slot[i]];
-    if (!p.error.empty()) {
-      if (p.failed_stage == kStage) ++failed_here;
-      records.failed.push_back({std::move(p.record), std::move(p.failed_stage), std::move(p.error), p.error_code});
+    if (p.control) {
+      out.back().records.controls.push_back(std::move(p.record));
       continue;
     }
-    const float* embedding = hit ? p.cached.data() : rows.values.data() + slot[i] * width;
-    if (!p.cache_key.empty()) st->cache->insert(p.cache_key, embedding, width);
+    const gstmoe::Modality modality = p.record.modality;
+    // One tower's embedding of the request: the query cache's, or the encoder's; null when the
+    // encoder failed on it (the reason then goes to p.error).
+    const auto embedding = [&](const std::vector<float>& cached, const moe::BatchRows& rows, size_t slot,
+                               const char* tower) -> const float* {
+      if (!cached.empty()) return cached.data();
+      if (rows.errors[slot].empty()) return rows.values.data() + slot * width;
+      p.error = request_name(p.record) + " cannot be encoded: " +
+                (modality == gstmoe::Modality::Hybrid ? std::string("its ") + tower + ": " : std::string()) +
+                rows.errors[slot];
+      return nullptr;
+    };
+    const float* text = nullptr;
+    const float* image = nullptr;
+    if (p.error.empty() && uses_text(modality)) text = embedding(p.text_cached, text_rows, text_slot[i], "text");
+    if (p.error.empty() && uses_image(modality)) image = embedding(p.image_cached, image_rows, image_slot[i], "image");
+    if (!p.error.empty()) {
+      if (p.failed_stage == kStage) ++failed_here;
+      out.back().records.failed.push_back(
+          {std::move(p.record), std::move(p.failed_stage), std::move(p.error), p.error_code});
+      continue;
+    }
+    if (!p.text_cache_key.empty()) st->cache->insert(p.text_cache_key, text, width);
+    if (!p.image_cache_key.empty()) st->cache->insert(p.image_cache_key, image, width);
+    if (modality == gstmoe::Modality::Hybrid) {
+      p.record.text_embedding.assign(text, text + width);
+      ++hybrid;
+    }
     // A hit leaves with its batch, after the encoder: its latency includes the batch's encoding.
     p.record.timings_ms.emplace_back("queue", gstmoe::elapsed_ms(p.record.arrival_mono_us, start));
     p.record.timings_ms.emplace_back("encode", encode_ms);
-    records.rows.push_back(std::move(p.record));
-    row_data.push_back(embedding);
+    if (!out.back().records.controls.empty()) {
+      out.emplace_back();
+      out.back().pts = p.pts;
+    }
+    out.back().records.rows.push_back(std::move(p.record));
+    out.back().rows.push_back(modality == gstmoe::Modality::Text ? text : image);
+    ++rows_total;
   }
-  for (gstmoe::RequestRecord& r : records.rows) r.batch_rows = records.rows.size();
   GST_OBJECT_LOCK(self);
   self->rows_failed += failed_here;
+  self->rows_hybrid += hybrid;
   self->encode_ms += encode_ms;
   report_query_cache(self);
   GST_OBJECT_UNLOCK(self);
 
-  GstBuffer* out;
-  if (row_data.empty()) {
-    out = gst_buffer_new();
-  } else {
-    out = gst_buffer_new_allocate(nullptr, row_data.size() * width * sizeof(float), nullptr);
-    GstMapInfo map;
-    gst_buffer_map(out, &map, GST_MAP_WRITE);
-    for (size_t r = 0; r < row_data.size(); ++r)
-      std::memcpy(map.data + r * width * sizeof(float), row_data[r], width * sizeof(float));
-    gst_buffer_unmap(out, &map);
+  std::vector<GstBuffer*> buffers;
+  for (OutputBuffer& o : out) {
+    gstmoe::BatchRecords& records = o.records;
+    records.encoder = st->encoder_name;
+    records.encoder_fingerprint = model.fingerprint();
+    // The rows encoded together, whichever buffer they leave in: their cost shares the batch's time.
+    for (gstmoe::RequestRecord& r : records.rows) r.batch_rows = rows_total;
+    GstBuffer* buf;
+    if (o.rows.empty()) {
+      buf = gst_buffer_new();
+    } else {
+      buf = gst_buffer_new_allocate(nullptr, o.rows.size() * width * sizeof(float), nullptr);
+      GstMapInfo map;
+      gst_buffer_map(buf, &map, GST_MAP_WRITE);
+      for (size_t r = 0; r < o.rows.size(); ++r)
+        std::memcpy(map.data + r * width * sizeof(float), o.rows[r], width * sizeof(float));
+      gst_buffer_unmap(buf, &map);
+    }
+    GST_BUFFER_PTS(buf) = o.pts;
+    GST_BUFFER_DTS(buf) = GST_CLOCK_TIME_NONE;
+    GST_BUFFER_DURATION(buf) = GST_CLOCK_TIME_NONE;
+    gst_buffer_add_moe_batch_meta(buf, records);
+    buffers.push_back(buf);
   }
-  GST_BUFFER_PTS(out) = batch.front().pts;
-  GST_BUFFER_DTS(out) = GST_CLOCK_TIME_NONE;
-  GST_BUFFER_DURATION(out) = GST_CLOCK_TIME_NONE;
-  GST_LOG_OBJECT(self, "batch: %zu rows, %zu failed, encoded in %.3f ms", records.rows.size(), records.failed.size(),
-                 encode_ms);
-  gst_buffer_add_moe_batch_meta(out, records);
-  return out;
+  GST_LOG_OBJECT(self,
+                 "batch: %zu rows (%" G_GUINT64_FORMAT " hybrid), %zu entries, in %zu buffers, encoded in %.3f ms",
+                 rows_total, hybrid, batch.size(), buffers.size(), encode_ms);
+  return buffers;
 }
 
 /* ----- the queue and the worker ----- */
@@ -975,7 +1086,14 @@ static bool push_next_batch(GstMoeEncode* self, EncodeState* st, GstFlowReturn* 
     st->queue.erase(st->queue.begin(), taken);
   }
   st->wake.notify_all();  // room for the streaming thread, which queues on while this batch runs
-  *ret = gst_pad_push(self->srcpad, encode_batch(self, st, batch));
+  // In order; after a failed push the rest would fail too (flushing, not linked...): dropped.
+  *ret = GST_FLOW_OK;
+  for (GstBuffer* buf : encode_batch(self, st, batch)) {
+    if (*ret == GST_FLOW_OK)
+      *ret = gst_pad_push(self->srcpad, buf);
+    else
+      gst_buffer_unref(buf);
+  }
   {
     std::lock_guard<std::mutex> lk(st->lock);
     st->batcher.finished();
@@ -1125,7 +1243,8 @@ static GstFlowReturn refuse_image_file(GstMoeEncode* self, EncodeState* st, GstB
   st->image_file_refused = true;
   std::vector<Pending> requests = collect_requests(self, st, block);
   gst_buffer_unref(block);
-  Pending& p = requests.back();
+  // Its own request: the last entry before the controls its meta may carry.
+  Pending& p = *std::find_if(requests.rbegin(), requests.rend(), [](const Pending& e) { return !e.control; });
   p.error = "image request '" + p.record.id + "' (" + p.record.uri + "): image file of " +
             std::to_string(st->image_file_size) + " bytes exceeds the limit of " +
             std::to_string(MAX_IMAGE_FILE_BYTES) + " bytes";
@@ -1471,7 +1590,9 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       g_param_spec_uint("max-batch", "Maximum batch",
                         "Most requests encoded together. A request that finds the encoder idle is encoded at once; "
                         "those that arrive while it is busy leave together, up to this many, when it is done. While "
-                        "this many are queued, the streaming thread waits (backpressure)",
+                        "this many are queued, the streaming thread waits (backpressure). A hybrid request (image "
+                        "and text) counts once: it takes one input of each tower, so neither tower's call exceeds "
+                        "this many inputs",
                         MIN_MAX_BATCH, MAX_MAX_BATCH, DEFAULT_MAX_BATCH, gstmoe::kPropertyMutablePlaying));
   g_object_class_install_property(
       gobject_class, PROP_MAX_LATENCY,
@@ -1507,8 +1628,10 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
       gobject_class, PROP_STATS,
       gstmoe::stats_param_spec(
           "moe-encode-stats, since the element started: requests (queued, including those that failed before "
-          "or on arrival), batches (encoded), batches-by-size (array: [i] counts batches of 2^i to 2^(i+1)-1 "
-          "requests), rows-failed (requests that failed here), encode-ms (time in engine calls), queue-wait-ms "
+          "or on arrival and row-less controls such as catalog deletes), batches (encoded), batches-by-size (array: "
+          "[i] counts batches of 2^i to 2^(i+1)-1 "
+          "requests), rows-failed (requests that failed here), rows-hybrid (hybrid requests encoded: an image and "
+          "a text each), encode-ms (time in engine calls), queue-wait-ms "
           "and queue-wait-max-ms (from arrival to the batch leaving: total and longest), late (requests that "
           "queued longer than max-latency), cache-hits, cache-misses, cache-evictions and cache-refused (query cache "
           "lookups that found an embedding, lookups that did not, entries dropped to stay within cache-bytes, "
@@ -1520,10 +1643,11 @@ static void gst_moe_encode_class_init(GstMoeEncodeClass* klass) {
   gst_element_class_set_static_metadata(
       element_class, "CLIP encoder", "Filter/Converter/Text/Video",
       "Encodes query texts (one per text/x-raw buffer), image files (JPEG, PNG, WebP, GIF, BMP, TIFF, PNM), video "
-      "frames, or application/x-moe-request buffers (a text or an encoded image file) with a CLIP model into batches "
-      "of embeddings (application/x-moe-tensor, width = the "
-      "model's projection_dim). Each row's request (id, modality, uri, timings) is in the buffer's GstMoeBatchMeta; "
-      "requests that cannot be encoded travel on in its failed list. Example: gst-launch-1.0 videotestsrc "
+      "frames, or application/x-moe-request buffers (a text, an encoded image file, or a hybrid's image with its text "
+      "in the record) with a CLIP model into batches of embeddings (application/x-moe-tensor, width = the "
+      "model's projection_dim). Each row's request (id, modality, uri, timings; a hybrid's text embedding) is in the "
+      "buffer's GstMoeBatchMeta; requests that cannot be encoded travel on in its failed list, row-less requests "
+      "(catalog deletes) in its controls, after the rows that came before them. Example: gst-launch-1.0 videotestsrc "
       "num-buffers=16 ! moe-encode model=models/default/clip max-batch=4 ! fakesink",
       "gst-moe developers");
 
@@ -1554,7 +1678,7 @@ static void gst_moe_encode_init(GstMoeEncode* self) {
   self->qos_earliest = GST_CLOCK_TIME_NONE;
   self->frames_processed = self->frames_skipped = self->frames_late = 0;
   self->batcher_stats = new moe::BatcherStats();
-  self->rows_failed = 0;
+  self->rows_failed = self->rows_hybrid = 0;
   self->encode_ms = 0.0;
   self->query_cache = new moe::QueryCache(DEFAULT_CACHE_BYTES);
   self->cache_at_start = new moe::QueryCacheStats();

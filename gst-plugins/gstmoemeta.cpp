@@ -13,6 +13,8 @@ const char* modality_name(Modality m) {
       return "image";
     case Modality::Tensor:
       return "tensor";
+    case Modality::Hybrid:
+      return "hybrid";
     case Modality::Text:
       break;
   }

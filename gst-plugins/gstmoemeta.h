@@ -18,10 +18,12 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "moe/ann_index.h"
 #include "moe/query_request.h"
 
 #define GST_MOE_REQUEST_CAPS "application/x-moe-request"
@@ -37,7 +39,20 @@
 
 namespace gstmoe {
 
-enum class Modality { Text, Image, Tensor };  // Tensor: a plain vector, no meta (ann-query)
+// Tensor: a plain vector, no meta (ann-query). Hybrid: an image and a text in one request ("like this
+// photo, but red"): the buffer holds the image bytes, the record the text.
+enum class Modality { Text, Image, Tensor, Hybrid };
+
+// What a request asks: a search (queries), or a change to the catalog (docs/zmq-schema.md,
+// "Live updates"; ann-query refuses them unless its allow-updates is set).
+enum class RequestOp { Search, Upsert, Delete };
+
+// How a hybrid request's image and text embeddings were fused into its query vector.
+struct Fusion {
+  float image = 0;     // weight of the image embedding
+  float text = 0;      // weight of the text embedding
+  std::string method;  // "gate" (the adapter's learned cross-modal gate) or "average" (no gate)
+};
 const char* modality_name(Modality m);
 
 // One request, from the moment it enters the pipeline to its result document.
@@ -66,6 +81,15 @@ struct RequestRecord {
   size_t batch_rows = 0;
   double batch_copy_wait_ms = 0;
   uint64_t batch_expert_bytes = 0;
+  // Hybrid requests: the text's embedding (moe-encode; the tensor row is the image's) until the
+  // two are fused into the row (moe-route, or ann-query when no moe-route ran), then `fusion`.
+  std::vector<float> text_embedding;
+  std::optional<Fusion> fusion;
+  // Catalog updates: an Upsert's row is the new item's vector and `item` describes it; a Delete has
+  // no row (it travels in BatchRecords::controls) and names the catalog ids in `item_ids`.
+  RequestOp op = RequestOp::Search;
+  moe::AnnItem item;
+  std::vector<std::string> item_ids;
 };
 
 // A request that could not be processed; it travels to the result stream as an error record.
@@ -77,9 +101,10 @@ struct FailedRequest {
 };
 
 struct BatchRecords {
-  std::vector<RequestRecord> rows;    // rows[i] describes tensor row i
-  std::vector<FailedRequest> failed;  // answered with an error record by ann-query
-  std::string encoder;                // model identifiers, for the result documents
+  std::vector<RequestRecord> rows;      // rows[i] describes tensor row i
+  std::vector<FailedRequest> failed;    // answered with an error record by ann-query
+  std::vector<RequestRecord> controls;  // requests without a row (catalog deletions), for ann-query
+  std::string encoder;                  // model identifiers, for the result documents
   std::string adapter;
   // What made the vectors, for ann-query's provenance check: moe-encode's and moe-expert's
   // fingerprint() of their models (16 hex digits; moe-expert appends "+<router's>" when the
@@ -88,6 +113,10 @@ struct BatchRecords {
   // but leaves the vectors as they are).
   std::string encoder_fingerprint;
   std::string adapter_fingerprint;
+  // The fingerprint() of the adapter whose router routed the rows (set by moe-route per batch; empty:
+  // no moe-route). During a hot swap moe-expert runs the experts of the adapter it holds with this
+  // fingerprint, so a batch keeps the adapter it was routed with (docs/architecture.md, "Hot swap").
+  std::string router_fingerprint;
   // moe-route's moe::ExpertExecutor::prefetch() of this batch, for the moe-expert downstream
   // (null when its experts run on the CPU path): holds the batch's pinned experts on the devices.
   // Copies of the meta share it; moe-expert drops it when it has run the batch, which unpins them.

@@ -206,15 +206,18 @@ struct PluginMetrics {
   std::shared_ptr<ProcessCollector> process = std::make_shared<ProcessCollector>();
   std::shared_ptr<DeviceMemoryCollector> device_memory = std::make_shared<DeviceMemoryCollector>();
 
-  Family<Counter>& requests = prometheus::BuildCounter()
-                                  .Name("gstmoe_requests_total")
-                                  .Help(
-                                      "Requests answered by ann-query, by outcome: result (a result document), "
-                                      "error (an error document), indexed (a row added to an index being built)")
-                                  .Register(*registry);
+  Family<Counter>& requests =
+      prometheus::BuildCounter()
+          .Name("gstmoe_requests_total")
+          .Help(
+              "Requests answered by ann-query, by outcome: result (a result document), "
+              "error (an error document), indexed (a row added to an index being built), update (a catalog "
+              "update applied: an update document)")
+          .Register(*registry);
   Counter& results = requests.Add({{"outcome", "result"}});
   Counter& errors = requests.Add({{"outcome", "error"}});
   Counter& indexed = requests.Add({{"outcome", "indexed"}});
+  Counter& updates = requests.Add({{"outcome", "update"}});
   Family<Counter>& request_errors =
       prometheus::BuildCounter()
           .Name("gstmoe_request_errors_total")
@@ -549,6 +552,8 @@ void count_error(const FailedRequest& failed) {
 }
 
 void count_indexed(size_t rows) { plugin_metrics().indexed.Increment(static_cast<double>(rows)); }
+
+void count_update() { plugin_metrics().updates.Increment(); }
 
 void count_search(double search_ms) {
   plugin_metrics().busy.Add({{"stage", "search"}}).Increment(search_ms * kSecondsPerMs);

@@ -43,6 +43,7 @@ bool serve(GstElement* element, const std::string& address, std::shared_ptr<Serv
 void count_result(const RequestRecord& request, int64_t now_mono_us);
 void count_error(const FailedRequest& failed);                // an error document left ann-query
 void count_indexed(size_t rows);                              // rows added to an index being built
+void count_update();                                          // a catalog update applied (an update document)
 void count_search(double search_ms);                          // one batch searched
 void count_encoded_batch(size_t requests, double encode_ms);  // one batch taken by moe-encode
 // What a moe-encode query cache did between two of its stats() readings (`after` - `before`; the

@@ -142,10 +142,21 @@ void request_members(JsonBuilder* b, const char* type, const RequestRecord& r) {
   member_string_or_null(b, "id", r.id);
   member_string(b, "modality", modality_name(r.modality));
   // Echoes are clipped: an answer goes to every subscriber, whatever a request carried.
-  member_string_or_null(
-      b, "query", r.modality == Modality::Text ? moe::clip_utf8(r.text, moe::kMaxEchoedQueryBytes) : std::string());
-  member_string_or_null(
-      b, "uri", r.modality == Modality::Image ? moe::clip_utf8(r.uri, moe::kMaxEchoedQueryBytes) : std::string());
+  // A hybrid request carries both: its text and its image.
+  const bool has_text = r.modality == Modality::Text || r.modality == Modality::Hybrid;
+  const bool has_image = r.modality == Modality::Image || r.modality == Modality::Hybrid;
+  member_string_or_null(b, "query", has_text ? moe::clip_utf8(r.text, moe::kMaxEchoedQueryBytes) : std::string());
+  member_string_or_null(b, "uri", has_image ? moe::clip_utf8(r.uri, moe::kMaxEchoedQueryBytes) : std::string());
+}
+
+// Hybrid requests: how the image and the text embeddings were weighed into the query vector.
+void fusion_member(JsonBuilder* b, const Fusion& fusion) {
+  json_builder_set_member_name(b, "fusion");
+  json_builder_begin_object(b);
+  member_number(b, "image", fusion.image, 6);
+  member_number(b, "text", fusion.text, 6);
+  member_string(b, "method", fusion.method);
+  json_builder_end_object(b);
 }
 
 void arrival_member(JsonBuilder* b, const RequestRecord& r) {
@@ -153,6 +164,25 @@ void arrival_member(JsonBuilder* b, const RequestRecord& r) {
   // Video frames only: each frame's own time, not its batch's.
   if (GST_CLOCK_TIME_IS_VALID(r.pts)) member_int(b, "pts_ns", static_cast<int64_t>(r.pts));
   if (GST_CLOCK_TIME_IS_VALID(r.stream_time)) member_int(b, "stream_time_ns", static_cast<int64_t>(r.stream_time));
+}
+
+// "timings_ms": each stage's milliseconds, then "total" = arrival to `now_mono_us`. A stage recorded
+// twice (e.g. two moe-expert elements) is summed: object keys must be unique.
+void timings_member(JsonBuilder* b, const RequestRecord& r, int64_t now_mono_us) {
+  std::vector<std::pair<std::string, double>> stages;
+  for (const auto& [stage, ms] : r.timings_ms) {
+    auto it = std::find_if(stages.begin(), stages.end(), [&](const auto& s) { return s.first == stage; });
+    if (it == stages.end())
+      stages.emplace_back(stage, ms);
+    else
+      it->second += ms;
+  }
+  json_builder_set_member_name(b, "timings_ms");
+  json_builder_begin_object(b);
+  for (const auto& [stage, ms] : stages)
+    if (stage != "total") member_number(b, stage.c_str(), ms, 3);
+  member_number(b, "total", elapsed_ms(r.arrival_mono_us, now_mono_us), 3);
+  json_builder_end_object(b);
 }
 
 }  // namespace
@@ -220,6 +250,7 @@ std::string result_document(const RequestRecord& r, int k, const std::vector<Res
     json_builder_end_object(b);
   }
   json_builder_end_array(b);
+  if (r.fusion) fusion_member(b, *r.fusion);
 
   json_builder_set_member_name(b, "model");
   json_builder_begin_object(b);
@@ -228,21 +259,7 @@ std::string result_document(const RequestRecord& r, int k, const std::vector<Res
   member_string_or_null(b, "index", model.index);
   json_builder_end_object(b);
 
-  // A stage recorded twice (e.g. two moe-expert elements) is summed: object keys must be unique.
-  std::vector<std::pair<std::string, double>> stages;
-  for (const auto& [stage, ms] : r.timings_ms) {
-    auto it = std::find_if(stages.begin(), stages.end(), [&](const auto& s) { return s.first == stage; });
-    if (it == stages.end())
-      stages.emplace_back(stage, ms);
-    else
-      it->second += ms;
-  }
-  json_builder_set_member_name(b, "timings_ms");
-  json_builder_begin_object(b);
-  for (const auto& [stage, ms] : stages)
-    if (stage != "total") member_number(b, stage.c_str(), ms, 3);
-  member_number(b, "total", elapsed_ms(r.arrival_mono_us, now_mono_us), 3);
-  json_builder_end_object(b);
+  timings_member(b, r, now_mono_us);
 
   json_builder_set_member_name(b, "cost");
   RequestCost cost;
@@ -274,6 +291,33 @@ std::string error_document(const FailedRequest& failed) {
   member_string(b, "reason", failed.reason);
   json_builder_end_object(b);
   arrival_member(b, failed.request);
+  json_builder_end_object(b);
+  return generate(b);
+}
+
+std::string update_document(const RequestRecord& r, const UpdateOutcome& outcome, int64_t now_mono_us) {
+  JsonBuilder* b = json_builder_new();
+  json_builder_begin_object(b);
+  document_members(b, "update");
+  member_string_or_null(b, "id", r.id);
+  if (r.op == RequestOp::Upsert) {
+    member_string(b, "op", "upsert");
+    member_string(b, "item", r.item.id);
+    member_int(b, "row", outcome.row);
+    json_builder_set_member_name(b, "replaced");
+    json_builder_add_boolean_value(b, outcome.replaced);
+  } else {
+    member_string(b, "op", "delete");
+    member_int(b, "deleted", outcome.deleted);
+    json_builder_set_member_name(b, "missing");
+    json_builder_begin_array(b);
+    for (const std::string& id : outcome.missing) add_string(b, id);
+    json_builder_end_array(b);
+  }
+  member_string_or_null(b, "index", outcome.index);
+  member_int(b, "items", outcome.items);
+  timings_member(b, r, now_mono_us);
+  arrival_member(b, r);
   json_builder_end_object(b);
   return generate(b);
 }

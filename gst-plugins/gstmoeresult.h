@@ -4,6 +4,7 @@
  *
  *   result       one per answered request: the hits, routing, model identifiers, timings, cost
  *   error        one per failed request: the stage that failed it and why
+ *   update       one per applied catalog update (ann-query allow-updates): what changed
  *   index-built  one per build run (ann-query mode=build), at EOS
  *
  * Every document starts with "schema" (kResultSchema), then "type"; error documents carry the
@@ -66,6 +67,20 @@ std::string result_document(const RequestRecord& request, int k, const std::vect
 
 // The error document for a failed request.
 std::string error_document(const FailedRequest& failed);
+
+// What a catalog update (RequestOp::Upsert or Delete) did to the index that applied it.
+struct UpdateOutcome {
+  int64_t row = -1;                  // upsert: the item's new row in the index
+  bool replaced = false;             // upsert: an item with its id was there and is replaced
+  int64_t deleted = 0;               // delete: how many of the ids named an item, now deleted
+  std::vector<std::string> missing;  // delete: the ids that named no item
+  int64_t items = 0;                 // live items in the index afterwards
+  std::string index;                 // basename of the index file
+};
+
+// The answer to an applied update, type "update": op "upsert" with the item's id, row and replaced,
+// or op "delete" with deleted and missing; then the index and its live items.
+std::string update_document(const RequestRecord& request, const UpdateOutcome& outcome, int64_t now_mono_us);
 
 // The summary ann-query mode=build sends after writing an index.
 std::string index_built_document(const std::string& index_path, int64_t items, int dim, const char* index_type,

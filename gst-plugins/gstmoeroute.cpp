@@ -17,6 +17,18 @@
  * When the moe-expert downstream runs its experts on GPU devices (or in reduced precision),
  * moe-route starts loading each batch's experts there as soon as it has routed the batch.
  *
+ * Hybrid requests (an image and a text) arrive with the image's embedding as their row and the
+ * text's in their record: moe-route fuses the two with the adapter's cross-modal gate (the plain
+ * average for an adapter without one), writes the fused vector into the row and the weights into
+ * the record, and routes it among all the adapter's experts; other rows never route to its
+ * joint visual-text experts (adapter_config.json "joint_experts", docs/routing.md).
+ *
+ * Setting `model` while playing swaps the adapter without stopping (docs/architecture.md, "Hot
+ * swap"): the new one loads in the background while the old one routes, and the first batch
+ * after it is ready is routed by it (the routing policy's state, such as the balancing bias,
+ * starts afresh for its experts). Swap moe-expert's first: it runs each batch with the experts of
+ * the adapter that routed it.
+ *
  * Routing policies (docs/routing.md): `routing=top-p` gives each row the smallest set of experts
  * whose probability reaches `top-p`, between `min-k` and `max-k` (rows may then use different
  * numbers of experts); `capacity-factor` caps the rows each expert takes per batch, the most
@@ -34,7 +46,9 @@
  * in one batch (expert-peak); and since the stream started, the balancing bias per
  * expert (expert-bias), the rows explored per expert (expert-explored), the rows that found each
  * expert full (expert-overflowed), the slots dropped at capacity (dropped), the mean experts per
- * row (experts-per-row) and the coefficient of variation of the expert load (load-cv).
+ * row (experts-per-row) and the coefficient of variation of the expert load (load-cv); the
+ * adapter's fingerprint and the swaps made since the start. The per-expert figures start again
+ * with each swap.
  *
  * ## Example launch lines
  * |[
@@ -59,9 +73,17 @@
  * gstmoeadapter.h) and calls its prefetch() as soon as a batch is routed, on this streaming
  * thread: the copies of the batch's experts start while earlier batches still compute. The
  * returned handle travels in the meta (BatchRecords::expert_prefetch) to moe-expert.
+ *
+ * Hot swap: gstmoe::adapter::HotSwap loads the new adapter and builds its Router on a thread of
+ * its own; the streaming thread takes it at the start of a batch, so every batch is routed by one
+ * adapter, and says which in the meta (BatchRecords::router_fingerprint): that is how the
+ * moe-expert downstream picks the matching experts while it holds both, and which executor it
+ * answers the preload query with. Requests already routed keep their routing.
  */
 #include "gstmoeroute.h"
 
+#include <algorithm>
+#include <atomic>
 #include <memory>
 #include <numeric>
 #include <utility>
@@ -115,14 +137,49 @@ enum {
 
 namespace {
 
+// The routing properties as start() read them; each adapter gets its Router from them.
+struct RouterSettings {
+  moe::RoutingPolicy policy;  // top_k and temperature: from the two below and the adapter
+  guint top_k = 0;            // 0: the adapter's
+  double temperature = 0.0;   // 0: the adapter's router_temperature
+};
+
+// The routing policy of `settings` for the experts of `adapter` (in `dir`); throws moe::Error
+// naming the setting and the adapter when it does not fit them.
+std::unique_ptr<moe::Router> make_router(const RouterSettings& settings, const moe::MoeAdapter& adapter,
+                                         const std::string& dir) {
+  const moe::MoeConfig& cfg = adapter.layer().config();
+  // Single-modality rows never use the joint experts, so top-k must fit the others.
+  const int routable = cfg.num_experts - cfg.joint_experts;
+  if (settings.top_k > static_cast<guint>(routable))
+    throw moe::Error("top-k=" + std::to_string(settings.top_k) + " exceeds the " + std::to_string(routable) +
+                     " experts of the MoE adapter '" + dir + "'" +
+                     (cfg.joint_experts == 0
+                          ? std::string()
+                          : " that every request may use (" + std::to_string(cfg.joint_experts) + " of its " +
+                                std::to_string(cfg.num_experts) + " are joint visual-text experts)"));
+  moe::RoutingPolicy policy = settings.policy;
+  policy.top_k = settings.top_k ? static_cast<int>(settings.top_k) : cfg.top_k;
+  policy.renormalize = cfg.routing == moe::RoutingKind::Mixtral || cfg.norm_topk_prob;
+  policy.temperature = settings.temperature > 0.0 ? settings.temperature : cfg.router_temperature;
+  try {
+    return std::make_unique<moe::Router>(cfg.num_experts, policy);
+  } catch (const moe::Error& e) {
+    throw moe::Error(std::string(e.what()) + " (MoE adapter '" + dir + "')");
+  }
+}
+
 // What one run works with: created by start(), destroyed by stop().
 struct RouteState {
+  // The adapter in use; replaced at a batch boundary by a hot swap (streaming thread, under the
+  // object lock: the route query reads them from other threads).
   std::shared_ptr<const moe::MoeAdapter> adapter;
   std::string adapter_dir;
   std::string adapter_name;
-  int top_k = 0;  // the property, or the adapter's top_k for 0
-  int width = 0;  // negotiated tensor width; 0 before caps
-  // The policy and its state; plain top-k routing runs on the adapter's device and is only counted.
+  // Negotiated tensor width; 0 before caps. Atomic: a hot swap's loading thread checks against it.
+  std::atomic<int> width{0};
+  // The adapter's policy and its state (its top_k: the property, or the adapter's for 0); plain
+  // top-k routing runs on the adapter's device and is only counted.
   std::unique_ptr<moe::Router> router;
   // The caps last refused (their error is posted): upstream retries a refused sticky caps event
   // before each buffer and event, and one error says it all.
@@ -139,8 +196,9 @@ struct RouteState {
 struct _GstMoeRoute {
   GstBaseTransform parent;
 
-  // Properties, under the object lock; read when the element starts.
-  gchar* model;  // nullptr: unset
+  // `model`, with its own lock: read when the element starts, swapped while it runs.
+  gstmoe::adapter::HotSwap* swap;
+  // The other properties, under the object lock; read when the element starts.
   guint top_k;
   GstMoeRouteRouting routing;
   gdouble top_p;
@@ -232,12 +290,9 @@ static void gst_moe_route_set_property(GObject* object, guint prop_id, const GVa
   GstMoeRoute* self = GST_MOE_ROUTE(object);
   GST_OBJECT_LOCK(self);
   switch (prop_id) {
-    case PROP_MODEL: {
-      const gchar* dir = g_value_get_string(value);
-      g_free(self->model);
-      self->model = dir && *dir ? g_strdup(dir) : nullptr;
+    case PROP_MODEL:
+      self->swap->set_model(g_value_get_string(value));
       break;
-    }
     case PROP_TOP_K:
       self->top_k = g_value_get_uint(value);
       break;
@@ -289,7 +344,7 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
   GST_OBJECT_LOCK(self);
   switch (prop_id) {
     case PROP_MODEL:
-      g_value_set_string(value, self->model);
+      g_value_take_string(value, self->swap->dup_model());
       break;
     case PROP_TOP_K:
       g_value_set_uint(value, self->top_k);
@@ -336,7 +391,9 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
       gstmoe::adapter::take_array(s, "expert-explored", *self->expert_explored);
       gstmoe::adapter::take_array(s, "expert-overflowed", *self->expert_overflowed);
       gst_structure_set(s, "load-cv", G_TYPE_DOUBLE, self->load_cv, "experts-per-row", G_TYPE_DOUBLE,
-                        self->experts_per_row, "dropped", G_TYPE_UINT64, self->dropped, nullptr);
+                        self->experts_per_row, "dropped", G_TYPE_UINT64, self->dropped, "fingerprint", G_TYPE_STRING,
+                        self->state ? self->state->adapter->fingerprint().c_str() : "", "swaps", G_TYPE_UINT64,
+                        self->swap->swaps(), nullptr);
       g_value_take_boxed(value, s);
       break;
     }
@@ -347,12 +404,23 @@ static void gst_moe_route_get_property(GObject* object, guint prop_id, GValue* v
   GST_OBJECT_UNLOCK(self);
 }
 
+// The router's figures behind `stats` for a fresh Router over `num_experts`; object lock held.
+static void gst_moe_route_clear_figures(GstMoeRoute* self, int num_experts) {
+  self->expert_bias->assign(static_cast<size_t>(num_experts), 0.0);
+  self->expert_explored->assign(static_cast<size_t>(num_experts), 0);
+  self->expert_overflowed->assign(static_cast<size_t>(num_experts), 0);
+  self->dropped = 0;
+  self->experts_per_row = 0.0;
+  self->load_cv = 0.0;
+}
+
 static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
+  const std::string dir = self->swap->model();
+  RouterSettings settings;
   GST_OBJECT_LOCK(self);
-  const std::string dir = self->model ? self->model : "";
-  const guint top_k = self->top_k;
-  moe::RoutingPolicy policy;
+  settings.top_k = self->top_k;
+  moe::RoutingPolicy& policy = settings.policy;
   policy.selection =
       self->routing == GST_MOE_ROUTE_ROUTING_TOP_P ? moe::ExpertSelection::TopP : moe::ExpertSelection::TopK;
   policy.top_p = self->top_p;
@@ -361,7 +429,7 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   policy.capacity_factor = self->capacity_factor;
   policy.overflow =
       self->overflow == GST_MOE_ROUTE_OVERFLOW_DROP ? moe::CapacityOverflow::Drop : moe::CapacityOverflow::Reroute;
-  const double temperature = self->temperature;
+  settings.temperature = self->temperature;
   policy.balance = self->balance == GST_MOE_ROUTE_BALANCE_BIAS ? moe::LoadBalance::Bias : moe::LoadBalance::None;
   policy.balance_rate = self->balance_rate;
   policy.balance_margin = self->balance_margin;
@@ -372,60 +440,76 @@ static gboolean gst_moe_route_start(GstBaseTransform* trans) {
   std::shared_ptr<const moe::MoeAdapter> adapter = gstmoe::adapter::load(GST_ELEMENT(self), dir);
   if (!adapter) return FALSE;
   const moe::MoeConfig& cfg = adapter->layer().config();
-  if (top_k > static_cast<guint>(cfg.num_experts)) {
-    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS,
-                      ("top-k=%u exceeds the %d experts of the MoE adapter '%s'", top_k, cfg.num_experts, dir.c_str()),
-                      (nullptr));
-    return FALSE;
-  }
-
   auto* state = new RouteState();
-  state->adapter = std::move(adapter);
-  state->adapter_dir = dir;
-  state->adapter_name = gstmoe::adapter::name_of(dir);
-  state->top_k = top_k ? static_cast<int>(top_k) : cfg.top_k;
-  policy.top_k = state->top_k;
-  policy.renormalize = cfg.routing == moe::RoutingKind::Mixtral || cfg.norm_topk_prob;
-  policy.temperature = temperature > 0.0 ? temperature : cfg.router_temperature;
   try {
-    state->router = std::make_unique<moe::Router>(cfg.num_experts, policy);
+    state->router = make_router(settings, *adapter, dir);
   } catch (const moe::Error& e) {
-    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("%s (MoE adapter '%s')", e.what(), dir.c_str()), (nullptr));
+    GST_ELEMENT_ERROR(self, RESOURCE, SETTINGS, ("%s", e.what()), (nullptr));
     delete state;
     return FALSE;
   }
+  state->adapter = std::move(adapter);
+  state->adapter_dir = dir;
+  state->adapter_name = gstmoe::adapter::name_of(dir);
+  const moe::RoutingPolicy& used = state->router->policy();
   self->stats->reset(cfg.num_experts);
   GST_INFO_OBJECT(self,
                   "adapter %s: hidden_size %d, %d experts, %s, capacity-factor %g, temperature %g, balance %s, "
                   "explore %g",
                   dir.c_str(), cfg.hidden_size, cfg.num_experts,
-                  (policy.selection == moe::ExpertSelection::TopP
-                       ? "top-p " + std::to_string(policy.top_p) + " (" + std::to_string(policy.min_k) + ".." +
-                             std::to_string(policy.max_k) + " experts)"
-                       : "top-k " + std::to_string(state->top_k))
+                  (used.selection == moe::ExpertSelection::TopP
+                       ? "top-p " + std::to_string(used.top_p) + " (" + std::to_string(used.min_k) + ".." +
+                             std::to_string(used.max_k) + " experts)"
+                       : "top-k " + std::to_string(used.top_k))
                       .c_str(),
-                  policy.capacity_factor, policy.temperature,
-                  policy.balance == moe::LoadBalance::Bias ? "bias" : "none", policy.explore);
+                  used.capacity_factor, used.temperature, used.balance == moe::LoadBalance::Bias ? "bias" : "none",
+                  used.explore);
   GST_OBJECT_LOCK(self);
   self->state = state;
-  self->expert_bias->assign(static_cast<size_t>(cfg.num_experts), 0.0);
-  self->expert_explored->assign(static_cast<size_t>(cfg.num_experts), 0);
-  self->expert_overflowed->assign(static_cast<size_t>(cfg.num_experts), 0);
-  self->dropped = 0;
-  self->experts_per_row = 0.0;
-  self->load_cv = 0.0;
+  gst_moe_route_clear_figures(self, cfg.num_experts);
   GST_OBJECT_UNLOCK(self);
+  // A hot swap checks the new adapter against the rows and builds its Router on its loading thread.
+  self->swap->start(dir, [state, settings](gstmoe::adapter::LoadedAdapter& loaded) {
+    const std::string refusal = gstmoe::adapter::width_refusal(*loaded.adapter, state->width.load());
+    if (!refusal.empty()) throw moe::Error(refusal);
+    loaded.router = make_router(settings, *loaded.adapter, loaded.dir);
+  });
   return TRUE;
 }
 
 static gboolean gst_moe_route_stop(GstBaseTransform* trans) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
+  self->swap->stop();  // before the state goes: a load in progress reads its width
   GST_OBJECT_LOCK(self);
   RouteState* state = self->state;
   self->state = nullptr;
   GST_OBJECT_UNLOCK(self);
   delete state;  // the cache frees the adapter when its last user lets go
   return TRUE;
+}
+
+// At a batch boundary (streaming thread): switches to the adapter a hot swap has loaded, if any.
+static void gst_moe_route_take_swap(GstMoeRoute* self, RouteState* st) {
+  std::unique_ptr<gstmoe::adapter::LoadedAdapter> loaded = self->swap->take();
+  if (!loaded || loaded->adapter == st->adapter) return;
+  // The caps may have come after the loading thread looked at the width.
+  const std::string refusal = gstmoe::adapter::width_refusal(*loaded->adapter, st->width.load());
+  if (!refusal.empty()) {
+    self->swap->refuse(*loaded, st->adapter_dir, refusal);
+    return;
+  }
+  const std::shared_ptr<const moe::MoeAdapter> before = st->adapter;
+  const std::string before_dir = st->adapter_dir;
+  const int num_experts = loaded->adapter->layer().config().num_experts;
+  GST_OBJECT_LOCK(self);
+  st->adapter = loaded->adapter;
+  st->adapter_dir = loaded->dir;
+  st->adapter_name = gstmoe::adapter::name_of(loaded->dir);
+  st->router = std::move(loaded->router);
+  gst_moe_route_clear_figures(self, num_experts);
+  GST_OBJECT_UNLOCK(self);
+  self->stats->restart_experts(num_experts);
+  self->swap->switched(before_dir, *before, st->adapter_dir, *st->adapter);
 }
 
 // NNStreamer's tensors go out as ours, of the same width (any width when their caps do not say
@@ -501,6 +585,7 @@ static gboolean gst_moe_route_sink_event(GstBaseTransform* trans, GstEvent* even
 static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuffer* buf) {
   GstMoeRoute* self = GST_MOE_ROUTE(trans);
   RouteState* st = self->state;
+  gst_moe_route_take_swap(self, st);
   size_t rows = 0;
   if (!gstmoe::adapter::buffer_rows(GST_ELEMENT(self), buf, st->width, &rows)) return GST_FLOW_ERROR;
 
@@ -522,24 +607,39 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
   }
   gstmoe::BatchRecords& records = *meta->records;
   records.adapter = st->adapter_name;
+  records.router_fingerprint = st->adapter->fingerprint();
   if (rows == 0) return GST_FLOW_OK;  // only failed requests: they travel on untouched
 
+  // Hybrid rows are rewritten with their fused vector; other batches are only read.
+  const bool hybrid = std::any_of(records.rows.begin(), records.rows.end(), [](const gstmoe::RequestRecord& r) {
+    return r.modality == gstmoe::Modality::Hybrid && !r.fusion;
+  });
   GstMapInfo map;
-  if (!gst_buffer_map(buf, &map, GST_MAP_READ)) {
-    GST_ELEMENT_ERROR(self, RESOURCE, READ, ("cannot map the tensor buffer for reading"), (nullptr));
+  if (!gst_buffer_map(buf, &map, hybrid ? GST_MAP_READWRITE : GST_MAP_READ)) {
+    GST_ELEMENT_ERROR(self, RESOURCE, READ, ("cannot map the tensor buffer"), (nullptr));
     return GST_FLOW_ERROR;
   }
-  const moe::Tensor x = moe::Tensor::view(moe::DType::F32, {static_cast<int64_t>(rows), st->width}, map.data, nullptr);
-  moe::Routing routing;
+  const int width = st->width;
   const int64_t t0 = g_get_monotonic_time();
+  if (hybrid && !gstmoe::adapter::fuse_hybrid_rows(GST_ELEMENT(self), *st->adapter, reinterpret_cast<float*>(map.data),
+                                                   width, records)) {
+    gst_buffer_unmap(buf, &map);
+    return GST_FLOW_ERROR;
+  }
+  const moe::Tensor x = moe::Tensor::view(moe::DType::F32, {static_cast<int64_t>(rows), width}, map.data, nullptr);
+  // Only fused hybrid rows may route to the adapter's joint visual-text experts.
+  moe::MoeLayer::FusedRows fused(rows);
+  for (size_t i = 0; i < rows; ++i)
+    fused[i] = records.rows[i].modality == gstmoe::Modality::Hybrid && records.rows[i].fusion.has_value();
+  moe::Routing routing;
   moe::Router& router = *st->router;
   const moe::ExpertLoad load_before = router.load();
   try {
     if (router.policy().is_plain_top_k()) {
-      routing = st->adapter->route(x, st->top_k);
+      routing = st->adapter->route(x, router.policy().top_k, fused);
       router.count(routing);
     } else {
-      const moe::Tensor logits = st->adapter->layer().router_logits(x);
+      const moe::Tensor logits = st->adapter->layer().router_logits(x, fused);
       routing = router.route(logits.data<float>(), static_cast<int64_t>(rows));
     }
   } catch (const std::exception& e) {
@@ -574,7 +674,7 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
 
   // Asked per batch, so the answer follows relinking and restarts downstream; cheap next to routing.
   if (std::shared_ptr<moe::ExpertExecutor> executor =
-          gstmoe::adapter::query_executor(GST_BASE_TRANSFORM_SRC_PAD(trans))) {
+          gstmoe::adapter::query_executor(GST_BASE_TRANSFORM_SRC_PAD(trans), records.router_fingerprint)) {
     try {
       const gstmoe::metrics::ExpertCopyTotals before = gstmoe::metrics::expert_copy_totals(*executor);
       records.expert_prefetch = executor->prefetch(routing);  // may wait while moe-expert catches up
@@ -591,7 +691,7 @@ static GstFlowReturn gst_moe_route_transform_ip(GstBaseTransform* trans, GstBuff
 
 static void gst_moe_route_finalize(GObject* object) {
   GstMoeRoute* self = GST_MOE_ROUTE(object);
-  g_free(self->model);
+  delete self->swap;
   delete self->stats;
   delete self->expert_bias;
   delete self->expert_explored;
@@ -608,7 +708,9 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
   gobject_class->get_property = gst_moe_route_get_property;
   gobject_class->finalize = gst_moe_route_finalize;
 
-  g_object_class_install_property(gobject_class, PROP_MODEL, gstmoe::adapter::model_param_spec());
+  g_object_class_install_property(gobject_class, PROP_MODEL,
+                                  gstmoe::adapter::model_param_spec(
+                                      "the first batch after it is ready is routed by it (message moe-adapter-swap)"));
   g_object_class_install_property(
       gobject_class, PROP_TOP_K,
       g_param_spec_uint("top-k", "Experts per row",
@@ -689,7 +791,8 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
                                "expert-explored (rows given to each expert by exploration), expert-overflowed (rows "
                                "that found each expert full), dropped (slots dropped at capacity), experts-per-row "
                                "(mean) and load-cv (standard deviation / mean of the expert load); the last five "
-                               "since the stream started"));
+                               "since the stream started; fingerprint (of the adapter in use) and swaps (adapters "
+                               "swapped in while running). Per-expert figures start again at each swap"));
 
   gst_element_class_set_static_metadata(
       element_class, "MoE router", "Filter/Tensor",
@@ -718,7 +821,7 @@ static void gst_moe_route_class_init(GstMoeRouteClass* klass) {
 }
 
 static void gst_moe_route_init(GstMoeRoute* self) {
-  self->model = nullptr;
+  self->swap = new gstmoe::adapter::HotSwap(GST_ELEMENT(self));
   self->top_k = DEFAULT_TOP_K;
   self->routing = DEFAULT_ROUTING;
   self->top_p = DEFAULT_TOP_P;

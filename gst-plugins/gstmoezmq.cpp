@@ -249,6 +249,12 @@ const char* socket_type_name(zmq::socket_type type) {
       return "PULL";
     case zmq::socket_type::router:
       return "ROUTER";
+    case zmq::socket_type::push:
+      return "PUSH";
+    case zmq::socket_type::xpub:
+      return "XPUB";
+    case zmq::socket_type::xsub:
+      return "XSUB";
     default:
       return "ZeroMQ";
   }

@@ -8,13 +8,18 @@
  * ROUTER socket (REQ or DEALER clients, each request answered at once with an accepted or
  * rejected reply):
  * {"id": "q1", "text": "red mug"}, {"id": "q2", "image": "/photos/mug.jpg"} (the file is read
- * here, only under `image-root`) or {"id": "q3", "image_base64": "iVBORw0..."}, with an optional
- * "k". Each message becomes one application/x-moe-request buffer (the query text or the image
- * file bytes) with a GstMoeBatchMeta row describing the request. A request that cannot be served
- * is not an element error: it becomes an empty buffer whose meta carries it as a failed request,
- * so that it is answered with an error document at the end of the pipeline like every other
- * request. docs/zmq-schema.md specifies the requests; `curve-secret-key-file` and
- * `curve-allowed-keys` admit only the listed CURVE clients.
+ * here, only under `image-root`), {"id": "q3", "image_base64": "iVBORw0..."}, or a hybrid of an
+ * image and a text ({"id": "q4", "image_base64": "...", "text": "but red"}), with an optional "k".
+ * Each message becomes one application/x-moe-request buffer (the query text, or the image file
+ * bytes, a hybrid's text then being in the record) with a GstMoeBatchMeta row describing the
+ * request. Catalog updates come the same way: an upsert ({"op": "upsert", "item": {"id": ...},
+ * with "text", "image" or "image_base64"}) is a request buffer like a query's whose row carries the
+ * item; a delete ({"op": "delete", "items": [ids]}) has nothing to encode and becomes an empty
+ * buffer whose meta carries it as a control, for ann-query (which applies updates only with
+ * allow-updates). A request that cannot be served is not an element error: it becomes an empty
+ * buffer whose meta carries it as a failed request, so that it is answered with an error document
+ * at the end of the pipeline like every other request. docs/zmq-schema.md specifies the requests;
+ * `curve-secret-key-file` and `curve-allowed-keys` admit only the listed CURVE clients.
  *
  * The `stats` property counts the requests received and rejected since the element started.
  * `metrics-address` serves the plugin's Prometheus metrics while it runs (docs/metrics.md).
@@ -169,20 +174,48 @@ GST_ELEMENT_REGISTER_DEFINE(zmq_query, "zmq-query", GST_RANK_NONE, GST_TYPE_ZMQ_
 
 namespace {
 
+gstmoe::Modality modality(moe::QueryModality m) {
+  switch (m) {
+    case moe::QueryModality::Image:
+      return gstmoe::Modality::Image;
+    case moe::QueryModality::Hybrid:
+      return gstmoe::Modality::Hybrid;
+    case moe::QueryModality::Text:
+      break;
+  }
+  return gstmoe::Modality::Text;
+}
+
+gstmoe::RequestOp op(moe::QueryOp o) {
+  switch (o) {
+    case moe::QueryOp::Upsert:
+      return gstmoe::RequestOp::Upsert;
+    case moe::QueryOp::Delete:
+      return gstmoe::RequestOp::Delete;
+    case moe::QueryOp::Search:
+      break;
+  }
+  return gstmoe::RequestOp::Search;
+}
+
 // The request meta's record of a parsed (or partly parsed) request.
 void fill_record(const moe::QueryRequest& request, gstmoe::RequestRecord& record) {
   record.id = request.id;
-  record.modality = request.modality == moe::QueryModality::Text ? gstmoe::Modality::Text : gstmoe::Modality::Image;
+  record.op = op(request.op);
+  record.modality = modality(request.modality);
   record.k = request.k;
   record.nprobe = request.nprobe;
   record.ef_search = request.ef_search;
   record.filter = request.filter;
   record.text = request.text;
   record.uri = request.image;
+  record.item = request.item;
+  record.item_ids = request.item_ids;
 }
 
 // Parses one request message into `record` (filled as far as parsing got, so that a rejection
-// can still report the id and modality) and returns its payload: the text, or the image bytes.
+// can still report the id and modality) and returns its payload: the text (text requests), the
+// image bytes (image and hybrid requests; a hybrid's text is in the record), or nothing (deletes).
 // `image_root` is the canonical image-root, nullptr if none. Throws moe::Error naming the cause.
 GstBuffer* parse_request(const zmq::message_t& message, const moe::QueryLimits& limits, const char* image_root,
                          gstmoe::RequestRecord& record) {
@@ -194,6 +227,7 @@ GstBuffer* parse_request(const zmq::message_t& message, const moe::QueryLimits& 
     throw;
   }
   fill_record(request, record);
+  if (request.op == moe::QueryOp::Delete) return gst_buffer_new();
   if (request.modality == moe::QueryModality::Text)
     return gst_buffer_new_memdup(request.text.data(), request.text.size());
   if (!request.image.empty()) {
@@ -514,7 +548,8 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
                                     " frames; expected one frame holding the JSON request",
                                 moe::error_code::kInvalidRequest);
     buffer = parse_request(frames[envelope], limits, st->image_root.empty() ? nullptr : st->image_root.c_str(), record);
-    records.rows.push_back(record);
+    // A delete has nothing to encode: it travels row-less, as a control, to ann-query.
+    (record.op == gstmoe::RequestOp::Delete ? records.controls : records.rows).push_back(record);
   } catch (const moe::Error& e) {
     reason = e.what();
     buffer = gst_buffer_new();
@@ -529,8 +564,10 @@ static GstFlowReturn gst_zmq_query_create(GstPushSrc* src, GstBuffer** out) {
   if (!reason.empty()) ++self->rejected;
   GST_OBJECT_UNLOCK(self);
   if (reason.empty())
-    GST_DEBUG_OBJECT(self, "request '%s' (%s, %" G_GSIZE_FORMAT " bytes)", record.id.c_str(),
-                     gstmoe::modality_name(record.modality), gst_buffer_get_size(buffer));
+    GST_DEBUG_OBJECT(self, "request '%s' (%s%s, %" G_GSIZE_FORMAT " bytes)", record.id.c_str(),
+                     record.op == gstmoe::RequestOp::Upsert ? "upsert, " : "",
+                     record.op == gstmoe::RequestOp::Delete ? "delete" : gstmoe::modality_name(record.modality),
+                     gst_buffer_get_size(buffer));
   else
     GST_INFO_OBJECT(self, "request '%s' rejected: %s", record.id.c_str(), reason.c_str());
 
@@ -634,10 +671,14 @@ static void gst_zmq_query_class_init(GstZmqQueryClass* klass) {
   gst_element_class_set_static_metadata(
       element_class, "ZeroMQ request source", "Source/Network",
       "Receives search requests, one JSON object per ZeroMQ message: {\"id\": \"q1\", \"text\": \"red mug\"}, "
-      "{\"id\": \"q2\", \"image\": \"/path/or/file/uri.jpg\"} (the file is read here, only under image-root) or "
-      "{\"id\": \"q3\", \"image_base64\": \"...\"}, with an optional \"k\" (1..1024). id is a string or an integer. "
-      "Each request becomes one application/x-moe-request buffer (the text, or the image file bytes) with a "
-      "GstMoeBatchMeta row. An invalid request becomes an empty buffer whose meta lists it as failed (stage "
+      "{\"id\": \"q2\", \"image\": \"/path/or/file/uri.jpg\"} (the file is read here, only under image-root), "
+      "{\"id\": \"q3\", \"image_base64\": \"...\"} or an image with a text (a hybrid: \"like this photo, but "
+      "red\"), with an optional \"k\" (1..1024). id is a string or an integer. "
+      "Each request becomes one application/x-moe-request buffer (the text, or the image file bytes; a hybrid's "
+      "text is in the record) with a GstMoeBatchMeta row. Catalog updates: an \"op\": \"upsert\" request (an "
+      "\"item\" with its text or image) becomes a request buffer whose row carries the item; an \"op\": "
+      "\"delete\" (\"items\": catalog ids) an empty buffer whose meta carries it as a control for ann-query. "
+      "An invalid request becomes an empty buffer whose meta lists it as failed (stage "
       "zmq-query, with the reason), so that it is answered by an error document downstream. With "
       "socket-type=router each client also gets an immediate accepted/rejected reply.\n"
       "Example: gst-launch-1.0 zmq-query endpoint=tcp://127.0.0.1:5555 ! queue ! moe-encode model=clip ! "

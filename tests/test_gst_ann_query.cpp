@@ -13,6 +13,8 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
+#include <tuple>
 #include <vector>
 
 #include "backend.h"
@@ -1241,6 +1243,14 @@ TEST_F(AnnQueryTest, PropertiesDocumentTheirRanges) {
   EXPECT_EQ(uint_spec("nprobe")->maximum, 65536u);
   EXPECT_EQ(uint_spec("train-size")->default_value, 0u);
   EXPECT_TRUE(g_object_class_find_property(G_OBJECT_GET_CLASS(element), "nprobe")->flags & GST_PARAM_MUTABLE_PLAYING);
+  // `index` may be set while searching (a hot swap); updates are off unless asked for.
+  EXPECT_TRUE(g_object_class_find_property(G_OBJECT_GET_CLASS(element), "index")->flags & GST_PARAM_MUTABLE_PLAYING);
+  GParamSpec* allow = g_object_class_find_property(G_OBJECT_GET_CLASS(element), "allow-updates");
+  ASSERT_NE(allow, nullptr);
+  EXPECT_FALSE(G_PARAM_SPEC_BOOLEAN(allow)->default_value);
+  EXPECT_TRUE(allow->flags & GST_PARAM_MUTABLE_READY);
+  EXPECT_EQ(uint_spec("snapshot-interval")->default_value, 0u);
+  EXPECT_TRUE(G_PARAM_SPEC(uint_spec("snapshot-interval"))->flags & GST_PARAM_MUTABLE_PLAYING);
   gchar* index_type = nullptr;
   g_object_get(element, "index-type", &index_type, nullptr);
   EXPECT_STREQ(index_type, "flat");
@@ -1888,6 +1898,501 @@ TEST_F(AnnQueryTest, MoeRouteTurnsNnstreamerTensorsIntoRoutedRequests) {
   EXPECT_NE(gst_harness_push(uint8, plain_buffer(catalog_, 0, 2, 0)), GST_FLOW_OK);
   const std::string error = bus_error();
   EXPECT_NE(error.find("caps field 'types' is \"uint8\""), std::string::npos) << error;
+}
+
+/* ----- live updates, hot swap, hybrid rows ----- */
+
+// An upsert of catalog item `item_id` (its vector is the row pushed with it).
+gstmoe::RequestRecord upsert_request(const std::string& id, const std::string& item_id) {
+  gstmoe::RequestRecord r = text_request(id);
+  r.op = gstmoe::RequestOp::Upsert;
+  r.item = {item_id, "file:///new/" + item_id + ".png", "new " + item_id, R"({"price":1.5})"};
+  return r;
+}
+
+// A deletion of catalog items (it has no row: it travels in BatchRecords::controls).
+gstmoe::RequestRecord delete_request(const std::string& id, std::vector<std::string> item_ids) {
+  gstmoe::RequestRecord r;
+  r.id = id;
+  r.op = gstmoe::RequestOp::Delete;
+  r.item_ids = std::move(item_ids);
+  r.arrival_wall_us = g_get_real_time();
+  r.arrival_mono_us = g_get_monotonic_time();
+  return r;
+}
+
+// The catalog ids of a result document's hits, best first.
+std::vector<std::string> hit_ids(const Json& doc) {
+  std::vector<std::string> ids;
+  JsonArray* results = Json::array(doc.obj(), "results");
+  for (guint j = 0; results && j < json_array_get_length(results); ++j)
+    ids.push_back(Json::str(json_array_get_object_element(results, j), "id"));
+  return ids;
+}
+
+// The whole text of a file ("" when it does not exist).
+std::string file_text(const std::string& path) {
+  gchar* text = nullptr;
+  gsize size = 0;
+  if (!g_file_get_contents(path.c_str(), &text, &size, nullptr)) return "";
+  std::string out(text, size);
+  g_free(text);
+  return out;
+}
+
+class AnnQueryUpdateTest : public AnnQueryTest {
+ protected:
+  // A search of an index of the catalog (made by kClipAndAdapter) with allow-updates set as given.
+  GstHarness* updating_harness(bool allow, guint snapshot_interval = 0) {
+    path_ = dir_.file("catalog.faiss");
+    gst_buffer_unref(build_index(path_, "flat", kClipAndAdapter));
+    GstHarness* h = harness(make_element("index", path_.c_str(), "k", 5, "allow-updates", allow, "snapshot-interval",
+                                         snapshot_interval, nullptr));
+    set_tensor_caps(h, kWidth);
+    return h;
+  }
+  // Pushes `batch` (rows' vectors from `vectors`, models kClipAndAdapter) and returns its one document.
+  std::unique_ptr<Json> push_one(GstHarness* h, gstmoe::BatchRecords batch, const std::vector<float>& vectors = {}) {
+    if (batch.encoder.empty()) kClipAndAdapter.stamp(batch);
+    EXPECT_EQ(gst_harness_push(h, tensor_buffer(vectors, 0, batch)), GST_FLOW_OK);
+    std::vector<GstBuffer*> out = pull_all(h);
+    EXPECT_EQ(out.size(), 1u);
+    if (out.empty()) return nullptr;
+    auto doc = std::make_unique<Json>(out[0]);
+    unref_all(out);
+    return doc;
+  }
+  std::unique_ptr<Json> search_for(GstHarness* h, const std::string& id, const float* vector) {
+    gstmoe::BatchRecords batch;
+    batch.rows = {text_request(id)};
+    return push_one(h, batch, std::vector<float>(vector, vector + kWidth));
+  }
+  std::string path_;
+  const std::vector<float> fresh_ = random_unit_vectors(3, kWidth, 99);
+};
+
+TEST_F(AnnQueryUpdateTest, UpdatesAreRefusedUnlessAllowed) {
+  GstHarness* h = updating_harness(false);
+  gstmoe::BatchRecords batch;
+  batch.rows = {upsert_request("u1", "sku-new"), text_request("q0")};
+  batch.controls = {delete_request("d1", {"item-3"})};
+  kClipAndAdapter.stamp(batch);
+  std::vector<float> vectors(fresh_.begin(), fresh_.begin() + kWidth);
+  vectors.insert(vectors.end(), catalog_.begin(), catalog_.begin() + kWidth);
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(vectors, 0, batch)), GST_FLOW_OK);
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 3u);
+  std::map<std::string, std::string> types, codes, reasons;
+  for (GstBuffer* b : out) {
+    Json doc(b);
+    const std::string id = Json::str(doc.obj(), "id");
+    types[id] = Json::str(doc.obj(), "type");
+    if (types[id] != "error") continue;
+    codes[id] = Json::str(Json::object(doc.obj(), "error"), "code");
+    reasons[id] = Json::str(Json::object(doc.obj(), "error"), "reason");
+  }
+  unref_all(out);
+  EXPECT_EQ(types["q0"], "result");  // searches go on
+  for (const char* id : {"u1", "d1"}) {
+    EXPECT_EQ(types[id], "error") << id;
+    EXPECT_EQ(codes[id], "updates_disabled") << id;
+    EXPECT_NE(reasons[id].find("allow-updates=true"), std::string::npos) << reasons[id];
+  }
+  // Nothing changed: item 3 is still found, the new item is not.
+  EXPECT_EQ(hit_ids(*search_for(h, "q3", &catalog_[3 * kWidth])).at(0), "item-3");
+  EXPECT_NE(hit_ids(*search_for(h, "q-new", fresh_.data())).at(0), "sku-new");
+  GstStructure* st = nullptr;
+  g_object_get(h->element, "stats", &st, nullptr);
+  guint64 updates = 9, refused = 0;
+  EXPECT_TRUE(gst_structure_get_uint64(st, "updates", &updates));
+  EXPECT_TRUE(gst_structure_get_uint64(st, "updates-refused", &refused));
+  gst_structure_free(st);
+  EXPECT_EQ(updates, 0u);
+  EXPECT_EQ(refused, 2u);
+}
+
+TEST_F(AnnQueryUpdateTest, UpsertsAndDeletesChangeWhatSearchesFindAndSurviveInTheJournal) {
+  GstHarness* h = updating_harness(true);
+
+  // A new item: appended as row 50, found by its vector, with its uri, caption and fields.
+  gstmoe::BatchRecords add;
+  add.rows = {upsert_request("u1", "sku-new")};
+  std::unique_ptr<Json> doc = push_one(h, add, std::vector<float>(fresh_.begin(), fresh_.begin() + kWidth));
+  ASSERT_NE(doc, nullptr);
+  EXPECT_EQ(Json::str(doc->obj(), "type"), "update") << doc->text();
+  EXPECT_EQ(Json::integer(doc->obj(), "schema"), gstmoe::kResultSchema);
+  EXPECT_EQ(Json::str(doc->obj(), "id"), "u1");
+  EXPECT_EQ(Json::str(doc->obj(), "op"), "upsert");
+  EXPECT_EQ(Json::str(doc->obj(), "item"), "sku-new");
+  EXPECT_EQ(Json::integer(doc->obj(), "row"), kItems);
+  EXPECT_FALSE(json_object_get_boolean_member(doc->obj(), "replaced"));
+  EXPECT_EQ(Json::integer(doc->obj(), "items"), kItems + 1);
+  EXPECT_EQ(Json::str(doc->obj(), "index"), "catalog.faiss");
+  EXPECT_GE(Json::number(Json::object(doc->obj(), "timings_ms"), "update"), 0.0);
+  doc = search_for(h, "q-new", fresh_.data());
+  JsonObject* top = json_array_get_object_element(Json::array(doc->obj(), "results"), 0);
+  EXPECT_EQ(Json::str(top, "id"), "sku-new");
+  EXPECT_EQ(Json::integer(top, "item"), kItems);
+  EXPECT_EQ(Json::str(top, "uri"), "file:///new/sku-new.png");
+  EXPECT_EQ(Json::str(top, "caption"), "new sku-new");
+  EXPECT_DOUBLE_EQ(Json::number(Json::object(top, "fields"), "price"), 1.5);
+
+  // An existing id: its row is replaced by a new one; the old vector no longer finds it.
+  gstmoe::BatchRecords replace;
+  replace.rows = {upsert_request("u2", "item-5")};
+  doc = push_one(h, replace, std::vector<float>(fresh_.begin() + kWidth, fresh_.begin() + 2 * kWidth));
+  EXPECT_TRUE(json_object_get_boolean_member(doc->obj(), "replaced")) << doc->text();
+  EXPECT_EQ(Json::integer(doc->obj(), "row"), kItems + 1);
+  EXPECT_EQ(Json::integer(doc->obj(), "items"), kItems + 1);
+  EXPECT_EQ(hit_ids(*search_for(h, "q-5-new", &fresh_[kWidth])).at(0), "item-5");
+  doc = search_for(h, "q-5-old", &catalog_[5 * kWidth]);
+  for (const auto& [item, score] : hits_of(*doc)) EXPECT_NE(item, 5) << "deleted row returned";
+
+  // A deletion: each id once; unknown ids are listed as missing.
+  gstmoe::BatchRecords del;
+  del.controls = {delete_request("d1", {"item-3", "nope", "item-3"})};
+  doc = push_one(h, del);
+  EXPECT_EQ(Json::str(doc->obj(), "type"), "update") << doc->text();
+  EXPECT_EQ(Json::str(doc->obj(), "op"), "delete");
+  EXPECT_EQ(Json::integer(doc->obj(), "deleted"), 1);
+  JsonArray* missing = Json::array(doc->obj(), "missing");
+  ASSERT_EQ(json_array_get_length(missing), 1u);
+  EXPECT_STREQ(json_array_get_string_element(missing, 0), "nope");
+  EXPECT_EQ(Json::integer(doc->obj(), "items"), kItems);
+  for (const std::string& id : hit_ids(*search_for(h, "q3", &catalog_[3 * kWidth]))) EXPECT_NE(id, "item-3");
+
+  // Each update was journaled before its answer: a load now (as after a crash) has all three.
+  {
+    const moe::AnnIndex reloaded = moe::AnnIndex::load(path_);
+    EXPECT_EQ(reloaded.find("sku-new"), kItems);
+    EXPECT_EQ(reloaded.find("item-5"), kItems + 1);
+    EXPECT_EQ(reloaded.find("item-3"), -1);
+    EXPECT_EQ(reloaded.live_size(), kItems);
+  }
+  EXPECT_EQ(file_text(path_ + ".items.jsonl").find("sku-new"), std::string::npos) << "not saved yet";
+  const auto stats = read_stats(h->element);
+  EXPECT_EQ(stats.at("results"), 4u);
+  GstStructure* st = nullptr;
+  g_object_get(h->element, "stats", &st, nullptr);
+  guint64 updates = 0;
+  EXPECT_TRUE(gst_structure_get_uint64(st, "updates", &updates));
+  gst_structure_free(st);
+  EXPECT_EQ(updates, 3u);
+
+  // A clean stop writes the index with its updates.
+  ASSERT_EQ(gst_element_set_state(h->element, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
+  EXPECT_NE(file_text(path_ + ".items.jsonl").find("sku-new"), std::string::npos);
+  const moe::AnnIndex saved = moe::AnnIndex::load(path_);
+  EXPECT_EQ(saved.find("sku-new"), kItems);
+  EXPECT_EQ(saved.find("item-3"), -1);
+  EXPECT_EQ(bus_error(), "");
+}
+
+TEST_F(AnnQueryUpdateTest, SnapshotIntervalWritesTheIndexAfterThatManyUpdates) {
+  GstHarness* h = updating_harness(true, 2);
+  gstmoe::BatchRecords first;
+  first.rows = {upsert_request("u1", "sku-a")};
+  ASSERT_NE(push_one(h, first, std::vector<float>(fresh_.begin(), fresh_.begin() + kWidth)), nullptr);
+  EXPECT_EQ(file_text(path_ + ".items.jsonl").find("sku-a"), std::string::npos);
+  EXPECT_NE(file_text(path_ + ".journal"), "") << "the update is in the journal";
+  gstmoe::BatchRecords second;
+  second.rows = {upsert_request("u2", "sku-b")};
+  ASSERT_NE(push_one(h, second, std::vector<float>(fresh_.begin() + kWidth, fresh_.begin() + 2 * kWidth)), nullptr);
+  const std::string table = file_text(path_ + ".items.jsonl");
+  EXPECT_NE(table.find("sku-a"), std::string::npos);
+  EXPECT_NE(table.find("sku-b"), std::string::npos);
+  EXPECT_EQ(moe::AnnIndex::load(path_).find("sku-b"), kItems + 1);
+}
+
+TEST_F(AnnQueryUpdateTest, UpsertsFromOtherModelsAreRefusedLikeQueries) {
+  GstHarness* h = updating_harness(true);
+  gstmoe::BatchRecords batch;
+  batch.rows = {upsert_request("u1", "sku-new")};
+  Models{"clip", kClipAndAdapter.encoder_fingerprint, "adapter", "000000000000ffff"}.stamp(batch);
+  std::unique_ptr<Json> doc = push_one(h, batch, std::vector<float>(fresh_.begin(), fresh_.begin() + kWidth));
+  ASSERT_NE(doc, nullptr);
+  EXPECT_EQ(Json::str(doc->obj(), "type"), "error");
+  EXPECT_EQ(Json::str(Json::object(doc->obj(), "error"), "code"), "model_mismatch");
+  EXPECT_EQ(read_stats(h->element).at("refused"), 1u);
+  EXPECT_EQ(moe::AnnIndex::load(path_).find("sku-new"), -1);
+}
+
+TEST_F(AnnQueryTest, BuildAnswersUpdatesWithAnError) {
+  const std::string path = dir_.file("built.faiss");
+  GstHarness* h = harness(make_element("mode", 1, "index", path.c_str(), nullptr));
+  set_tensor_caps(h, kWidth);
+  gstmoe::BatchRecords batch;
+  batch.rows = {catalog_record(0), upsert_request("u1", "sku-new"), catalog_record(2)};
+  batch.controls = {delete_request("d1", {"item-0"})};
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, batch)), GST_FLOW_OK);
+  ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
+  std::vector<GstBuffer*> docs = pull_all(h);
+  ASSERT_EQ(docs.size(), 3u);
+  for (int i = 0; i < 2; ++i) {
+    Json err(docs[i]);
+    EXPECT_EQ(Json::str(Json::object(err.obj(), "error"), "code"), "updates_disabled") << err.text();
+  }
+  Json summary(docs[2]);
+  EXPECT_EQ(Json::integer(summary.obj(), "items"), 2);
+  unref_all(docs);
+  // The catalog rows around the upsert kept their own vectors.
+  const moe::AnnIndex index = moe::AnnIndex::load(path);
+  EXPECT_EQ(index.search(&catalog_[2 * kWidth], 1, 1).at(0).at(0).item, 1);
+  EXPECT_EQ(index.item(1).id, "item-2");
+}
+
+/* hybrid rows */
+
+TEST_F(AnnQueryTest, UnfusedHybridRowsAreSearchedAsTheAverageOfTheirEmbeddings) {
+  const std::string path = dir_.file("catalog.faiss");
+  gst_buffer_unref(build_index(path));
+  GstHarness* h = search_harness(path, 5);
+
+  // The image's row and the text's embedding at other norms: each is normalised before the average.
+  gstmoe::RequestRecord hybrid = text_request("h1");
+  hybrid.modality = gstmoe::Modality::Hybrid;
+  hybrid.text = "but red";
+  hybrid.uri = "base64:10 bytes";
+  hybrid.text_embedding.assign(catalog_.begin() + kWidth, catalog_.begin() + 2 * kWidth);
+  for (float& x : hybrid.text_embedding) x *= 3;
+  gstmoe::RequestRecord narrow = hybrid;
+  narrow.id = "h2";
+  narrow.text_embedding.resize(kWidth - 1);
+  gstmoe::RequestRecord gated = text_request("h3");
+  gated.modality = gstmoe::Modality::Hybrid;
+  gated.text = "on a table";
+  gated.fusion = gstmoe::Fusion{0.7f, 0.3f, "gate"};
+  gstmoe::BatchRecords batch;
+  batch.rows = {hybrid, narrow, gated};
+  std::vector<float> vectors(catalog_.begin(), catalog_.begin() + kWidth);
+  for (float& x : vectors) x *= 0.5f;
+  vectors.insert(vectors.end(), vectors.begin(), vectors.end());
+  vectors.insert(vectors.end(), catalog_.begin() + 2 * kWidth, catalog_.begin() + 3 * kWidth);
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(vectors, 0, batch)), GST_FLOW_OK);
+  std::vector<GstBuffer*> out = pull_all(h);
+  ASSERT_EQ(out.size(), 3u);
+
+  std::vector<float> average(kWidth);
+  for (int i = 0; i < kWidth; ++i) average[i] = (catalog_[i] + catalog_[kWidth + i]) / 2;
+  const auto expected = moe::AnnIndex::load(path).search(average.data(), 1, 5).at(0);
+  std::map<std::string, int> seen;
+  for (GstBuffer* b : out) {
+    Json doc(b);
+    const std::string id = Json::str(doc.obj(), "id");
+    seen[id] += 1;
+    EXPECT_EQ(Json::str(doc.obj(), "modality"), "hybrid");
+    if (id == "h2") {  // a text embedding of another width fails its request alone
+      EXPECT_EQ(Json::str(doc.obj(), "type"), "error");
+      EXPECT_NE(Json::str(Json::object(doc.obj(), "error"), "reason").find("text embedding has 15 values"),
+                std::string::npos)
+          << doc.text();
+      continue;
+    }
+    JsonObject* fusion = Json::object(doc.obj(), "fusion");
+    ASSERT_NE(fusion, nullptr) << doc.text();
+    const auto hits = hits_of(doc);
+    ASSERT_EQ(hits.size(), 5u);
+    if (id == "h1") {
+      EXPECT_EQ(Json::str(doc.obj(), "query"), "but red");
+      EXPECT_EQ(Json::str(doc.obj(), "uri"), "base64:10 bytes");
+      EXPECT_DOUBLE_EQ(Json::number(fusion, "image"), 0.5);
+      EXPECT_DOUBLE_EQ(Json::number(fusion, "text"), 0.5);
+      EXPECT_EQ(Json::str(fusion, "method"), "average");
+      for (size_t j = 0; j < hits.size(); ++j) {
+        EXPECT_EQ(hits[j].first, expected[j].item) << "rank " << j + 1;
+        EXPECT_NEAR(hits[j].second, expected[j].score, 1e-5);
+      }
+      const gstmoe::RequestRecord& row = gst_buffer_get_moe_batch_meta(b)->records->rows.at(0);
+      EXPECT_TRUE(row.text_embedding.empty());
+      ASSERT_TRUE(row.fusion.has_value());
+      EXPECT_EQ(row.fusion->method, "average");
+    } else {  // fused upstream: searched as it came, its fusion reported
+      EXPECT_DOUBLE_EQ(Json::number(fusion, "image"), 0.7);
+      EXPECT_DOUBLE_EQ(Json::number(fusion, "text"), 0.3);
+      EXPECT_EQ(Json::str(fusion, "method"), "gate");
+      EXPECT_EQ(hits[0].first, 2);
+    }
+  }
+  EXPECT_EQ(seen, (std::map<std::string, int>{{"h1", 1}, {"h2", 1}, {"h3", 1}}));
+  unref_all(out);
+
+  // Other modalities have no fusion member.
+  gstmoe::BatchRecords text;
+  text.rows = {text_request("t1")};
+  ASSERT_EQ(gst_harness_push(h, tensor_buffer(catalog_, 0, text)), GST_FLOW_OK);
+  GstBuffer* plain = gst_harness_pull(h);
+  EXPECT_FALSE(json_object_has_member(Json(plain).obj(), "fusion"));
+  gst_buffer_unref(plain);
+}
+
+/* hot swap */
+
+class AnnQuerySwapTest : public AnnQueryTest {
+ protected:
+  // Writes an index of the catalog's vectors whose items are "<prefix>-i", made by `models`
+  // (none: no provenance), with the engine.
+  std::string write_index(const std::string& name, const std::string& prefix, const Models& models = {},
+                          int width = kWidth) {
+    const std::string path = dir_.file(name);
+    moe::AnnIndex index = moe::AnnIndex::create(width, {});
+    const std::vector<float> vectors = width == kWidth ? catalog_ : random_unit_vectors(kItems, width, 5);
+    std::vector<moe::AnnItem> items;
+    for (int i = 0; i < kItems; ++i) items.push_back({prefix + "-" + std::to_string(i), "", "", ""});
+    index.add(vectors.data(), kItems, items);
+    if (!models.encoder_fingerprint.empty())
+      index.set_provenance({models.encoder, models.encoder_fingerprint, models.adapter, models.adapter_fingerprint});
+    index.save(path);
+    return path;
+  }
+  // The next "ann-query-index" element message (event, index), waiting up to 10 s.
+  std::pair<std::string, std::string> next_index_message() {
+    GstMessage* msg = gst_bus_timed_pop_filtered(bus_, 10 * GST_SECOND, GST_MESSAGE_ELEMENT);
+    EXPECT_NE(msg, nullptr) << "no index message";
+    if (!msg) return {};
+    const GstStructure* st = gst_message_get_structure(msg);
+    EXPECT_TRUE(gst_structure_has_name(st, "ann-query-index"));
+    std::pair<std::string, std::string> out{gst_structure_get_string(st, "event"),
+                                            gst_structure_get_string(st, "index")};
+    gst_message_unref(msg);
+    return out;
+  }
+  // The stats' index and previous-index ("" for NULL), and swaps.
+  std::tuple<std::string, std::string, guint64> swap_stats(GstElement* element) {
+    GstStructure* st = nullptr;
+    g_object_get(element, "stats", &st, nullptr);
+    const gchar* index = gst_structure_get_string(st, "index");
+    const gchar* previous = gst_structure_get_string(st, "previous-index");
+    guint64 swaps = 0;
+    EXPECT_TRUE(gst_structure_get_uint64(st, "swaps", &swaps));
+    std::tuple<std::string, std::string, guint64> out{index ? index : "", previous ? previous : "", swaps};
+    gst_structure_free(st);
+    return out;
+  }
+  // Pushes one row (catalog vector `i`, id `id`) made by `models`; returns its document.
+  std::unique_ptr<Json> ask(GstHarness* h, const std::string& id, int i, const Models& models) {
+    gstmoe::BatchRecords batch;
+    batch.rows = {text_request(id)};
+    models.stamp(batch);
+    EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, i, batch)), GST_FLOW_OK);
+    GstBuffer* out = gst_harness_pull(h);
+    auto doc = std::make_unique<Json>(out);
+    gst_buffer_unref(out);
+    return doc;
+  }
+};
+
+// Requests stream in while the index is swapped for one of other items: every request is answered
+// exactly once, those before the switch from the old index and those after from the new one.
+TEST_F(AnnQuerySwapTest, SwapUnderLoadAnswersEveryRequestOnceOldThenNew) {
+  const std::string old_path = write_index("old.faiss", "old");
+  const std::string new_path = write_index("new.faiss", "new");
+  GstHarness* h = harness(make_element("index", old_path.c_str(), "k", 3, nullptr));
+  set_tensor_caps(h, kWidth);
+
+  std::atomic<int> pushed{0};
+  std::atomic<bool> stop{false};
+  std::thread pusher([&] {
+    for (int n = 0; !stop; n += 2) {  // batches of two rows
+      gstmoe::BatchRecords batch;
+      batch.rows = {text_request("r" + std::to_string(n)), text_request("r" + std::to_string(n + 1))};
+      EXPECT_EQ(gst_harness_push(h, tensor_buffer(catalog_, n % (kItems - 1), batch)), GST_FLOW_OK);
+      pushed = n + 2;
+      g_usleep(200);
+    }
+  });
+  while (pushed < 40) g_usleep(100);
+  g_object_set(h->element, "index", new_path.c_str(), nullptr);
+  EXPECT_EQ(next_index_message(), std::make_pair(std::string("loaded"), new_path));
+  const int at_load = pushed;
+  while (pushed < at_load + 40) g_usleep(100);
+  stop = true;
+  pusher.join();
+  EXPECT_EQ(next_index_message(), std::make_pair(std::string("retired"), old_path));
+
+  std::vector<GstBuffer*> out = pull_all(h);
+  const int total = pushed;
+  ASSERT_EQ(out.size(), static_cast<size_t>(total));
+  std::map<std::string, int> answered;
+  int from_old = 0, from_new = 0;
+  for (GstBuffer* b : out) {
+    Json doc(b);
+    ASSERT_EQ(Json::str(doc.obj(), "type"), "result") << doc.text();
+    answered[Json::str(doc.obj(), "id")] += 1;
+    const std::string top = hit_ids(doc).at(0);
+    const bool is_new = top.rfind("new-", 0) == 0;
+    EXPECT_TRUE(is_new || top.rfind("old-", 0) == 0) << top;
+    if (is_new) {
+      ++from_new;
+    } else {
+      EXPECT_EQ(from_new, 0) << "an answer from the old index after one from the new";
+      ++from_old;
+    }
+    EXPECT_EQ(Json::str(Json::object(doc.obj(), "model"), "index"), is_new ? "new.faiss" : "old.faiss");
+  }
+  unref_all(out);
+  EXPECT_EQ(answered.size(), static_cast<size_t>(total));
+  for (const auto& [id, times] : answered) EXPECT_EQ(times, 1) << id;
+  EXPECT_GE(from_old, 40);
+  EXPECT_GE(from_new, 1);
+  EXPECT_EQ(swap_stats(h->element), std::make_tuple(new_path, std::string(), guint64{1}));
+}
+
+// After a swap to an index of other models, each row is answered from the index of its own models
+// until rows of the new one's come; then the old is dropped and its models' rows are refused.
+TEST_F(AnnQuerySwapTest, RowsAreAnsweredFromTheIndexOfTheirModels) {
+  const Models retrained{"clip", kClipAndAdapter.encoder_fingerprint, "adapter", "000000000000ffff"};
+  const std::string old_path = write_index("old.faiss", "old", kClipAndAdapter);
+  const std::string new_path = write_index("new.faiss", "new", retrained);
+  GstHarness* h = harness(make_element("index", old_path.c_str(), "k", 3, nullptr));
+  set_tensor_caps(h, kWidth);
+  EXPECT_EQ(hit_ids(*ask(h, "a", 1, kClipAndAdapter)).at(0), "old-1");
+
+  g_object_set(h->element, "index", new_path.c_str(), nullptr);
+  EXPECT_EQ(next_index_message(), std::make_pair(std::string("loaded"), new_path));
+  EXPECT_EQ(swap_stats(h->element), std::make_tuple(new_path, old_path, guint64{1}));
+  // Rows of the old models still come (moe-route and moe-expert not swapped yet): the old index.
+  EXPECT_EQ(hit_ids(*ask(h, "b", 2, kClipAndAdapter)).at(0), "old-2");
+  EXPECT_EQ(hit_ids(*ask(h, "c", 3, kClipAndAdapter)).at(0), "old-3");
+  // The first row of the new models: the new index, and the old one is dropped.
+  EXPECT_EQ(hit_ids(*ask(h, "d", 4, retrained)).at(0), "new-4");
+  EXPECT_EQ(next_index_message(), std::make_pair(std::string("retired"), old_path));
+  EXPECT_EQ(swap_stats(h->element), std::make_tuple(new_path, std::string(), guint64{1}));
+  std::unique_ptr<Json> late = ask(h, "e", 5, kClipAndAdapter);
+  EXPECT_EQ(Json::str(Json::object(late->obj(), "error"), "code"), "model_mismatch") << late->text();
+  EXPECT_NE(Json::str(Json::object(late->obj(), "error"), "reason").find(new_path), std::string::npos);
+}
+
+TEST_F(AnnQuerySwapTest, FailedSwapsWarnAndKeepTheIndexInUse) {
+  const std::string old_path = write_index("old.faiss", "old");
+  const std::string narrow = write_index("narrow.faiss", "narrow", {}, 8);
+  GstHarness* h = harness(make_element("index", old_path.c_str(), "k", 3, nullptr));
+  set_tensor_caps(h, kWidth);
+  const std::string missing = dir_.file("missing.faiss");
+  for (const std::string& path : {missing, narrow}) {
+    g_object_set(h->element, "index", path.c_str(), nullptr);
+    GstMessage* msg = gst_bus_timed_pop_filtered(bus_, 10 * GST_SECOND, GST_MESSAGE_WARNING);
+    ASSERT_NE(msg, nullptr) << path;
+    GError* err = nullptr;
+    gst_message_parse_warning(msg, &err, nullptr);
+    EXPECT_NE(std::string(err->message).find(path), std::string::npos) << err->message;
+    if (path == narrow) {
+      EXPECT_NE(std::string(err->message).find("8-wide"), std::string::npos) << err->message;
+    }
+    g_error_free(err);
+    gst_message_unref(msg);
+    gchar* index = nullptr;
+    g_object_get(h->element, "index", &index, nullptr);
+    EXPECT_EQ(index, old_path) << "index reads the one in use again";
+    g_free(index);
+    EXPECT_EQ(hit_ids(*ask(h, "q", 6, {})).at(0), "old-6");
+  }
+  EXPECT_EQ(swap_stats(h->element), std::make_tuple(old_path, std::string(), guint64{0}));
+  GstStructure* st = nullptr;
+  g_object_get(h->element, "stats", &st, nullptr);
+  guint64 failures = 0;
+  EXPECT_TRUE(gst_structure_get_uint64(st, "swap-failures", &failures));
+  gst_structure_free(st);
+  EXPECT_EQ(failures, 2u);
 }
 
 }  // namespace

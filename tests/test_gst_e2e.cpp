@@ -2,7 +2,7 @@
 // images and records the models that made it (and, interrupted, keeps the index it would have
 // replaced); the serving pipeline answers text and image queries over loopback ZeroMQ; the
 // embedding application and the serving script work as written; queries from other models than
-// the index's get error documents.
+// the index's get error documents; the index is swapped under load; live updates over ZeroMQ.
 #include <fcntl.h>
 #include <gdk-pixbuf/gdk-pixbuf.h>
 #include <gst/app/gstappsink.h>
@@ -832,4 +832,180 @@ TEST_F(E2E, QueriesFromOtherModelsGetErrorDocuments) {
     }
     EXPECT_EQ(ids, (std::set<std::string>{"0", "1", "2"}));
   }
+}
+
+// Text requests stream through appsrc ! moe-encode ! moe-route ! moe-expert ! ann-query while the
+// index is swapped for one of other items built by the same pipeline: every request is answered
+// exactly once, from the old index up to the switch and from the new one after it.
+TEST_F(E2E, IndexSwapUnderLoadAnswersEveryRequestOnceOldThenNew) {
+  moe::test::TempDir other;
+  {
+    std::ofstream jsonl(other.file("catalog.jsonl"));
+    for (int i = 0; i < kItems / 2; ++i) {
+      std::filesystem::copy_file(catalog().paths[i], other.file("alt" + std::to_string(i) + ".png"));
+      jsonl << R"({"path": "alt)" << i << R"(.png", "id": "alt)" << i << R"(", "caption": ")" << catalog().captions[i]
+            << "\"}\n";
+    }
+  }
+  const std::string new_index = other.file("alt.faiss");
+  std::string out;
+  ASSERT_EQ(run({kSource + "/pipelines/build-index.sh", other.file("catalog.jsonl"), new_index},
+                {"MODEL=" + kModel, "ADAPTER=" + kAdapter}, &out),
+            0)
+      << out;
+
+  const std::string desc = "appsrc name=src caps=text/x-raw,format=utf8 format=bytes ! moe-encode model=\"" + kModel +
+                           "\" max-batch=4 ! moe-route model=\"" + kAdapter + "\" ! moe-expert model=\"" + kAdapter +
+                           "\" ! ann-query name=ann index=\"" + catalog().index +
+                           "\" k=1 ! appsink name=sink sync=false";
+  GError* err = nullptr;
+  GstElement* pipeline = gst_parse_launch(desc.c_str(), &err);
+  ASSERT_NE(pipeline, nullptr) << (err ? err->message : "");
+  GstElement* src = gst_bin_get_by_name(GST_BIN(pipeline), "src");
+  GstElement* sink = gst_bin_get_by_name(GST_BIN(pipeline), "sink");
+  GstElement* ann = gst_bin_get_by_name(GST_BIN(pipeline), "ann");
+  GstBus* bus = gst_element_get_bus(pipeline);
+  ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+  const std::vector<std::string> texts = {"plain red square", "striped blue square", "plain green square"};
+  int pushed = 0;
+  auto push = [&](int n) {
+    for (int i = 0; i < n; ++i, ++pushed) {
+      const std::string& text = texts[pushed % texts.size()];
+      GstBuffer* buf = gst_buffer_new_memdup(text.data(), text.size());
+      GST_BUFFER_OFFSET(buf) = pushed;
+      EXPECT_EQ(gst_app_src_push_buffer(GST_APP_SRC(src), buf), GST_FLOW_OK);
+    }
+  };
+  const GstClockTime patience = std::chrono::duration_cast<std::chrono::nanoseconds>(kPatience).count();
+  std::vector<GstSample*> samples;
+  push(24);
+  samples.push_back(gst_app_sink_try_pull_sample(GST_APP_SINK(sink), patience));  // answered before the swap
+  ASSERT_NE(samples.back(), nullptr);
+  g_object_set(ann, "index", new_index.c_str(), nullptr);  // requests keep coming while it loads
+  push(8);
+  bool loaded = false;
+  while (!loaded) {
+    GstMessage* msg = gst_bus_timed_pop_filtered(
+        bus, patience, static_cast<GstMessageType>(GST_MESSAGE_ELEMENT | GST_MESSAGE_WARNING | GST_MESSAGE_ERROR));
+    ASSERT_NE(msg, nullptr) << "the new index was not loaded";
+    const GstStructure* st = gst_message_get_structure(msg);
+    ASSERT_EQ(GST_MESSAGE_TYPE(msg), GST_MESSAGE_ELEMENT) << gst_structure_to_string(st);
+    loaded = gst_structure_has_name(st, "ann-query-index") &&
+             g_strcmp0(gst_structure_get_string(st, "event"), "loaded") == 0;
+    gst_message_unref(msg);
+  }
+  push(24);
+  gst_app_src_end_of_stream(GST_APP_SRC(src));
+
+  std::map<std::string, int> answered;
+  int from_old = 0, from_new = 0;
+  int64_t last_id = -1;
+  while (GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(sink), patience)) samples.push_back(sample);
+  for (GstSample* sample : samples) {
+    GstMapInfo map;
+    GstBuffer* buf = gst_sample_get_buffer(sample);
+    std::string text;
+    if (gst_buffer_map(buf, &map, GST_MAP_READ)) {
+      text.assign(reinterpret_cast<const char*>(map.data), map.size);
+      gst_buffer_unmap(buf, &map);
+    }
+    gst_sample_unref(sample);
+    const Doc doc(text);
+    EXPECT_EQ(doc.str("type"), "result") << text;
+    if (doc.str("type") != "result") continue;
+    const std::string id = doc.str("id");
+    answered[id] += 1;
+    EXPECT_GT(std::stoll(id), last_id) << "answers come in request order";
+    last_id = std::stoll(id);
+    JsonArray* results = json_object_get_array_member(doc.obj, "results");
+    EXPECT_EQ(json_array_get_length(results), 1u) << text;
+    if (json_array_get_length(results) == 0) continue;
+    const std::string top = json_object_get_string_member(json_array_get_object_element(results, 0), "id");
+    const std::string index = json_object_get_string_member(json_object_get_object_member(doc.obj, "model"), "index");
+    if (index == "alt.faiss") {
+      EXPECT_EQ(top.rfind("alt", 0), 0u) << top;
+      ++from_new;
+    } else {
+      EXPECT_EQ(index, "catalog.faiss");
+      EXPECT_EQ(top.rfind("item", 0), 0u) << top;
+      EXPECT_EQ(from_new, 0) << "request " << id << " answered from the old index after the switch";
+      ++from_old;
+    }
+  }
+  EXPECT_TRUE(gst_app_sink_is_eos(GST_APP_SINK(sink)));
+  EXPECT_EQ(answered.size(), static_cast<size_t>(pushed));
+  for (const auto& [id, times] : answered) EXPECT_EQ(times, 1) << id;
+  EXPECT_GE(from_old, 1);
+  EXPECT_GE(from_new, 24);
+  GstStructure* stats = nullptr;
+  g_object_get(ann, "stats", &stats, nullptr);
+  EXPECT_STREQ(gst_structure_get_string(stats, "index"), new_index.c_str());
+  gst_structure_free(stats);
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(bus);
+  gst_object_unref(ann);
+  gst_object_unref(src);
+  gst_object_unref(sink);
+  gst_object_unref(pipeline);
+}
+
+// Live updates through ZeroMQ: an upsert is embedded by the service's models and found by the same
+// query, a delete removes it, each answered by an update document; the index on disk has them.
+TEST_F(E2E, LiveUpdatesOverZeroMqChangeWhatQueriesFind) {
+  moe::test::TempDir copy;
+  const std::string index = copy.file("catalog.faiss");
+  std::filesystem::copy_file(catalog().index, index);
+  std::filesystem::copy_file(catalog().index + ".items.jsonl", index + ".items.jsonl");
+  const std::string req = endpoint(), res = endpoint();
+  const std::string desc = "zmq-query endpoint=" + req + " ! queue ! moe-encode model=\"" + kModel +
+                           "\" max-batch=4 max-latency=2000000 ! moe-route model=\"" + kAdapter +
+                           "\" ! moe-expert model=\"" + kAdapter + "\" ! ann-query index=\"" + index +
+                           "\" k=1 allow-updates=true ! zmq-publish endpoint=" + res;
+  GError* err = nullptr;
+  GstElement* pipeline = gst_parse_launch(desc.c_str(), &err);
+  ASSERT_NE(pipeline, nullptr) << (err ? err->message : "");
+  ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+  Client client(req, res);
+  ASSERT_TRUE(client.wait_until_connected()) << "no answer to probe requests";
+  // One request at a time, its answer awaited: the document with its id.
+  auto ask = [&](const std::string& id, const std::string& json) {
+    client.send(json);
+    for (Doc& d : client.collect({id}))
+      if (d.str("id") == id) return std::move(d);
+    ADD_FAILURE() << "no answer to " << id;
+    return Doc();
+  };
+  auto top_hit = [](const Doc& d) {
+    JsonArray* results = d.obj ? json_object_get_array_member(d.obj, "results") : nullptr;
+    return results && json_array_get_length(results) > 0
+               ? std::string(json_object_get_string_member(json_array_get_object_element(results, 0), "id"))
+               : std::string();
+  };
+  const std::string query = R"("text": "a new teal mug")";
+
+  Doc upsert =
+      ask("u1", R"({"id": "u1", "op": "upsert", "item": {"id": "sku-teal", "caption": "teal mug"}, )" + query + "}");
+  ASSERT_EQ(upsert.str("type"), "update");
+  EXPECT_EQ(upsert.str("op"), "upsert");
+  EXPECT_EQ(upsert.str("item"), "sku-teal");
+  EXPECT_EQ(json_object_get_int_member(upsert.obj, "row"), kItems);
+  EXPECT_FALSE(json_object_get_boolean_member(upsert.obj, "replaced"));
+  EXPECT_EQ(json_object_get_int_member(upsert.obj, "items"), kItems + 1);
+  EXPECT_EQ(top_hit(ask("s1", R"({"id": "s1", )" + query + "}")), "sku-teal");
+
+  Doc del = ask("d1", R"({"id": "d1", "op": "delete", "items": ["sku-teal", "nope"]})");
+  ASSERT_EQ(del.str("type"), "update");
+  EXPECT_EQ(json_object_get_int_member(del.obj, "deleted"), 1);
+  JsonArray* missing = json_object_get_array_member(del.obj, "missing");
+  ASSERT_EQ(json_array_get_length(missing), 1u);
+  EXPECT_STREQ(json_array_get_string_element(missing, 0), "nope");
+  const std::string after = top_hit(ask("s2", R"({"id": "s2", )" + query + "}"));
+  EXPECT_EQ(after.rfind("item", 0), 0u) << after;
+
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(pipeline);
+  const moe::AnnIndex saved = moe::AnnIndex::load(index);
+  EXPECT_EQ(saved.find("sku-teal"), -1);
+  EXPECT_EQ(saved.size(), kItems + 1);  // the deleted row stays, as a tombstone
+  EXPECT_EQ(saved.live_size(), kItems);
 }

@@ -133,8 +133,8 @@ void take(GstBuffer* buf, Output* out) {
   ASSERT_EQ(out->records.rows.size(), out->rows()) << "one record per row";
 }
 
-// Ends the stream and merges every output batch into `out`: rows, records and failures in the
-// order they left. `batches` (when given) gets each batch. The EOS pushes whatever is still
+// Ends the stream and merges every output batch into `out`: rows, records, failures and controls
+// in the order they left. `batches` (when given) gets each batch. The EOS pushes whatever is still
 // queued, so every batch is out when the event returns. Call through ASSERT_NO_FATAL_FAILURE.
 void take_all(GstHarness* h, Output* out, std::vector<Output>* batches = nullptr) {
   ASSERT_TRUE(gst_harness_push_event(h, gst_event_new_eos()));
@@ -150,6 +150,7 @@ void take_all(GstHarness* h, Output* out, std::vector<Output>* batches = nullptr
     out->data.insert(out->data.end(), b.data.begin(), b.data.end());
     out->records.rows.insert(out->records.rows.end(), b.records.rows.begin(), b.records.rows.end());
     out->records.failed.insert(out->records.failed.end(), b.records.failed.begin(), b.records.failed.end());
+    out->records.controls.insert(out->records.controls.end(), b.records.controls.begin(), b.records.controls.end());
     if (batches != nullptr) batches->push_back(std::move(b));
   }
 }
@@ -1129,6 +1130,207 @@ TEST(MoeEncode, QueryCacheStaysWithinCacheBytesWhateverTheTexts) {
 }
 
 /* ----- this binary's elements ----- */
+
+/* ----- hybrid requests and catalog updates ----- */
+
+gstmoe::RequestRecord hybrid(const std::string& id, const std::string& text) {
+  gstmoe::RequestRecord r = request(id, gstmoe::Modality::Hybrid, "base64:1 bytes");
+  r.text = text;
+  return r;
+}
+
+// A buffer that carries only controls (catalog deletes), as zmq-query sends a delete.
+GstBuffer* control_buffer(const std::string& id, const std::vector<std::string>& item_ids) {
+  GstBuffer* buf = gst_buffer_new();
+  gstmoe::BatchRecords records;
+  gstmoe::RequestRecord r = request(id, gstmoe::Modality::Text);
+  r.op = gstmoe::RequestOp::Delete;
+  r.item_ids = item_ids;
+  records.controls.push_back(r);
+  gst_buffer_add_moe_batch_meta(buf, records);
+  return buf;
+}
+
+gstmoe::RequestRecord upsert(const std::string& id, const std::string& item_id, const std::string& text) {
+  gstmoe::RequestRecord r = request(id, gstmoe::Modality::Text);
+  r.op = gstmoe::RequestOp::Upsert;
+  r.item = moe::AnnItem{item_id, "https://cdn.example/" + item_id + ".png", text, R"({"colour":"red"})"};
+  return r;
+}
+
+// A hybrid request (image bytes in the buffer, text in the record) takes one input of each tower:
+// its row is the image's embedding, its text_embedding the text's, as the engine gives them alone.
+// It counts once in max-batch: three requests of max-batch 3 leave in one batch.
+TEST(MoeEncode, HybridRowIsTheImageAndTextEmbeddingIsTheText) {
+  GstHarness* h = encode_harness(3, kHour, GST_MOE_REQUEST_CAPS);
+  g_object_set(h->element, "cache-bytes", G_GUINT64_CONSTANT(0), nullptr);
+  const int w = 9, h_px = 7;
+  const std::vector<uint8_t> px = pattern_rgb(w, h_px, 5);
+  const std::vector<uint8_t> png = make_png(px, w, h_px, 3);
+  const std::string text = "like this, but red";
+  PushGate gate(h->element);
+  ASSERT_EQ(gst_harness_push(h, request_buffer({text.begin(), text.end()}, request("first", gstmoe::Modality::Text))),
+            GST_FLOW_OK);
+  ASSERT_TRUE(gate.wait_held());
+  ASSERT_EQ(gst_harness_push(h, request_buffer(png, hybrid("hyb", text))), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, request_buffer(png, request("img", gstmoe::Modality::Image))), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, request_buffer({text.begin(), text.end()}, request("txt", gstmoe::Modality::Text))),
+            GST_FLOW_OK);
+  gate.release();
+
+  std::vector<Output> batches;
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out, &batches));
+  ASSERT_EQ(batches.size(), 2u);
+  ASSERT_EQ(batches[1].rows(), 3u) << "a hybrid counts once in max-batch";
+  const Output& b = batches[1];
+  EXPECT_EQ(b.records.rows[0].id, "hyb");
+  EXPECT_EQ(b.records.rows[0].modality, gstmoe::Modality::Hybrid);
+  EXPECT_EQ(b.records.rows[0].text, text);
+  EXPECT_EQ(b.records.rows[0].batch_rows, 3u);
+  const moe::Tensor want_image = model()->encode_images({view_of(px, w, h_px)}).embeds;
+  const moe::Tensor want_text = model()->encode_texts({text}).embeds;
+  EXPECT_LE(max_abs_diff(b.row(0), want_image, 0), kTolerance);
+  ASSERT_EQ(b.records.rows[0].text_embedding.size(), static_cast<size_t>(kWidth));
+  EXPECT_LE(max_abs_diff(b.records.rows[0].text_embedding.data(), want_text, 0), kTolerance);
+  // The image and the text alone, in the same batch, give the same embeddings.
+  EXPECT_LE(max_abs_diff(b.row(1), want_image, 0), kTolerance);
+  EXPECT_LE(max_abs_diff(b.row(2), want_text, 0), kTolerance);
+  EXPECT_TRUE(b.records.rows[1].text_embedding.empty());
+  EXPECT_TRUE(b.records.rows[2].text_embedding.empty());
+  GstStructure* s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "rows-hybrid"), 1u);
+  gst_structure_free(s);
+  gst_harness_teardown(h);
+}
+
+// Either half of a hybrid, or a missing text, fails it, with the code of its cause and the request
+// named; the others of the batch are encoded.
+TEST(MoeEncode, HybridFailsOnItsTextOrItsImage) {
+  GstHarness* h = encode_harness(4, kHour, GST_MOE_REQUEST_CAPS);
+  const std::vector<uint8_t> png = make_png(pattern_rgb(8, 8, 1), 8, 8, 3);
+  std::vector<uint8_t> corrupt = png;
+  corrupt.resize(corrupt.size() / 2);
+  ASSERT_EQ(gst_harness_push(h, request_buffer(png, hybrid("bad-text", "red \xff"))), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, request_buffer(corrupt, hybrid("bad-image", "red"))), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, request_buffer(png, hybrid("good", "red"))), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, request_buffer(png, hybrid("no-text", ""))), GST_FLOW_OK);
+  Output out;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &out));
+  ASSERT_EQ(out.rows(), 1u);
+  EXPECT_EQ(out.records.rows[0].id, "good");
+  ASSERT_EQ(out.records.failed.size(), 3u);
+  EXPECT_EQ(out.records.failed[2].request.id, "no-text");
+  EXPECT_STREQ(out.records.failed[2].code, moe::error_code::kInvalidRequest);
+  EXPECT_NE(out.records.failed[2].reason.find("has no text"), std::string::npos) << out.records.failed[2].reason;
+  const gstmoe::FailedRequest& text = out.records.failed[0];
+  EXPECT_EQ(text.request.id, "bad-text");
+  EXPECT_STREQ(text.code, moe::error_code::kInvalidRequest);
+  EXPECT_NE(text.reason.find("hybrid request 'bad-text' is not valid UTF-8"), std::string::npos) << text.reason;
+  const gstmoe::FailedRequest& image = out.records.failed[1];
+  EXPECT_EQ(image.request.id, "bad-image");
+  EXPECT_STREQ(image.code, moe::error_code::kImageUndecodable);
+  EXPECT_NE(image.reason.find("hybrid request 'bad-image'"), std::string::npos) << image.reason;
+  GstStructure* s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "rows-failed"), 3u);
+  EXPECT_EQ(stat_u64(s, "rows-hybrid"), 1u);
+  gst_structure_free(s);
+  gst_harness_teardown(h);
+}
+
+// Each half of a hybrid is cached under its own key, as a text or an image request's: one may hit
+// while the other misses, and hits are bit-identical to the encodings they came from.
+TEST(MoeEncode, QueryCacheKeysEachHalfOfAHybrid) {
+  GstHarness* h = encode_harness(1, kHour, GST_MOE_REQUEST_CAPS);
+  const std::vector<uint8_t> a = make_png(pattern_rgb(10, 8, 1), 10, 8, 3);
+  const std::vector<uint8_t> b = make_png(pattern_rgb(10, 8, 2), 10, 8, 3);
+  std::vector<Output> outs;
+  const auto encode = [&](GstBuffer* buf) {
+    ASSERT_EQ(gst_harness_push(h, buf), GST_FLOW_OK);
+    outs.emplace_back();
+    ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &outs.back()));
+    ASSERT_EQ(outs.back().rows(), 1u);
+  };
+  ASSERT_NO_FATAL_FAILURE(encode(request_buffer(a, request("img", gstmoe::Modality::Image))));  // miss
+  ASSERT_NO_FATAL_FAILURE(encode(request_buffer(a, hybrid("h1", "in blue"))));                  // image hit, text miss
+  ASSERT_NO_FATAL_FAILURE(encode(request_buffer(b, hybrid("h2", "in blue"))));                  // image miss, text hit
+  const std::string text = "in blue";
+  ASSERT_NO_FATAL_FAILURE(encode(request_buffer({text.begin(), text.end()}, request("txt", gstmoe::Modality::Text))));
+  GstStructure* s = stats_of(h->element);
+  EXPECT_EQ(stat_u64(s, "cache-hits"), 3u);
+  EXPECT_EQ(stat_u64(s, "cache-misses"), 3u);
+  gst_structure_free(s);
+  EXPECT_TRUE(std::equal(outs[0].row(0), outs[0].row(0) + kWidth, outs[1].row(0)));
+  const std::vector<float>& t1 = outs[1].records.rows[0].text_embedding;
+  const std::vector<float>& t2 = outs[2].records.rows[0].text_embedding;
+  EXPECT_EQ(t1, t2);
+  EXPECT_TRUE(std::equal(t1.begin(), t1.end(), outs[3].row(0))) << "a text request hits the hybrid's text";
+  const moe::Tensor want_b = model()->encode_images({view_of(pattern_rgb(10, 8, 2), 10, 8)}).embeds;
+  EXPECT_LE(max_abs_diff(outs[2].row(0), want_b, 0), kTolerance);
+  gst_harness_teardown(h);
+}
+
+// A control (a catalog delete, row-less) leaves exactly once, with the batch it queued in, after
+// the rows that came before it: a row that came after it leaves in the next buffer. A buffer with
+// only controls goes on as one with only failures does. Upserts are encoded like queries and keep
+// their op and item.
+TEST(MoeEncode, ControlsPassOnceInTheirPlaceAndUpsertsKeepTheirItem) {
+  GstHarness* h = encode_harness(8, kHour, GST_MOE_REQUEST_CAPS);
+  ASSERT_EQ(gst_harness_push(h, control_buffer("d0", {"sku-0"})), GST_FLOW_OK);
+  Output alone;
+  ASSERT_NO_FATAL_FAILURE(take(gst_harness_pull(h), &alone));
+  EXPECT_EQ(alone.rows(), 0u);
+  ASSERT_EQ(alone.records.controls.size(), 1u);
+  EXPECT_EQ(alone.records.controls[0].id, "d0");
+  EXPECT_EQ(alone.records.controls[0].op, gstmoe::RequestOp::Delete);
+  EXPECT_EQ(alone.records.controls[0].item_ids, std::vector<std::string>{"sku-0"});
+
+  PushGate gate(h->element);
+  const std::string busy = "keeps the encoder busy";
+  ASSERT_EQ(gst_harness_push(h, request_buffer({busy.begin(), busy.end()}, request("busy", gstmoe::Modality::Text))),
+            GST_FLOW_OK);
+  ASSERT_TRUE(gate.wait_held());
+  const std::string red = "red mug", blue = "blue mug";
+  ASSERT_EQ(gst_harness_push(h, request_buffer({red.begin(), red.end()}, upsert("u1", "sku-1", red))), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, control_buffer("d1", {"sku-1", "sku-2"})), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, request_buffer({blue.begin(), blue.end()}, upsert("u2", "sku-2", blue))), GST_FLOW_OK);
+  ASSERT_EQ(gst_harness_push(h, control_buffer("d2", {"sku-3"})), GST_FLOW_OK);
+  gate.release();
+
+  std::vector<Output> batches;
+  Output all;
+  ASSERT_NO_FATAL_FAILURE(take_all(h, &all, &batches));
+  ASSERT_EQ(batches.size(), 3u) << "the busy request, then one batch in two buffers";
+  EXPECT_EQ(batches[0].records.rows[0].id, "busy");
+  EXPECT_TRUE(batches[0].records.controls.empty());
+  const Output& first = batches[1];
+  ASSERT_EQ(first.rows(), 1u);
+  EXPECT_EQ(first.records.rows[0].id, "u1");
+  ASSERT_EQ(first.records.controls.size(), 1u);
+  EXPECT_EQ(first.records.controls[0].id, "d1");
+  EXPECT_EQ(first.records.controls[0].item_ids, (std::vector<std::string>{"sku-1", "sku-2"}));
+  const Output& second = batches[2];
+  ASSERT_EQ(second.rows(), 1u);
+  EXPECT_EQ(second.records.rows[0].id, "u2");
+  ASSERT_EQ(second.records.controls.size(), 1u);
+  EXPECT_EQ(second.records.controls[0].id, "d2");
+  EXPECT_EQ(all.records.controls.size(), 2u) << "each control once";
+  // Encoded together: each row's cost shares the batch of two.
+  EXPECT_EQ(first.records.rows[0].batch_rows, 2u);
+  EXPECT_EQ(second.records.rows[0].batch_rows, 2u);
+
+  const gstmoe::RequestRecord& u1 = first.records.rows[0];
+  EXPECT_EQ(u1.op, gstmoe::RequestOp::Upsert);
+  EXPECT_EQ(u1.item.id, "sku-1");
+  EXPECT_EQ(u1.item.uri, "https://cdn.example/sku-1.png");
+  EXPECT_EQ(u1.item.caption, red);
+  EXPECT_EQ(u1.item.fields, R"({"colour":"red"})");
+  EXPECT_EQ(second.records.rows[0].op, gstmoe::RequestOp::Upsert);
+  const moe::Tensor want = model()->encode_texts({red, blue}).embeds;
+  EXPECT_LE(max_abs_diff(first.row(0), want, 0), kTolerance);
+  EXPECT_LE(max_abs_diff(second.row(0), want, 1), kTolerance);
+  gst_harness_teardown(h);
+}
 
 TEST(MoeEncode, ElementsAndMetaAreThisBinarysOwn) {
   GstElementFactory* factory = gst_element_factory_find("moe-encode");

@@ -11,13 +11,17 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <numeric>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "gstmoeexpert.h"
@@ -292,12 +296,13 @@ void expect_contains(const std::string& text, const std::string& fragment) {
   EXPECT_NE(text.find(fragment), std::string::npos) << "message: " << text << "\nmissing: " << fragment;
 }
 
-// A second adapter with 4 experts (hidden 16), written to a temporary directory: a router
-// whose experts do not match adapter_tiny's.
+// Another adapter (hidden 16, random weights), written to a temporary directory: with 4 experts a
+// router whose experts do not match adapter_tiny's; with 6, the same shapes and other weights.
 class TempAdapter {
  public:
-  // `config_extra`: more members of adapter_config.json (",\"key\":value").
-  explicit TempAdapter(int num_experts, const std::string& config_extra = "") {
+  // `config_extra`: more members of adapter_config.json (",\"key\":value"); `cross_modal_gate`:
+  // with the gate that fuses hybrid requests.
+  explicit TempAdapter(int num_experts, const std::string& config_extra = "", bool cross_modal_gate = false) {
     const int D = kWidth, I = 24;
     std::vector<std::pair<std::string, std::vector<int64_t>>> tensors = {{"gate.weight", {num_experts, D}}};
     for (int e = 0; e < num_experts; ++e) {
@@ -306,16 +311,24 @@ class TempAdapter {
       tensors.push_back({p + "w2.weight", {D, I}});
       tensors.push_back({p + "w3.weight", {I, D}});
     }
+    if (cross_modal_gate) {
+      tensors.push_back({"cross_modal_gate.weight", {2, 2 * D}});
+      tensors.push_back({"cross_modal_gate.bias", {2}});
+    }
     std::string header = "{";
     std::vector<float> data;
     std::mt19937 gen(7);
     std::normal_distribution<float> dist(0.0f, 0.2f);
     for (size_t t = 0; t < tensors.size(); ++t) {
-      const size_t n = static_cast<size_t>(tensors[t].second[0] * tensors[t].second[1]);
+      size_t n = 1;
+      std::string shape;
+      for (int64_t d : tensors[t].second) {
+        n *= static_cast<size_t>(d);
+        shape += (shape.empty() ? "" : ",") + std::to_string(d);
+      }
       const size_t begin = data.size() * sizeof(float);
       for (size_t i = 0; i < n; ++i) data.push_back(dist(gen));
-      header += (t ? "," : "") + std::string("\"") + tensors[t].first + "\":{\"dtype\":\"F32\",\"shape\":[" +
-                std::to_string(tensors[t].second[0]) + "," + std::to_string(tensors[t].second[1]) +
+      header += (t ? "," : "") + std::string("\"") + tensors[t].first + "\":{\"dtype\":\"F32\",\"shape\":[" + shape +
                 "],\"data_offsets\":[" + std::to_string(begin) + "," + std::to_string(data.size() * sizeof(float)) +
                 "]}";
     }
@@ -1028,6 +1041,485 @@ TEST_F(RouteExpertTest, StateCyclesReleaseTheAdapter) {
       ASSERT_EQ(gst_element_set_state(p.pipeline, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
       EXPECT_TRUE(cached.expired()) << "cycle " << cycle;
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Hybrid requests (issue 18): moe-route fuses a hybrid row's image embedding (the row) with its
+// text embedding (the record) before routing it.
+
+// A batch of text, image, tensor and hybrid rows; the hybrid records carry their text embedding.
+struct MixedBatch {
+  std::vector<float> rows;
+  gstmoe::BatchRecords records;
+  std::vector<size_t> hybrid;      // row numbers
+  std::vector<float> image, text;  // the hybrid rows' two embeddings, [hybrid.size(), kWidth]
+};
+
+// `offset`: added to every value of both embeddings.
+MixedBatch mixed_batch(unsigned seed, float offset = 0.0f) {
+  const std::vector<gstmoe::Modality> modalities = {gstmoe::Modality::Text,   gstmoe::Modality::Hybrid,
+                                                    gstmoe::Modality::Image,  gstmoe::Modality::Hybrid,
+                                                    gstmoe::Modality::Tensor, gstmoe::Modality::Hybrid};
+  MixedBatch b;
+  b.rows = random_rows(modalities.size(), seed);
+  b.records = records_for(modalities.size());
+  std::vector<float> texts = random_rows(modalities.size(), seed + 1000);
+  for (std::vector<float>* v : {&b.rows, &texts})
+    for (float& x : *v) x += offset;
+  for (size_t i = 0; i < modalities.size(); ++i) {
+    b.records.rows[i].modality = modalities[i];
+    if (modalities[i] != gstmoe::Modality::Hybrid) continue;
+    b.hybrid.push_back(i);
+    const auto row = [&](const std::vector<float>& v) { return v.begin() + static_cast<std::ptrdiff_t>(i * kWidth); };
+    b.records.rows[i].text_embedding.assign(row(texts), row(texts) + kWidth);
+    b.image.insert(b.image.end(), row(b.rows), row(b.rows) + kWidth);
+    b.text.insert(b.text.end(), row(texts), row(texts) + kWidth);
+  }
+  return b;
+}
+
+// Without a gate the fusion is the plain average (fuse()'s contract), with one the engine's gate;
+// the other rows pass bit for bit; every row is routed as the engine routes the fused batch.
+TEST_F(RouteExpertTest, RouteFusesHybridRowsOnly) {
+  TempAdapter gated(kExperts, "", true);
+  for (const std::string& dir : {adapter_dir(), gated.dir()}) {
+    SCOPED_TRACE(dir);
+    const moe::MoeAdapter adapter = moe::MoeAdapter::load(dir);
+    const bool gate = dir != adapter_dir();
+    ASSERT_EQ(adapter.has_cross_modal_gate(), gate);
+    Harness h("moe-route name=route model=\"" + dir + "\"");
+    const MixedBatch b = mixed_batch(gate ? 120 : 110);
+    ASSERT_EQ(h.push(tensor_buffer(b.rows, &b.records)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+
+    moe::Tensor weights;
+    const moe::Tensor fused = adapter.fuse(as_tensor(b.image), as_tensor(b.text), &weights);
+    std::vector<float> want = b.rows;
+    for (size_t j = 0; j < b.hybrid.size(); ++j) {
+      for (int d = 0; d < kWidth; ++d) {
+        const size_t k = j * kWidth + static_cast<size_t>(d);
+        want[b.hybrid[j] * kWidth + static_cast<size_t>(d)] = fused.data<float>()[k];
+        if (!gate) {
+          EXPECT_NEAR(fused.data<float>()[k], 0.5f * (b.image[k] + b.text[k]), 1e-6);
+        }
+      }
+    }
+    const std::vector<float> got = buffer_floats(out);
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const bool hybrid = std::count(b.hybrid.begin(), b.hybrid.end(), i / kWidth) > 0;
+      if (hybrid) {
+        EXPECT_NEAR(got[i], want[i], 1e-6) << "element " << i;
+      } else {
+        EXPECT_EQ(got[i], want[i]) << "element " << i;  // untouched
+      }
+    }
+    const gstmoe::BatchRecords& meta = records_of(out);
+    expect_routing(meta, adapter.route(as_tensor(want)));
+    for (size_t i = 0, j = 0; i < meta.rows.size(); ++i) {
+      const gstmoe::RequestRecord& r = meta.rows[i];
+      EXPECT_TRUE(r.text_embedding.empty()) << "row " << i;
+      if (r.modality != gstmoe::Modality::Hybrid) {
+        EXPECT_FALSE(r.fusion) << "row " << i;
+        continue;
+      }
+      ASSERT_TRUE(r.fusion) << "row " << i;
+      EXPECT_EQ(r.fusion->method, gate ? "gate" : "average");
+      EXPECT_NEAR(r.fusion->image, weights.data<float>()[2 * j], 1e-6);
+      EXPECT_NEAR(r.fusion->text, weights.data<float>()[2 * j + 1], 1e-6);
+      EXPECT_NEAR(r.fusion->image + r.fusion->text, 1.0f, 1e-6);
+      if (!gate) {
+        EXPECT_EQ(r.fusion->image, 0.5f);
+      }
+      ++j;
+    }
+    gst_buffer_unref(out);
+  }
+}
+
+// The experts run on the fused rows: route + experts equal the adapter applied to them.
+TEST_F(RouteExpertTest, HybridRowsReachTheExpertsFused) {
+  TempAdapter gated(kExperts, "", true);
+  const moe::MoeAdapter adapter = moe::MoeAdapter::load(gated.dir());
+  Harness h("moe-route model=\"" + gated.dir() + "\" ! " + expert_line(gated.dir()));
+  const MixedBatch b = mixed_batch(130);
+  ASSERT_EQ(h.push(tensor_buffer(b.rows, &b.records)), GST_FLOW_OK);
+  GstBuffer* out = h.pull();
+  ASSERT_NE(out, nullptr);
+  const moe::Tensor fused = adapter.fuse(as_tensor(b.image), as_tensor(b.text), nullptr);
+  std::vector<float> input = b.rows;
+  for (size_t j = 0; j < b.hybrid.size(); ++j)
+    std::copy(fused.data<float>() + j * kWidth, fused.data<float>() + (j + 1) * kWidth,
+              input.begin() + static_cast<std::ptrdiff_t>(b.hybrid[j] * kWidth));
+  expect_close(buffer_floats(out), adapter.apply(as_tensor(input)).embeddings, 1e-6);
+  gst_buffer_unref(out);
+}
+
+// adapter_tiny with `joint` joint visual-text experts (adapter_config.json "joint_experts")
+// appended: copies of its first experts with w2 doubled, and router rows of constant 4 + j, which
+// outrank every other expert on rows of positive mean when nothing masks them.
+class JointAdapter {
+ public:
+  explicit JointAdapter(int joint) {
+    auto file = moe::SafetensorsFile::open(adapter_dir() + "/adapter.safetensors");
+    std::string header = "{", data;
+    const auto add = [&](const std::string& name, const std::vector<int64_t>& shape, std::string bytes) {
+      std::string dims;
+      for (int64_t d : shape) dims += (dims.empty() ? "" : ",") + std::to_string(d);
+      header += (data.empty() ? "" : ",") + std::string("\"") + name + "\":{\"dtype\":\"F32\",\"shape\":[" + dims +
+                "],\"data_offsets\":[" + std::to_string(data.size()) + "," +
+                std::to_string(data.size() + bytes.size()) + "]}";
+      data += bytes;
+    };
+    for (const std::string& name : file.names()) {
+      const moe::TensorInfo& info = file.info(name);
+      const auto* p = reinterpret_cast<const char*>(file.bytes(name));
+      std::string bytes(p, p + (info.end - info.begin));
+      std::vector<int64_t> shape(info.shape.begin(), info.shape.end());
+      if (name == "gate.weight") {
+        for (int j = 0; j < joint; ++j) {
+          const std::vector<float> row(kWidth, 4.0f + static_cast<float>(j));
+          bytes.append(reinterpret_cast<const char*>(row.data()), row.size() * sizeof(float));
+        }
+        shape[0] += joint;
+      }
+      add(name, shape, bytes);
+      for (int j = 0; j < joint; ++j) {
+        const std::string from = "experts." + std::to_string(j) + ".";
+        if (name.rfind(from, 0) != 0) continue;
+        std::vector<float> w(bytes.size() / sizeof(float));
+        std::memcpy(w.data(), bytes.data(), bytes.size());
+        if (name.find(".w2.") != std::string::npos)
+          for (float& v : w) v *= 2.0f;
+        add("experts." + std::to_string(kExperts + j) + "." + name.substr(from.size()), shape,
+            std::string(reinterpret_cast<const char*>(w.data()), bytes.size()));
+      }
+    }
+    header += "}";
+    while (header.size() % 8) header += ' ';
+    std::string out(8, '\0');
+    const uint64_t len = header.size();
+    std::memcpy(&out[0], &len, 8);  // little-endian host
+    dir_.write("adapter.safetensors", out + header + data);
+    dir_.write("adapter_config.json",
+               "{\"format\":\"gst-moe-adapter\",\"version\":1,\"hidden_size\":16,\"num_experts\":" +
+                   std::to_string(kExperts + joint) +
+                   ",\"top_k\":2,\"intermediate_size\":24,\"routing\":\"mixtral\",\"joint_experts\":" +
+                   std::to_string(joint) + "}");
+  }
+  const std::string& dir() const { return dir_.path(); }
+
+ private:
+  moe::test::TempDir dir_;
+};
+
+// One batch of text, image, tensor and hybrid rows through an adapter with joint experts: the
+// hybrid rows are routed among all experts (to the joint ones here) and adapted as the adapter
+// adapts fused rows; the others never reach a joint expert and come out as from adapter_tiny.
+TEST_F(RouteExpertTest, OnlyHybridRowsReachTheJointExperts) {
+  const JointAdapter joint(2);
+  const moe::MoeAdapter adapter = moe::MoeAdapter::load(joint.dir());
+  ASSERT_EQ(adapter.num_joint_experts(), 2);
+  Harness h("moe-route model=\"" + joint.dir() + "\" ! " + expert_line(joint.dir()));
+  const MixedBatch b = mixed_batch(150, 3.0f);
+  ASSERT_EQ(h.push(tensor_buffer(b.rows, &b.records)), GST_FLOW_OK);
+  GstBuffer* out = h.pull();
+  ASSERT_NE(out, nullptr);
+  const std::vector<float> got = buffer_floats(out);
+  const gstmoe::BatchRecords& meta = records_of(out);
+
+  const moe::Tensor fused = adapter.fuse(as_tensor(b.image), as_tensor(b.text), nullptr);
+  const moe::AdapterOutput hybrid_want =
+      adapter.apply(fused, moe::MoeLayer::FusedRows(static_cast<size_t>(fused.dim(0)), true));
+  std::vector<float> single_rows;
+  for (size_t i = 0; i < meta.rows.size(); ++i)
+    if (std::count(b.hybrid.begin(), b.hybrid.end(), i) == 0)
+      single_rows.insert(single_rows.end(), b.rows.begin() + static_cast<std::ptrdiff_t>(i * kWidth),
+                         b.rows.begin() + static_cast<std::ptrdiff_t>((i + 1) * kWidth));
+  const moe::AdapterOutput single_want = engine().apply(as_tensor(single_rows));
+
+  for (size_t i = 0, hybrid = 0, single = 0; i < meta.rows.size(); ++i) {
+    const gstmoe::RequestRecord& r = meta.rows[i];
+    const bool is_hybrid = r.modality == gstmoe::Modality::Hybrid;
+    const moe::AdapterOutput& want = is_hybrid ? hybrid_want : single_want;
+    const int64_t row = static_cast<int64_t>(is_hybrid ? hybrid++ : single++);
+    ASSERT_EQ(r.experts.size(), static_cast<size_t>(kTopK)) << "row " << i;
+    for (int j = 0; j < kTopK; ++j) {
+      EXPECT_EQ(r.experts[static_cast<size_t>(j)], want.routing.expert(row, j)) << "row " << i << " slot " << j;
+      EXPECT_NEAR(r.expert_weights[static_cast<size_t>(j)], want.routing.weight(row, j), 1e-6) << "row " << i;
+      EXPECT_EQ(r.experts[static_cast<size_t>(j)] >= kExperts, is_hybrid) << "row " << i << " slot " << j;
+    }
+    for (int d = 0; d < kWidth; ++d)
+      EXPECT_NEAR(got[i * kWidth + static_cast<size_t>(d)], want.embeddings.data<float>()[row * kWidth + d], 1e-6)
+          << "row " << i;
+  }
+  gst_buffer_unref(out);
+}
+
+// top-k must fit the experts every request may use: the joint ones are only for hybrid requests.
+TEST_F(RouteExpertTest, TopKAboveTheNonJointExpertsFailsAtStart) {
+  const JointAdapter joint(2);
+  const std::string error = start_error("moe-route top-k=7 model=\"" + joint.dir() + "\"");
+  expect_contains(error, "top-k=7 exceeds the 6 experts of the MoE adapter");
+  expect_contains(error, "that every request may use");
+  expect_contains(error, "2 of its 8 are joint visual-text experts");
+}
+
+TEST_F(RouteExpertTest, HybridRowWithAWrongTextEmbeddingIsAnError) {
+  Harness h(route_line());
+  MixedBatch b = mixed_batch(140);
+  b.records.rows[3].text_embedding.pop_back();
+  EXPECT_EQ(h.push(tensor_buffer(b.rows, &b.records)), GST_FLOW_ERROR);
+  const std::string error = pop_error(h.bus);
+  expect_contains(error, "row 3 (hybrid request 'q3')");
+  expect_contains(error, "15 values");
+}
+
+// ------------------------------------------------------------------------------------------
+// Hot swap (issue 17): `model` set while playing.
+
+// The next element message named `name` from the element named `element`; fails on an error or a
+// warning, or after 10 s.
+void wait_for_message(GstBus* bus, const std::string& element, const char* name) {
+  for (;;) {
+    GstMessage* msg = gst_bus_timed_pop_filtered(
+        bus, 10 * GST_SECOND,
+        static_cast<GstMessageType>(GST_MESSAGE_ELEMENT | GST_MESSAGE_ERROR | GST_MESSAGE_WARNING));
+    ASSERT_NE(msg, nullptr) << "no " << name << " from " << element << " within 10 s";
+    if (GST_MESSAGE_TYPE(msg) != GST_MESSAGE_ELEMENT) {
+      GError* err = nullptr;
+      gchar* debug = nullptr;
+      if (GST_MESSAGE_TYPE(msg) == GST_MESSAGE_ERROR) {
+        gst_message_parse_error(msg, &err, &debug);
+      } else {
+        gst_message_parse_warning(msg, &err, &debug);
+      }
+      const std::string text = err->message;
+      g_error_free(err);
+      g_free(debug);
+      gst_message_unref(msg);
+      FAIL() << "waiting for " << name << ": " << text;
+    }
+    const bool found = gst_structure_has_name(gst_message_get_structure(msg), name) &&
+                       element == GST_OBJECT_NAME(GST_MESSAGE_SRC(msg));
+    gst_message_unref(msg);
+    if (found) return;
+  }
+}
+
+// The first warning on `bus` within 10 s, "" when none came.
+std::string pop_warning(GstBus* bus) {
+  GstMessage* msg = gst_bus_timed_pop_filtered(bus, 10 * GST_SECOND, GST_MESSAGE_WARNING);
+  if (!msg) return "";
+  GError* err = nullptr;
+  gst_message_parse_warning(msg, &err, nullptr);
+  std::string text = err->message;
+  g_error_free(err);
+  gst_message_unref(msg);
+  return text;
+}
+
+std::string stats_string(GstElement* e, const char* field) {
+  GstStructure* s = nullptr;
+  g_object_get(e, "stats", &s, nullptr);
+  const gchar* v = gst_structure_get_string(s, field);
+  std::string out = v ? v : "(none)";
+  gst_structure_free(s);
+  return out;
+}
+
+guint64 stats_uint64(GstElement* e, const char* field) {
+  GstStructure* s = nullptr;
+  g_object_get(e, "stats", &s, nullptr);
+  guint64 v = G_MAXUINT64;
+  EXPECT_TRUE(gst_structure_get_uint64(s, field, &v)) << field;
+  gst_structure_free(s);
+  return v;
+}
+
+guint stats_uint(GstElement* e, const char* field) {
+  GstStructure* s = nullptr;
+  g_object_get(e, "stats", &s, nullptr);
+  guint v = G_MAXUINT;
+  EXPECT_TRUE(gst_structure_get_uint(s, field, &v)) << field;
+  gst_structure_free(s);
+  return v;
+}
+
+std::string model_of(GstElement* e) {
+  gchar* dir = nullptr;
+  g_object_get(e, "model", &dir, nullptr);
+  std::string out = dir ? dir : "";
+  g_free(dir);
+  return out;
+}
+
+// Batches flow from one thread into moe-route ! queue ! moe-expert and out to another while the
+// documented swap runs (moe-expert's model, then moe-route's): every batch comes out once, in
+// order, computed by exactly one adapter - the old one up to the switch point, the new one after -
+// and says which in its fingerprint. moe-expert holds both adapters between the two settings and
+// keeps running the old one's batches on the old experts; on the executor path every batch,
+// before and after the switch, arrives preloaded on the executor that runs it.
+TEST_F(RouteExpertTest, HotSwapUnderLoadAnswersEveryBatchWithOneAdapter) {
+  TempAdapter next(kExperts);
+  const moe::MoeAdapter& old_adapter = engine();
+  const moe::MoeAdapter new_adapter = moe::MoeAdapter::load(next.dir());
+  ASSERT_NE(old_adapter.fingerprint(), new_adapter.fingerprint());
+  struct Variant {
+    std::string extra;  // moe-expert's properties
+    double tol;         // against the reference on the CPU
+  };
+  std::vector<Variant> variants = {{"", 1e-6}, {"precision=fp16", 1e-6}};
+  std::string why;
+  if (moe::kernels::cuda_device_count(&why) > 0) variants.push_back({"device=cuda:0 precision=fp16", 1e-2});
+  for (const Variant& variant : variants) {
+    const std::string& extra = variant.extra;
+    SCOPED_TRACE(extra.empty() ? "fp32" : extra);
+    const bool executor = !extra.empty();
+    moe::ExpertExecutorOptions options;
+    options.precision = moe::kernels::WeightType::F16;
+    // The reference of each adapter: the engine, or an executor like moe-expert's.
+    std::vector<std::unique_ptr<moe::ExpertExecutor>> references;
+    if (executor)
+      for (const moe::MoeAdapter* a : {&old_adapter, &new_adapter})
+        references.push_back(std::make_unique<moe::ExpertExecutor>(a->layer(), "cpu", options));
+    const auto reference = [&](size_t which, const std::vector<float>& rows) {
+      const moe::MoeAdapter& a = which == 0 ? old_adapter : new_adapter;
+      const moe::Tensor x = as_tensor(rows);
+      return executor ? references[which]->run(x, a.route(x), nullptr) : a.apply(x).embeddings;
+    };
+
+    Pipeline p(route_line() + " ! queue ! " + expert_line(adapter_dir(), extra), kWidth);
+    GstElement* route = gst_bin_get_by_name(GST_BIN(p.pipeline), "route");
+    GstElement* expert = gst_bin_get_by_name(GST_BIN(p.pipeline), "expert");
+    ASSERT_NE(gst_element_set_state(p.pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+
+    constexpr size_t kRows = 4;
+    const auto input = [](size_t n) { return random_rows(kRows, 1000 + static_cast<unsigned>(n)); };
+    std::atomic<size_t> pushed{0}, pulled{0}, last{SIZE_MAX};
+    std::thread pusher([&] {  // until told the last batch
+      for (size_t n = 0; n < last.load(); ++n) {
+        while (n > pulled.load() + 8) g_usleep(200);  // a few batches in flight, no more
+        const gstmoe::BatchRecords records = records_for(kRows, "b" + std::to_string(n) + "-");
+        if (gst_app_src_push_buffer(GST_APP_SRC(p.src), tensor_buffer(input(n), &records)) != GST_FLOW_OK) break;
+        pushed = n + 1;
+        g_usleep(500);
+      }
+      gst_app_src_end_of_stream(GST_APP_SRC(p.src));
+    });
+    struct Output {
+      std::vector<float> data;
+      std::string first_id, router, adapter;
+    };
+    std::vector<Output> outputs;
+    std::thread puller([&] {
+      while (GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(p.sink), 10 * GST_SECOND)) {
+        GstBuffer* buf = gst_sample_get_buffer(sample);
+        const gstmoe::BatchRecords& r = records_of(buf);
+        outputs.push_back(
+            {buffer_floats(buf), r.rows.empty() ? "" : r.rows[0].id, r.router_fingerprint, r.adapter_fingerprint});
+        gst_sample_unref(sample);
+        ++pulled;
+      }
+    });
+    const auto wait_pulled = [&](size_t n) {
+      for (int i = 0; i < 10000 && pulled.load() < n; ++i) g_usleep(1000);
+      EXPECT_GE(pulled.load(), n);
+    };
+
+    wait_pulled(5);
+    g_object_set(expert, "model", next.dir().c_str(), nullptr);
+    EXPECT_EQ(model_of(expert), next.dir());
+    wait_for_message(p.bus, "expert", "moe-adapter-loaded");
+    wait_pulled(pulled.load() + 5);
+    // Both held; the old router's batches still run on the old experts.
+    EXPECT_EQ(stats_uint(expert, "adapters"), 2u);
+    EXPECT_EQ(stats_string(expert, "fingerprint"), old_adapter.fingerprint());
+    EXPECT_EQ(stats_uint64(expert, "swaps"), 0u);
+    g_object_set(route, "model", next.dir().c_str(), nullptr);
+    wait_for_message(p.bus, "route", "moe-adapter-loaded");
+    wait_for_message(p.bus, "route", "moe-adapter-swap");
+    wait_for_message(p.bus, "expert", "moe-adapter-swap");
+    wait_pulled(pulled.load() + 10);
+    last = pushed.load() + 10;  // batches pushed from now on are routed by the new adapter
+    pusher.join();
+    puller.join();
+    ASSERT_TRUE(gst_app_sink_is_eos(GST_APP_SINK(p.sink))) << pop_error(p.bus);
+
+    ASSERT_EQ(outputs.size(), pushed.load());  // none lost, none duplicated
+    size_t switch_point = outputs.size();
+    for (size_t n = 0; n < outputs.size(); ++n) {
+      SCOPED_TRACE("batch " + std::to_string(n));
+      const Output& o = outputs[n];
+      EXPECT_EQ(o.first_id, "b" + std::to_string(n) + "-0");  // in order
+      const size_t which = o.router == old_adapter.fingerprint() ? 0 : o.router == new_adapter.fingerprint() ? 1 : 2;
+      ASSERT_LT(which, 2u) << "routed by an unknown adapter " << o.router;
+      if (which == 1 && switch_point == outputs.size()) switch_point = n;
+      EXPECT_EQ(which, n < switch_point ? 0u : 1u) << "an old batch after the switch point " << switch_point;
+      EXPECT_EQ(o.adapter, o.router);  // the experts of the adapter that routed it
+      expect_close(o.data, reference(which, input(n)), variant.tol);
+    }
+    EXPECT_GE(switch_point, 10u);
+    EXPECT_LE(switch_point + 10, outputs.size());
+
+    EXPECT_EQ(model_of(route), next.dir());
+    EXPECT_EQ(model_of(expert), next.dir());
+    for (GstElement* e : {route, expert}) {
+      EXPECT_EQ(stats_string(e, "fingerprint"), new_adapter.fingerprint());
+      EXPECT_EQ(stats_uint64(e, "swaps"), 1u);
+    }
+    EXPECT_EQ(stats_uint(expert, "adapters"), 1u);  // the old one went after the switch
+    if (executor) {
+      EXPECT_EQ(stats_uint64(expert, "batches-prefetched"), outputs.size());
+    }
+    gst_object_unref(route);
+    gst_object_unref(expert);
+    // Nothing of either adapter outlives the run.
+    const std::weak_ptr<const moe::MoeAdapter> old_cached = moe::shared_moe_adapter(adapter_dir());
+    const std::weak_ptr<const moe::MoeAdapter> new_cached = moe::shared_moe_adapter(next.dir());
+    ASSERT_EQ(gst_element_set_state(p.pipeline, GST_STATE_NULL), GST_STATE_CHANGE_SUCCESS);
+    EXPECT_TRUE(old_cached.expired());
+    EXPECT_TRUE(new_cached.expired());
+  }
+}
+
+// A model that cannot be loaded, or that does not fit the rows, leaves the adapter in use serving:
+// a warning names both, and 'model' reads the one in use again.
+TEST_F(RouteExpertTest, HotSwapToAnUnusableModelKeepsTheOldOne) {
+  const std::string missing = std::string(MOE_SOURCE_DIR) + "/tests/fixtures/no_such_adapter";
+  const std::string wide = std::string(MOE_SOURCE_DIR) + "/models/default/adapter";
+  const int wide_hidden = moe::MoeAdapter::load(wide).layer().config().hidden_size;
+  ASSERT_NE(wide_hidden, kWidth);
+  Harness h(route_line() + " ! " + expert_line());
+  unsigned seed = 150;
+  const auto expect_old = [&] {
+    const std::vector<float> rows = random_rows(3, seed++);
+    const gstmoe::BatchRecords records = records_for(3);
+    ASSERT_EQ(h.push(tensor_buffer(rows, &records)), GST_FLOW_OK);
+    GstBuffer* out = h.pull();
+    ASSERT_NE(out, nullptr);
+    expect_close(buffer_floats(out), engine().apply(as_tensor(rows)).embeddings);
+    EXPECT_EQ(records_of(out).adapter_fingerprint, engine().fingerprint());
+    gst_buffer_unref(out);
+  };
+  expect_old();
+  for (const char* name : {"route", "expert"}) {
+    GstElement* e = h.element(name);
+    for (const std::string& dir : {missing, wide}) {
+      SCOPED_TRACE(std::string(name) + ": " + dir);
+      g_object_set(e, "model", dir.c_str(), nullptr);
+      const std::string warning = pop_warning(h.bus);
+      expect_contains(warning, "cannot swap to the MoE adapter '" + dir + "'");
+      expect_contains(warning, "still serving '" + adapter_dir() + "'");
+      if (dir == wide)
+        expect_contains(warning, "hidden_size is " + std::to_string(wide_hidden) + " but the rows have width 16");
+      EXPECT_EQ(model_of(e), adapter_dir());
+      expect_old();
+    }
+    EXPECT_EQ(stats_uint64(e, "swaps"), 0u);
+    gst_object_unref(e);
   }
 }
 

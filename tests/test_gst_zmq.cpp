@@ -4,6 +4,7 @@
 // Delivery waits are bounded (receive timeouts of several seconds) so that a broken element fails
 // the test instead of hanging it; nothing asserts how fast anything is. Also the `cost` object of
 // the result documents these elements carry (gstmoeresult.h).
+#include <gst/app/gstappsink.h>
 #include <gst/check/gstharness.h>
 #include <gst/gst.h>
 #include <gtest/gtest.h>
@@ -13,8 +14,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -24,11 +27,13 @@
 #include <zmq.hpp>
 #include <zmq_addon.hpp>
 
+#include "gstmoeencode.h"
 #include "gstmoemeta.h"
 #include "gstmoeresult.h"
 #include "gstmoezmq.h"
 #include "gstzmqpublish.h"
 #include "gstzmqquery.h"
+#include "test_util.h"
 
 namespace {
 
@@ -41,6 +46,11 @@ class ZmqTest : public ::testing::Test {
     gst_init(nullptr, nullptr);
     GST_ELEMENT_REGISTER(zmq_publish, nullptr);
     GST_ELEMENT_REGISTER(zmq_query, nullptr);
+    GST_ELEMENT_REGISTER(moe_encode, nullptr);  // hybrid requests and updates through the encoder
+    if (GstElementFactory* f = gst_element_factory_find("appsink"))
+      gst_object_unref(f);
+    else
+      gst_element_register(nullptr, "appsink", GST_RANK_NONE, GST_TYPE_APP_SINK);
   }
 
   void SetUp() override {
@@ -829,8 +839,8 @@ TEST_F(ZmqTest, QueryPullTurnsEachMessageIntoOneRequestBuffer) {
       {{R"({"text":"no id"})"}, {"", Modality::Text, "", "", 0, "id is missing", "invalid_request", "no id"}},
       {{R"({"id":1.5,"text":"x"})"}, {"1.5", Modality::Text, "", "", 0, "id must be a string or an integer", "", "x"}},
       {{R"({"id":"none"})"}, {"none", Modality::Text, "", "", 0, "it has none"}},
-      {{R"({"id":"both","text":"x","image":"/p.png"})"},
-       {"both", Modality::Text, "", "", 0, "it has text and image", "", "x"}},
+      {{R"({"id":"both","text":"x","image":"/p.png","image_base64":"aGVsbG8="})"},
+       {"both", Modality::Hybrid, "", "/p.png", 0, "both image and image_base64", "invalid_request"}},
       {{R"({"id":"missing","image":)" + json_str(missing) + "}"},
        {"missing", Modality::Image, "", missing, 0, "image '" + missing + "' cannot be read: No such file or directory",
         "image_unavailable"}},
@@ -1098,6 +1108,212 @@ TEST_F(ZmqTest, QueryWithoutImageRootRefusesImagePathsButTakesImageBase64) {
   }
   EXPECT_TRUE(wait_eos(h));
   gst_harness_teardown(h);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hybrid requests (an image and a text) and catalog updates (docs/zmq-schema.md, "Live updates").
+
+std::string base64(const std::string& bytes) {
+  gchar* b64 = g_base64_encode(reinterpret_cast<const guchar*>(bytes.data()), bytes.size());
+  std::string r = b64;
+  g_free(b64);
+  return r;
+}
+
+TEST_F(ZmqTest, QueryTakesHybridRequestsAndCatalogUpdates) {
+  write_file("photo.png", "photo bytes");
+  std::string too_many = R"({"id":"many","op":"delete","items":[)";
+  for (int i = 0; i < 1025; ++i) too_many += (i ? ",\"" : "\"") + std::to_string(i) + "\"";
+  too_many += "]}";
+  const std::vector<std::string> messages = {
+      R"({"id":"h1","text":"but red","image_base64":")" + base64("photo bytes") + "\"}",
+      R"({"id":"h2","image":"photo.png","text":"in blue","k":3})",
+      R"({"id":"h3","image":"../outside.png","text":"in green"})",
+      R"({"id":"u1","op":"upsert","item":{"id":"sku-9","caption":"red mug","uri":"https://cdn.example/9.png",)"
+      R"("fields":{"price":12.5}},"text":"a red mug"})",
+      R"({"id":"u2","op":"upsert","item":{"id":"sku-10"},"image":"photo.png"})",
+      R"({"id":"d1","op":"delete","items":["sku-9","sku-10"]})",
+      R"({"id":"bad-op","op":"merge","text":"x"})",
+      too_many,
+      R"({"id":"u3","op":"upsert","item":{"id":"sku-11"},"text":"x","image":"photo.png"})",
+      R"({"id":"d2","op":"delete","items":["sku-9",7]})",
+  };
+  const std::string endpoint = ipc("updates.ipc");
+  GstElement* e = make_query(endpoint, static_cast<gint64>(messages.size()));
+  g_object_set(e, "image-root", dir_.c_str(), nullptr);
+  GstHarness* h = query_harness(e);
+  zmq::socket_t push = client(ctx_, zmq::socket_type::push, endpoint);
+  for (const std::string& m : messages) ASSERT_TRUE(push.send(zmq::buffer(m)));
+  std::vector<GstBuffer*> out;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    GstBuffer* buf = gst_harness_pull(h);
+    ASSERT_NE(buf, nullptr);
+    out.push_back(buf);
+  }
+  const auto row = [&](size_t i) -> const gstmoe::RequestRecord& {
+    const gstmoe::BatchRecords& r = records_of(out[i]);
+    EXPECT_EQ(r.rows.size(), 1u) << i;
+    EXPECT_TRUE(r.failed.empty() && r.controls.empty()) << i;
+    static const gstmoe::RequestRecord none;
+    return r.rows.empty() ? none : r.rows[0];
+  };
+  const auto failure = [&](size_t i, const std::string& reason, const std::string& code) -> gstmoe::RequestRecord {
+    const gstmoe::BatchRecords& r = records_of(out[i]);
+    EXPECT_TRUE(r.rows.empty() && r.controls.empty()) << i;
+    EXPECT_EQ(gst_buffer_get_size(out[i]), 0u) << i;
+    if (r.failed.size() != 1) {
+      ADD_FAILURE() << "no failed request in buffer " << i;
+      return {};
+    }
+    EXPECT_NE(r.failed[0].reason.find(reason), std::string::npos) << r.failed[0].reason;
+    EXPECT_EQ(r.failed[0].code, code) << r.failed[0].reason;
+    EXPECT_EQ(r.failed[0].stage, "zmq-query");
+    return r.failed[0].request;
+  };
+
+  // Hybrids: the image bytes in the buffer, the text in the record; "image" under image-root only.
+  const gstmoe::RequestRecord& h1 = row(0);
+  EXPECT_EQ(h1.id, "h1");
+  EXPECT_EQ(h1.modality, gstmoe::Modality::Hybrid);
+  EXPECT_EQ(h1.op, gstmoe::RequestOp::Search);
+  EXPECT_EQ(h1.text, "but red");
+  EXPECT_EQ(h1.uri, "base64:11 bytes");
+  EXPECT_EQ(payload_of(out[0]), "photo bytes");
+  const gstmoe::RequestRecord& h2 = row(1);
+  EXPECT_EQ(h2.modality, gstmoe::Modality::Hybrid);
+  EXPECT_EQ(h2.text, "in blue");
+  EXPECT_EQ(h2.uri, "photo.png");
+  EXPECT_EQ(h2.k, 3);
+  EXPECT_EQ(payload_of(out[1]), "photo bytes");
+  const gstmoe::RequestRecord h3 = failure(2, "image '../outside.png' is outside image-root", "image_unavailable");
+  EXPECT_EQ(h3.id, "h3");
+  EXPECT_EQ(h3.modality, gstmoe::Modality::Hybrid);
+  EXPECT_EQ(h3.text, "in green");
+  EXPECT_EQ(h3.uri, "../outside.png");
+
+  // Upserts: a request buffer like a query's, whose record carries the item.
+  const gstmoe::RequestRecord& u1 = row(3);
+  EXPECT_EQ(u1.op, gstmoe::RequestOp::Upsert);
+  EXPECT_EQ(u1.modality, gstmoe::Modality::Text);
+  EXPECT_EQ(payload_of(out[3]), "a red mug");
+  EXPECT_EQ(u1.item.id, "sku-9");
+  EXPECT_EQ(u1.item.caption, "red mug");
+  EXPECT_EQ(u1.item.uri, "https://cdn.example/9.png");
+  EXPECT_EQ(u1.item.fields, R"({"price":12.5})");
+  const gstmoe::RequestRecord& u2 = row(4);
+  EXPECT_EQ(u2.op, gstmoe::RequestOp::Upsert);
+  EXPECT_EQ(u2.modality, gstmoe::Modality::Image);
+  EXPECT_EQ(u2.item.id, "sku-10");
+  EXPECT_EQ(payload_of(out[4]), "photo bytes");
+
+  // A delete: an empty buffer whose meta carries it as a control, not as a row.
+  const gstmoe::BatchRecords& d1 = records_of(out[5]);
+  EXPECT_EQ(gst_buffer_get_size(out[5]), 0u);
+  EXPECT_TRUE(d1.rows.empty() && d1.failed.empty());
+  ASSERT_EQ(d1.controls.size(), 1u);
+  EXPECT_EQ(d1.controls[0].id, "d1");
+  EXPECT_EQ(d1.controls[0].op, gstmoe::RequestOp::Delete);
+  EXPECT_EQ(d1.controls[0].item_ids, (std::vector<std::string>{"sku-9", "sku-10"}));
+  EXPECT_GT(d1.controls[0].arrival_mono_us, 0);
+
+  // Refused updates are answered like refused queries, with their own codes.
+  EXPECT_EQ(failure(6, "op 'merge' is not an operation", "unsupported_op").id, "bad-op");
+  EXPECT_EQ(failure(7, "items names 1025 ids, more than 1024", "too_many_items").id, "many");
+  EXPECT_EQ(failure(8, "not both", "invalid_request").id, "u3");
+  EXPECT_EQ(failure(9, "items[1] must be a string (got an integer)", "invalid_request").id, "d2");
+  for (GstBuffer* buf : out) gst_buffer_unref(buf);
+  EXPECT_TRUE(wait_eos(h));
+  EXPECT_EQ(stat(h->element, "received"), messages.size());
+  EXPECT_EQ(stat(h->element, "rejected"), 5u);
+  gst_harness_teardown(h);
+}
+
+// zmq-query ! moe-encode, as in the service: a hybrid request's row is the image's embedding and
+// its text_embedding the text's, each equal to what the same image and text get alone; an upsert
+// is encoded like a query and keeps its item; a delete passes through once, as a control.
+TEST_F(ZmqTest, HybridRequestsAndUpdatesThroughMoeEncode) {
+  const int w = 12, h_px = 10;
+  std::vector<uint8_t> px(static_cast<size_t>(w) * h_px * 3);
+  for (size_t i = 0; i < px.size(); ++i) px[i] = static_cast<uint8_t>(i * 37 + 11);
+  const std::vector<uint8_t> png = moe::test::make_png(px, w, h_px, 3);
+  const std::string png_b64 = base64(std::string(png.begin(), png.end()));
+  const std::vector<std::string> messages = {
+      R"({"id":"img","image_base64":")" + png_b64 + "\"}",
+      R"({"id":"txt","text":"but red"})",
+      R"({"id":"hyb","image_base64":")" + png_b64 + R"(","text":"but red"})",
+      R"({"id":"ups","op":"upsert","item":{"id":"sku-9","fields":{"colour":"red"}},"text":"but red"})",
+      R"({"id":"del","op":"delete","items":["sku-1"]})",
+  };
+  const std::string endpoint = ipc("encode.ipc");
+  // No query cache: each embedding comes from the encoder, not from an earlier request's.
+  GError* error = nullptr;
+  GstElement* pipeline =
+      gst_parse_launch(("zmq-query endpoint=\"" + endpoint + "\" num-requests=" + std::to_string(messages.size()) +
+                        " ! moe-encode name=enc model=\"" + moe::test::fixture_path("clip_tiny_bpe") +
+                        "\" cache-bytes=0 ! appsink name=out sync=false")
+                           .c_str(),
+                       &error);
+  ASSERT_NE(pipeline, nullptr) << error->message;
+  ASSERT_NE(gst_element_set_state(pipeline, GST_STATE_PLAYING), GST_STATE_CHANGE_FAILURE);
+  zmq::socket_t push = client(ctx_, zmq::socket_type::push, endpoint);
+  for (const std::string& m : messages) ASSERT_TRUE(push.send(zmq::buffer(m)));
+
+  GstElement* sink = gst_bin_get_by_name(GST_BIN(pipeline), "out");
+  std::map<std::string, std::pair<gstmoe::RequestRecord, std::vector<float>>> rows;
+  std::vector<gstmoe::RequestRecord> controls;
+  size_t failed = 0;
+  while (GstSample* sample = gst_app_sink_try_pull_sample(GST_APP_SINK(sink), 30 * GST_SECOND)) {
+    GstBuffer* buf = gst_sample_get_buffer(sample);
+    const gstmoe::BatchRecords& r = records_of(buf);
+    const std::string bytes = payload_of(buf);
+    const size_t width = r.rows.empty() ? 0 : bytes.size() / sizeof(float) / r.rows.size();
+    for (size_t i = 0; i < r.rows.size(); ++i) {
+      std::vector<float> embedding(width);
+      std::memcpy(embedding.data(), bytes.data() + i * width * sizeof(float), width * sizeof(float));
+      rows[r.rows[i].id] = {r.rows[i], embedding};
+    }
+    controls.insert(controls.end(), r.controls.begin(), r.controls.end());
+    failed += r.failed.size();
+    gst_sample_unref(sample);
+  }
+  EXPECT_TRUE(gst_app_sink_is_eos(GST_APP_SINK(sink)));
+  gst_object_unref(sink);
+  GstElement* enc = gst_bin_get_by_name(GST_BIN(pipeline), "enc");
+  GstStructure* stats = nullptr;
+  g_object_get(enc, "stats", &stats, nullptr);
+  gst_object_unref(enc);
+  gst_element_set_state(pipeline, GST_STATE_NULL);
+  gst_object_unref(pipeline);
+
+  EXPECT_EQ(failed, 0u);
+  ASSERT_EQ(rows.size(), 4u);
+  ASSERT_EQ(controls.size(), 1u) << "the delete passes once";
+  EXPECT_EQ(controls[0].id, "del");
+  EXPECT_EQ(controls[0].item_ids, std::vector<std::string>{"sku-1"});
+  const auto& [hyb, hyb_row] = rows["hyb"];
+  const std::vector<float>& image_row = rows["img"].second;
+  const std::vector<float>& text_row = rows["txt"].second;
+  ASSERT_EQ(hyb.modality, gstmoe::Modality::Hybrid);
+  ASSERT_FALSE(image_row.empty());
+  ASSERT_EQ(hyb_row.size(), image_row.size());
+  ASSERT_EQ(hyb.text_embedding.size(), text_row.size());
+  for (size_t c = 0; c < image_row.size(); ++c) {
+    EXPECT_NEAR(hyb_row[c], image_row[c], 1e-5) << c;
+    EXPECT_NEAR(hyb.text_embedding[c], text_row[c], 1e-5) << c;
+  }
+  EXPECT_GT(std::fabs(image_row[0] - text_row[0]) + std::fabs(image_row[1] - text_row[1]), 1e-4)
+      << "the image and the text embed apart";
+  EXPECT_TRUE(rows["img"].first.text_embedding.empty());
+  const auto& [ups, ups_row] = rows["ups"];
+  EXPECT_EQ(ups.op, gstmoe::RequestOp::Upsert);
+  EXPECT_EQ(ups.item.id, "sku-9");
+  EXPECT_EQ(ups.item.fields, R"({"colour":"red"})");
+  for (size_t c = 0; c < text_row.size(); ++c) EXPECT_NEAR(ups_row[c], text_row[c], 1e-5) << c;
+  ASSERT_NE(stats, nullptr);
+  guint64 hybrid_rows = 0;
+  EXPECT_TRUE(gst_structure_get_uint64(stats, "rows-hybrid", &hybrid_rows));
+  EXPECT_EQ(hybrid_rows, 1u);
+  gst_structure_free(stats);
 }
 
 // Starts `e` (to PAUSED) and stops it again; returns the message of the first error or warning

@@ -175,7 +175,7 @@ TEST(QueryRequest, ManyValuesAreRefused) {
   std::string wide = R"({"id":"w","text":"x","pad":[)";
   for (int i = 0; i < 100000; ++i) wide += "0,";
   wide += "0]}";
-  expect_rejected(wide, "more than 1024 values");
+  expect_rejected(wide, "more than 2048 values");
 }
 
 TEST(QueryRequest, TextLongerThanTheLimitIsRefused) {
@@ -260,8 +260,8 @@ TEST(QueryRequest, MalformedMessagesNameTheirCause) {
   expect_rejected("", "request is empty");
   expect_rejected("\xff\xfe{}", "not valid UTF-8 (byte offset 0)");
   expect_rejected("[1,2]", "not a JSON object");
-  expect_rejected(R"({"id":"x","text":"a","image":"b"})",
-                  "exactly one of text, image, image_base64; it has text and image", "x");
+  expect_rejected(R"({"id":"x","image":"a","image_base64":"aGVsbG8="})",
+                  "request has both image and image_base64: send the image once", "x");
   expect_rejected(R"({"id":"x"})", "it has none", "x");
   expect_rejected(R"({"id":"x","text":5})", "text must be a string (got an integer)", "x");
   expect_rejected(R"({"id":"x","image_base64":"a$=="})", "unexpected character '$' at offset 1", "x");
@@ -365,6 +365,151 @@ TEST(QueryRequest, HostileFiltersAreRefusedAsInvalidRequests) {
   refused(wide_set + "]}}", "filter.c.in has 300 values, more than 256");
   // Nesting and sheer size are refused before parsing, as for any request.
   expect_rejected(head + std::string(40, '[') + std::string(40, ']') + "}", "nested more than 32 levels deep", "");
+}
+
+// A hybrid: an image and a text in one request ("like this photo, but red"), each within its own bound.
+TEST(QueryRequest, ParsesHybridRequests) {
+  const QueryRequest path = parse(R"({"id":"h1","text":"but red","image":"mug.jpg","k":3})");
+  EXPECT_EQ(path.modality, moe::QueryModality::Hybrid);
+  EXPECT_EQ(path.op, moe::QueryOp::Search);
+  EXPECT_EQ(path.text, "but red");
+  EXPECT_EQ(path.image, "mug.jpg");
+  EXPECT_EQ(path.k, 3);
+  const QueryRequest bytes = parse(R"({"id":"h2","image_base64":"aGVsbG8=","text":"in blue"})");
+  EXPECT_EQ(bytes.modality, moe::QueryModality::Hybrid);
+  EXPECT_EQ(bytes.text, "in blue");
+  EXPECT_EQ(std::string(bytes.image_bytes.begin(), bytes.image_bytes.end()), "hello");
+  EXPECT_TRUE(bytes.image.empty());
+
+  moe::QueryLimits limits;
+  limits.max_text_bytes = 4;
+  limits.max_image_bytes = 4;
+  const QueryRejected long_text = rejection(R"({"id":"h3","text":"too long","image":"mug.jpg"})", limits);
+  EXPECT_STREQ(long_text.code, moe::error_code::kTextTooLong);
+  // A refused hybrid echoes both of its queries.
+  EXPECT_EQ(long_text.request.modality, moe::QueryModality::Hybrid);
+  EXPECT_EQ(long_text.request.text, "too long");
+  EXPECT_EQ(long_text.request.image, "mug.jpg");
+  const QueryRejected big = rejection(R"({"id":"h4","text":"red","image_base64":"aGVsbG8="})", limits);
+  EXPECT_STREQ(big.code, moe::error_code::kImageTooLarge);
+  EXPECT_EQ(big.request.modality, moe::QueryModality::Hybrid);
+  EXPECT_EQ(big.request.text, "red");
+  expect_rejected(R"({"id":"h5","text":"red","image":")" + std::string(5000, 'p') + "\"}",
+                  "image is 5000 bytes, longer than a path may be (4096)", "h5");
+  expect_rejected(R"({"id":"h6","text":"red","image":"a.png","image_base64":"aGVsbG8="})",
+                  "both image and image_base64", "h6");
+  expect_rejected(R"({"id":"h7","text":"","image":"a.png"})", "text is empty", "h7");
+  expect_rejected(R"({"id":"h8","text":"red","image":7})", "image must be a string", "h8");
+  expect_rejected(R"({"id":"h9","text":["red"],"image_base64":"aGVsbG8="})", "text must be a string (got an array)",
+                  "h9");
+}
+
+TEST(QueryRequest, ParsesUpserts) {
+  const QueryRequest t =
+      parse(R"({"id":"u1","op":"upsert","item":{"id":"sku-9","caption":"red mug","uri":"https://cdn.example/9.png",)"
+            R"("fields":{"price":12.5,"tags":["a","b"],"dims":{"h":9}}},"text":"a red mug"})");
+  EXPECT_EQ(t.op, moe::QueryOp::Upsert);
+  EXPECT_EQ(t.modality, moe::QueryModality::Text);
+  EXPECT_EQ(t.text, "a red mug");
+  EXPECT_EQ(t.item.id, "sku-9");
+  EXPECT_EQ(t.item.caption, "red mug");
+  EXPECT_EQ(t.item.uri, "https://cdn.example/9.png");
+  // The compact JSON text of the object, as the item table keeps a catalog line's fields.
+  EXPECT_EQ(t.item.fields, R"({"price":12.5,"tags":["a","b"],"dims":{"h":9}})");
+  const QueryRequest i =
+      parse(R"({"id":2,"op":"upsert","item":{"id":"sku-10","fields":{}},"image_base64":"aGVsbG8="})");
+  EXPECT_EQ(i.modality, moe::QueryModality::Image);
+  EXPECT_EQ(i.item.id, "sku-10");
+  EXPECT_EQ(i.item.fields, "");  // none, as in the item table
+  EXPECT_EQ(i.item.caption + i.item.uri, "");
+  EXPECT_EQ(std::string(i.image_bytes.begin(), i.image_bytes.end()), "hello");
+  const QueryRequest path = parse(R"({"id":"u3","op":"upsert","item":{"id":"a","caption":""},"image":"a.png"})");
+  EXPECT_EQ(path.image, "a.png");
+  EXPECT_EQ(parse(R"({"id":"s","op":"search","text":"x"})").op, moe::QueryOp::Search);
+  EXPECT_TRUE(parse(R"({"id":"s","text":"x"})").item.id.empty());
+}
+
+TEST(QueryRequest, ParsesDeletes) {
+  const QueryRequest d = parse(R"({"id":"d1","op":"delete","items":["sku-9","sku-10","sku-9"]})");
+  EXPECT_EQ(d.op, moe::QueryOp::Delete);
+  EXPECT_EQ(d.item_ids, (std::vector<std::string>{"sku-9", "sku-10", "sku-9"}));
+  EXPECT_TRUE(d.text.empty() && d.image.empty() && d.image_bytes.empty());
+  std::string most = R"({"id":"d2","op":"delete","items":[)";
+  for (size_t i = 0; i < moe::kMaxDeleteItems; ++i) most += (i ? ",\"" : "\"") + std::to_string(i) + "\"";
+  const QueryRequest many = parse(most + "]}");
+  ASSERT_EQ(many.item_ids.size(), moe::kMaxDeleteItems);
+  EXPECT_EQ(many.item_ids.back(), std::to_string(moe::kMaxDeleteItems - 1));
+  EXPECT_EQ(parse(R"({"id":"d3","op":"delete","items":[")" + std::string(moe::kMaxItemIdBytes, 'i') + "\"]}")
+                .item_ids[0]
+                .size(),
+            moe::kMaxItemIdBytes);
+}
+
+// Updates from a client that gets them wrong, or means harm: each refused with its id, a reason
+// naming the member, and the code of its cause.
+TEST(QueryRequest, HostileUpdatesAreRefused) {
+  const auto refused = [](const std::string& message, const std::string& reason,
+                          const char* code = moe::error_code::kInvalidRequest) {
+    const QueryRejected r = rejection(message);
+    EXPECT_NE(std::string(r.what()).find(reason), std::string::npos) << message.substr(0, 200) << ": " << r.what();
+    EXPECT_STREQ(r.code, code) << message.substr(0, 200);
+    EXPECT_EQ(r.request.id, "u") << message.substr(0, 200);
+  };
+  const std::string upsert = R"({"id":"u","op":"upsert","text":"x","item":)";
+  const std::string del = R"({"id":"u","op":"delete","items":)";
+  refused(R"({"id":"u","op":5,"text":"x"})", "op must be a string: search, upsert or delete (got an integer)");
+  refused(R"({"id":"u","op":"merge","text":"x"})", "op 'merge' is not an operation of this service",
+          moe::error_code::kUnsupportedOp);
+  refused(R"({"id":"u","op":"","text":"x"})", "op '' is not an operation", moe::error_code::kUnsupportedOp);
+  refused(R"({"id":"u","op":"UPSERT","text":"x"})", "op 'UPSERT'", moe::error_code::kUnsupportedOp);
+  // Upserts.
+  refused(R"({"id":"u","op":"upsert","text":"x"})", "item is missing");
+  refused(upsert + "[1]}", "item must be an object (got an array)");
+  refused(upsert + "{}}", "item.id is missing");
+  refused(upsert + R"({"caption":"c"}})", "item.id is missing");
+  refused(upsert + R"({"id":5}})", "item.id must be a string (got an integer)");
+  refused(upsert + R"({"id":""}})", "item.id is empty");
+  refused(upsert + R"({"id":")" + std::string(300, 'i') + "\"}}", "item.id is 300 bytes, more than 256");
+  refused(upsert + R"({"id":"a","caption":)" + "\"" + std::string(5000, 'c') + "\"}}",
+          "item.caption is 5000 bytes, more than 4096");
+  refused(upsert + R"({"id":"a","uri":["u"]}})", "item.uri must be a string (got an array)");
+  refused(upsert + R"({"id":"a","fields":"price=3"}})", "item.fields must be an object (got a string)");
+  refused(upsert + R"({"id":"a","fields":{"notes":")" + std::string(70000, 'n') + "\"}}}",
+          "item.fields is 70012 bytes of JSON, more than 65536");
+  refused(upsert + R"({"id":"a","price":3}})", "item.price is not a member of an item (id, caption, uri, fields)");
+  refused(R"({"id":"u","op":"upsert","item":{"id":"a"}})", "request needs text, image or image_base64; it has none");
+  refused(R"({"id":"u","op":"upsert","item":{"id":"a"},"text":"x","image":"a.png"})", "not both");
+  refused(R"({"id":"u","op":"upsert","item":{"id":"a"},"vector":[0.1,0.2]})", "vector is not taken");
+  refused(R"({"id":"u","op":"upsert","item":{"id":"a"},"text":"x","items":["a"]})", "add \"op\": \"delete\"");
+  // Update members in a search: most likely a forgotten "op".
+  refused(R"({"id":"u","text":"x","item":{"id":"a"}})", "item describes the item of an upsert: add \"op\": \"upsert\"");
+  refused(R"({"id":"u","op":"search","text":"x","items":["a"]})", "add \"op\": \"delete\"");
+  // Deletes.
+  refused(R"({"id":"u","op":"delete"})", "items is missing");
+  refused(R"({"id":"u","op":"delete","items":["a"],"text":"x"})", "text is not part of a delete");
+  refused(R"({"id":"u","op":"delete","items":["a"],"image_base64":"aGVsbG8="})",
+          "image_base64 is not part of a delete");
+  refused(R"({"id":"u","op":"delete","items":["a"],"item":{"id":"a"}})", "item is not part of a delete");
+  refused(del + R"("sku-9"})", "items must be an array of catalog ids (got a string)");
+  refused(del + R"({"id":"a"}})", "items must be an array of catalog ids (got an object)");
+  refused(del + "[]}", "items is empty");
+  refused(del + R"(["a",1]})", "items[1] must be a string (got an integer)");
+  refused(del + R"(["a",null]})", "items[1] must be a string (got null)");
+  refused(del + R"(["a",["b"]]})", "items[1] must be a string (got an array)");
+  refused(del + R"([""]})", "items[0] is empty");
+  refused(del + R"([")" + std::string(300, 'i') + "\"]}", "items[0] is 300 bytes, more than 256");
+  std::string too_many = del + "[";
+  for (size_t i = 0; i <= moe::kMaxDeleteItems; ++i) too_many += (i ? ",\"" : "\"") + std::to_string(i) + "\"";
+  refused(too_many + "]}", "items names 1025 ids, more than 1024 (send them in several deletes)",
+          moe::error_code::kTooManyItems);
+  // Beyond the request's depth or value bounds, refused before JSON-GLib runs (the id is not read then).
+  expect_rejected(upsert + R"({"id":"a","fields":)" + std::string(40, '[') + std::string(40, ']') + "}}",
+                  "nested more than 32 levels deep");
+  std::string flood = R"({"id":"f","op":"delete","items":[)";
+  for (int i = 0; i < 100000; ++i) flood += "\"x\",";
+  const QueryRejected r = rejection(flood + "\"x\"]}");
+  EXPECT_NE(std::string(r.what()).find("more than 2048 values"), std::string::npos) << r.what();
+  EXPECT_STREQ(r.code, moe::error_code::kInvalidRequest);
 }
 
 }  // namespace

@@ -474,8 +474,14 @@ def query_seeds():
         "filter.json": ('{"id": "q12", "text": "mug", "filter": {"category": "mug", "colour": {"in": ["red", "blue"]}, '
                         '"price": {"gte": 10, "lt": 20.5}, "in_stock": true}}'),
         "filter-bad.json": '{"id": "q13", "text": "mug", "filter": {"price": {"between": [1, 2]}, "c": null}}',
+        "hybrid.json": compact({"id": "q14", "text": "in red", "image_base64": tiny_png}),
+        "upsert.json": ('{"id": "u1", "op": "upsert", "item": {"id": "sku-9", "caption": "a red mug", '
+                        '"uri": "file:///srv/sku-9.png", "fields": {"price": 12.5, "tags": ["a"]}}, "text": "red mug"}'),
+        "delete.json": '{"id": "d1", "op": "delete", "items": ["sku-9", "sku-10"]}',
+        "op-bad.json": '{"id": "d2", "op": "truncate", "items": [1]}',
     }, ["id", "text", "image", "image_base64", "k", "file://", "1024", "\n", "=", "nprobe", "ef_search", "filter",
-        "in", "gt", "gte", "lt", "lte"]
+        "in", "gt", "gte", "lt", "lte", "op", "search", "upsert", "delete", "item", "items", "caption", "uri",
+        "fields", "vector"]
 
 
 def main():

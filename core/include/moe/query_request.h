@@ -1,8 +1,11 @@
-// gst-moe: the search request a client sends over the wire, parsed and bounded.
+// gst-moe: the request a client sends over the wire, parsed and bounded.
 //
-// One JSON object per message: {"id": "q1", "text": "red mug"}, {"id": 2, "image": "mug.jpg"}
-// or {"id": "q3", "image_base64": "iVBORw0..."}, with optional "k", "nprobe", "ef_search" and
-// "filter" ({"category": "mug", "price": {"gte": 10, "lt": 20}}; docs/zmq-schema.md). Every
+// One JSON object per message. Searches: {"id": "q1", "text": "red mug"}, {"id": 2, "image": "mug.jpg"},
+// {"id": "q3", "image_base64": "iVBORw0..."} or a hybrid, an image with a text ({"id": "q4",
+// "image_base64": "...", "text": "but red"}), with optional "k", "nprobe", "ef_search" and "filter"
+// ({"category": "mug", "price": {"gte": 10, "lt": 20}}). Catalog updates: {"id": "u1", "op": "upsert",
+// "item": {"id": "sku-9", ...}, "text" or "image" or "image_base64": ...} and {"id": "d1", "op":
+// "delete", "items": ["sku-9"]} (docs/zmq-schema.md, "Requests" and "Live updates"). Every
 // byte of it comes from a client the service does not trust, so parsing is bounded before the
 // JSON parser runs (size, nesting depth, integer range), every field's type and size is checked,
 // and a refusal says which field and why. The zmq-query element and the request fuzzer both go
@@ -20,10 +23,16 @@
 
 namespace moe {
 
-enum class QueryModality { Text, Image };
+// Hybrid: an image and a text in one request; the text modifies the image ("like this photo, but red").
+enum class QueryModality { Text, Image, Hybrid };
+// What a request asks: a search, or a change to the catalog (an item added or replaced, items deleted).
+enum class QueryOp { Search, Upsert, Delete };
 
-// Requests nest two levels at most ({"id": ...}); 32 leaves room for what clients add.
+// Requests nest two levels at most ({"id": ...}); 32 leaves room for what clients add and for an
+// upsert's item fields.
 constexpr int kMaxRequestJsonDepth = 32;
+// Values in a request: a delete's ids, a filter's sets or an upsert's item fields, and the rest.
+constexpr size_t kMaxRequestJsonValues = 2048;
 constexpr int kMinQueryK = 1;
 constexpr int kMaxQueryK = 1024;
 // A request's own search knobs: IVF lists scanned (capped at the index's list count), HNSW's
@@ -41,6 +50,14 @@ constexpr size_t kMaxQueryIdBytes = 256;
 constexpr size_t kMaxQueryImagePathBytes = 4096;
 // How much of a query text or image value an answer echoes back.
 constexpr size_t kMaxEchoedQueryBytes = 1024;
+// Catalog updates: the ids one delete may name (a request of kMaxRequestJsonValues values holds them
+// all), the bytes of a catalog id (as of a request id), and of an upsert's caption, uri and fields
+// (the compact JSON text of item.fields): each item's are kept in the item table and shown in results.
+constexpr size_t kMaxDeleteItems = 1024;
+constexpr size_t kMaxItemIdBytes = 256;
+constexpr size_t kMaxItemCaptionBytes = 4096;
+constexpr size_t kMaxItemUriBytes = 4096;
+constexpr size_t kMaxItemFieldsBytes = 64 * 1024;
 // CLIP reads 77 tokens, a few hundred bytes of text; the default bound leaves ample room and
 // keeps a request's tokenising cost and its echo small.
 constexpr size_t kDefaultMaxQueryTextBytes = 4096;
@@ -49,6 +66,9 @@ constexpr size_t kDefaultMaxQueryTextBytes = 4096;
 // the request fails. A closed set (docs/zmq-schema.md, "Error codes"): clients may switch on it.
 namespace error_code {
 constexpr const char* kInvalidRequest = "invalid_request";      // not a request by the rules (JSON, id, fields, k)
+constexpr const char* kUnsupportedOp = "unsupported_op";        // "op" names no operation this service knows
+constexpr const char* kTooManyItems = "too_many_items";         // a delete naming more than kMaxDeleteItems ids
+constexpr const char* kUpdatesDisabled = "updates_disabled";    // an update sent to a service that takes none
 constexpr const char* kTextTooLong = "text_too_long";           // text over max-text-bytes
 constexpr const char* kImageTooLarge = "image_too_large";       // image over max-image-bytes
 constexpr const char* kImageUnavailable = "image_unavailable";  // image file not served or not readable
@@ -65,14 +85,17 @@ struct QueryLimits {
 
 struct QueryRequest {
   std::string id;  // as a string ("3" for 3); for a refused request, as far as it could be read
-  QueryModality modality = QueryModality::Text;
-  int k = 0;                         // results wanted; 0: the service's default
-  int nprobe = 0;                    // IVF lists to scan; 0: the service's default
-  int ef_search = 0;                 // HNSW candidate list size; 0: the service's default
-  AnnFilter filter;                  // only items whose catalog fields match; empty: all
-  std::string text;                  // text requests
-  std::string image;                 // "image" requests: the client's path or file:// uri
-  std::vector<uint8_t> image_bytes;  // image_base64 requests: the decoded bytes
+  QueryOp op = QueryOp::Search;
+  QueryModality modality = QueryModality::Text;  // searches and upserts (an upsert is never Hybrid)
+  int k = 0;                                     // results wanted; 0: the service's default
+  int nprobe = 0;                                // IVF lists to scan; 0: the service's default
+  int ef_search = 0;                             // HNSW candidate list size; 0: the service's default
+  AnnFilter filter;                              // only items whose catalog fields match; empty: all
+  std::string text;                              // text and hybrid requests
+  std::string image;                             // "image" requests: the client's path or file:// uri
+  std::vector<uint8_t> image_bytes;              // image_base64 requests: the decoded bytes
+  AnnItem item;                                  // upserts: the item its text or image is the vector of
+  std::vector<std::string> item_ids;             // deletes: the catalog ids, 1 to kMaxDeleteItems
 };
 
 // A request the service refuses, with the error_code its error document carries.
@@ -95,8 +118,8 @@ class QueryRejected : public RequestRefused {
 // Parses one request message. Throws QueryRejected naming the field and the cause ("request is
 // not valid JSON: ...", "k must be an integer from 1 to 1024 (got 2000)", "filter.price: unknown
 // operator 'between' (use in, gt, gte, lt, lte)", "text is 10485760 bytes,
-// more than max-text-bytes (4096)", ...). An "image" value is not read here: see
-// read_query_image_file.
+// more than max-text-bytes (4096)", "items[2] must be a string (got an integer)", ...). An "image"
+// value is not read here: see read_query_image_file.
 QueryRequest parse_query_request(std::string_view message, const QueryLimits& limits);
 
 // The bytes of the image file an "image" request names (`image`: the client's value, a path

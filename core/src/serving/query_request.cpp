@@ -19,10 +19,6 @@ namespace moe {
 
 namespace {
 
-// Members a request may carry: id, one query field, k, the search knobs, a filter (up to
-// kMaxFilterFields conditions, "in" sets of up to kMaxFilterSetValues), and a few that clients add.
-constexpr size_t kMaxRequestJsonValues = 1024;
-
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
 const char* json_type_name(JsonNode* node) {
@@ -85,28 +81,24 @@ class RequestParser {
       reject("request is refused: " + violation);
     }
     read_id();
-    read_modality();
+    read_op();
     request_.k = bounded_int("k", kMinQueryK, kMaxQueryK);
     request_.nprobe = bounded_int("nprobe", 1, kMaxQueryNprobe);
     request_.ef_search = bounded_int("ef_search", 1, kMaxQueryEfSearch);
     read_filter();
-    // Sizes are checked before a value is kept: a refused request's record is echoed back.
-    if (json_object_has_member(object_, "text")) {
-      std::string text = string_member("text", "a string");
-      if (text.size() > limits_.max_text_bytes)
-        reject("text is " + std::to_string(text.size()) + " bytes, more than max-text-bytes (" +
-                   std::to_string(limits_.max_text_bytes) + ")",
-               error_code::kTextTooLong);
-      request_.text = std::move(text);
-    } else if (json_object_has_member(object_, "image")) {
-      std::string image = string_member("image", "a string (a path or a file:// uri)");
-      if (image.size() > kMaxQueryImagePathBytes)
-        reject("image is " + std::to_string(image.size()) + " bytes, longer than a path may be (" +
-               std::to_string(kMaxQueryImagePathBytes) + ")");
-      request_.image = std::move(image);
-    } else {
-      request_.image_bytes = decode_base64(string_member("image_base64", "a string"));
+    if (request_.op == QueryOp::Delete) {
+      read_delete();
+      return std::move(request_);
     }
+    refuse_member("items", "names the ids of a delete: add \"op\": \"delete\"");
+    if (request_.op == QueryOp::Search)
+      refuse_member("item", "describes the item of an upsert: add \"op\": \"upsert\"");
+    // The service embeds an item with its own models, so that the index's vectors keep one provenance.
+    if (request_.op == QueryOp::Upsert)
+      refuse_member("vector", "is not taken: an upsert sends its item's text or image, which the service embeds");
+    read_modality();
+    read_query();
+    if (request_.op == QueryOp::Upsert) read_item();
     return std::move(request_);
   }
 
@@ -116,18 +108,43 @@ class RequestParser {
     throw QueryRejected(std::move(reason), std::move(request_), code);
   }
 
-  // A refused request still echoes its query (clipped), so that the client can tell which one it
-  // was: the first string member of text and image, whichever check refused it.
-  void echo_query() {
-    if (object_ == nullptr || !request_.text.empty() || !request_.image.empty()) return;
-    for (const char* name : {"text", "image"}) {
-      JsonNode* node = json_object_get_member(object_, name);
-      if (!node || !JSON_NODE_HOLDS_VALUE(node) || json_node_get_value_type(node) != G_TYPE_STRING) continue;
-      const bool text = g_str_equal(name, "text");
-      (text ? request_.text : request_.image) = clip_utf8(json_node_get_string(node), kMaxEchoedQueryBytes);
-      request_.modality = text ? QueryModality::Text : QueryModality::Image;
-      return;
+  // The query members: "text", and "image" or "image_base64", each within its bound. Sizes are
+  // checked before a value is kept: a refused request's record is echoed back.
+  void read_query() {
+    if (json_object_has_member(object_, "text")) {
+      std::string text = string_member("text", "a string");
+      if (text.size() > limits_.max_text_bytes)
+        reject("text is " + std::to_string(text.size()) + " bytes, more than max-text-bytes (" +
+                   std::to_string(limits_.max_text_bytes) + ")",
+               error_code::kTextTooLong);
+      request_.text = std::move(text);
     }
+    if (json_object_has_member(object_, "image")) {
+      std::string image = string_member("image", "a string (a path or a file:// uri)");
+      if (image.size() > kMaxQueryImagePathBytes)
+        reject("image is " + std::to_string(image.size()) + " bytes, longer than a path may be (" +
+               std::to_string(kMaxQueryImagePathBytes) + ")");
+      request_.image = std::move(image);
+    } else if (json_object_has_member(object_, "image_base64")) {
+      request_.image_bytes = decode_base64(string_member("image_base64", "a string"));
+    }
+  }
+
+  // A refused request still echoes its query (clipped), so that the client can tell which one it
+  // was: its text and image string members, whichever check refused it. Its modality is what
+  // read_modality found, else what the echoes show.
+  void echo_query() {
+    if (object_ == nullptr) return;
+    for (const char* name : {"text", "image"}) {
+      std::string& echo = g_str_equal(name, "text") ? request_.text : request_.image;
+      JsonNode* node = json_object_get_member(object_, name);
+      if (!echo.empty() || !node || !JSON_NODE_HOLDS_VALUE(node) || json_node_get_value_type(node) != G_TYPE_STRING)
+        continue;
+      echo = clip_utf8(json_node_get_string(node), kMaxEchoedQueryBytes);
+    }
+    if (modality_known_) return;
+    if (!request_.image.empty())
+      request_.modality = request_.text.empty() ? QueryModality::Image : QueryModality::Hybrid;
   }
 
   // The value of member `name`, rejected unless it is a non-empty string.
@@ -161,17 +178,109 @@ class RequestParser {
       reject("id is " + std::to_string(value.size()) + " bytes, more than " + std::to_string(kMaxQueryIdBytes));
   }
 
+  // "op": absent or "search" (a search), "upsert" or "delete".
+  void read_op() {
+    JsonNode* node = json_object_get_member(object_, "op");
+    if (!node) return;
+    if (!JSON_NODE_HOLDS_VALUE(node) || json_node_get_value_type(node) != G_TYPE_STRING)
+      reject(std::string("op must be a string: search, upsert or delete (got ") + json_type_name(node) + ")");
+    const std::string op = json_node_get_string(node);
+    if (op == "upsert")
+      request_.op = QueryOp::Upsert;
+    else if (op == "delete")
+      request_.op = QueryOp::Delete;
+    else if (op != "search")
+      reject("op " + quote(clip_utf8(op, kMaxFilterNameBytes)) + " is not an operation of this service (search, " +
+                 "upsert, delete)",
+             error_code::kUnsupportedOp);
+  }
+
+  // Refuses member `name` when present: it belongs to another operation (most likely "op" is
+  // missing or wrong), and ignoring it would do something else than the client meant.
+  void refuse_member(const char* name, const std::string& why) {
+    if (json_object_has_member(object_, name)) reject(std::string(name) + " " + why);
+  }
+
+  // A search has text, an image (path or bytes) or both (a hybrid); an upsert, text or an image.
   void read_modality() {
-    static const char* const kSources[] = {"text", "image", "image_base64"};
-    std::string present;
-    int count = 0;
-    for (const char* field : kSources) {
-      if (!json_object_has_member(object_, field)) continue;
-      present += (count ? " and " : "") + std::string(field);
-      if (count++ == 0) request_.modality = g_str_equal(field, "text") ? QueryModality::Text : QueryModality::Image;
+    const bool text = json_object_has_member(object_, "text");
+    const bool image = json_object_has_member(object_, "image");
+    const bool base64 = json_object_has_member(object_, "image_base64");
+    if (image && base64) reject("request has both image and image_base64: send the image once");
+    const bool upsert = request_.op == QueryOp::Upsert;
+    if (!text && !image && !base64)
+      reject(std::string("request needs text, image or image_base64") + (upsert ? "" : " (or text with an image)") +
+             "; it has none");
+    if (upsert && text && (image || base64))
+      reject("an upsert's item is embedded from its text or its image, not both (a hybrid query is no catalog item)");
+    request_.modality = !text ? QueryModality::Image : image || base64 ? QueryModality::Hybrid : QueryModality::Text;
+    modality_known_ = true;
+  }
+
+  // A string within `max_bytes`, named `what` in the reasons; empty is refused unless `may_be_empty`.
+  std::string bounded_string(JsonNode* node, const std::string& what, size_t max_bytes, bool may_be_empty = false) {
+    if (!JSON_NODE_HOLDS_VALUE(node) || json_node_get_value_type(node) != G_TYPE_STRING)
+      reject(what + " must be a string (got " + json_type_name(node) + ")");
+    std::string value = json_node_get_string(node);
+    if (value.empty() && !may_be_empty) reject(what + " is empty");
+    if (value.size() > max_bytes)
+      reject(what + " is " + std::to_string(value.size()) + " bytes, more than " + std::to_string(max_bytes));
+    return value;
+  }
+
+  // An upsert's "item": {"id": "sku-9", "caption": "...", "uri": "...", "fields": {...}}; only the id
+  // is required. Other members are refused: catalog fields go in "fields", kept as its compact text.
+  void read_item() {
+    JsonNode* node = json_object_get_member(object_, "item");
+    if (!node) reject("item is missing: an upsert describes its catalog item in \"item\": {\"id\": ...}");
+    if (!JSON_NODE_HOLDS_OBJECT(node)) reject(std::string("item must be an object (got ") + json_type_name(node) + ")");
+    JsonObject* item = json_node_get_object(node);
+    std::unique_ptr<GList, decltype(&g_list_free)> names(json_object_get_members(item), g_list_free);
+    for (GList* name = names.get(); name != nullptr; name = name->next) {
+      const char* member = static_cast<const char*>(name->data);
+      JsonNode* value = json_object_get_member(item, member);
+      if (g_str_equal(member, "id")) {
+        request_.item.id = bounded_string(value, "item.id", kMaxItemIdBytes);
+      } else if (g_str_equal(member, "caption")) {
+        request_.item.caption = bounded_string(value, "item.caption", kMaxItemCaptionBytes, true);
+      } else if (g_str_equal(member, "uri")) {
+        request_.item.uri = bounded_string(value, "item.uri", kMaxItemUriBytes, true);
+      } else if (g_str_equal(member, "fields")) {
+        if (!JSON_NODE_HOLDS_OBJECT(value))
+          reject(std::string("item.fields must be an object (got ") + json_type_name(value) + ")");
+        if (json_object_get_size(json_node_get_object(value)) == 0) continue;  // none, as in the item table
+        std::unique_ptr<gchar, decltype(&g_free)> text(json_to_string(value, FALSE), g_free);
+        request_.item.fields = text.get();
+        if (request_.item.fields.size() > kMaxItemFieldsBytes)
+          reject("item.fields is " + std::to_string(request_.item.fields.size()) + " bytes of JSON, more than " +
+                 std::to_string(kMaxItemFieldsBytes));
+      } else {
+        reject("item." + clip_utf8(member, kMaxFilterNameBytes) +
+               " is not a member of an item (id, caption, uri, fields): put catalog fields in item.fields");
+      }
     }
-    if (count != 1)
-      reject("request needs exactly one of text, image, image_base64; it has " + (count ? present : "none"));
+    if (request_.item.id.empty()) reject("item.id is missing: an item needs its catalog id");
+  }
+
+  // A delete's "items": the catalog ids to delete, 1 to kMaxDeleteItems strings. It carries no query.
+  void read_delete() {
+    for (const char* name : {"text", "image", "image_base64", "item", "vector"})
+      refuse_member(name, "is not part of a delete, which names the catalog ids to delete in \"items\"");
+    JsonNode* node = json_object_get_member(object_, "items");
+    if (!node) reject("items is missing: a delete names the catalog ids to delete in \"items\": [\"sku-9\", ...]");
+    if (!JSON_NODE_HOLDS_ARRAY(node))
+      reject(std::string("items must be an array of catalog ids (got ") + json_type_name(node) + ")");
+    JsonArray* ids = json_node_get_array(node);
+    const guint count = json_array_get_length(ids);
+    if (count == 0) reject("items is empty: name at least one catalog id");
+    if (count > kMaxDeleteItems)
+      reject("items names " + std::to_string(count) + " ids, more than " + std::to_string(kMaxDeleteItems) +
+                 " (send them in several deletes)",
+             error_code::kTooManyItems);
+    request_.item_ids.reserve(count);
+    for (guint i = 0; i < count; ++i)
+      request_.item_ids.push_back(
+          bounded_string(json_array_get_element(ids, i), "items[" + std::to_string(i) + "]", kMaxItemIdBytes));
   }
 
   // Member `name`, an integer from `min` to `max`; 0 when it is absent.
@@ -310,6 +419,7 @@ class RequestParser {
   const QueryLimits& limits_;
   QueryRequest request_;
   JsonObject* object_ = nullptr;
+  bool modality_known_ = false;  // read_modality ran
 };
 
 // An image file the service does not serve: outside image-root, missing, unreadable, not a file.
