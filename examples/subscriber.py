@@ -19,17 +19,22 @@ import zmq.auth
 
 
 class GapCheck:
-    """Follows "seq" per "stream" and says on stderr what was missed."""
+    """Follows "seq" per "stream" and says on stderr what was missed.
 
-    def __init__(self):
+    concurrent_streams: several services publish at once (replicas behind moe-broker), so a stream
+    first seen midway is another replica joined, not a restart: only gaps within a stream count.
+    """
+
+    def __init__(self, concurrent_streams=False):
         self.last = {}  # stream id -> last seq seen
+        self.concurrent_streams = concurrent_streams
 
     def check(self, doc):
         if not isinstance(doc, dict) or "stream" not in doc or not isinstance(doc.get("seq"), int):
             return  # not numbered by zmq-publish
         stream, seq = doc["stream"], doc["seq"]
         last = self.last.get(stream)
-        if last is None and self.last and seq > 1:
+        if last is None and self.last and seq > 1 and not self.concurrent_streams:
             # A new stream (the service restarted) after one we followed: its first documents were lost.
             print(f"missed {seq - 1} results (seq 1..{seq - 1} of the new stream {stream})", file=sys.stderr)
         elif last is not None and seq > last + 1:
@@ -53,6 +58,8 @@ def main():
     ap.add_argument("topic", nargs="?", default="")
     ap.add_argument("--server-key", help="the service's public certificate (CURVE)")
     ap.add_argument("--client-key", help="this client's secret certificate, *.key_secret (CURVE)")
+    ap.add_argument("--replicas", action="store_true",
+                    help="the endpoint is moe-broker's: several replicas' streams interleave")
     args = ap.parse_args()
     if bool(args.server_key) != bool(args.client_key):
         ap.error("CURVE needs both --server-key and --client-key")
@@ -63,7 +70,7 @@ def main():
     sub.setsockopt_string(zmq.SUBSCRIBE, args.topic)
     sub.connect(args.endpoint)
     print(f"subscribed to {args.endpoint}", file=sys.stderr)
-    gaps = GapCheck()
+    gaps = GapCheck(concurrent_streams=args.replicas)
     while True:
         frames = sub.recv_multipart()
         doc = json.loads(frames[-1])  # [topic, document] or [document]
