@@ -3,11 +3,11 @@
 
     .venv-int4/bin/python tools/moe-quantize.py ADAPTER_DIR OUT_DIR \\
         (--calibration EMB.safetensors | --calibration-catalog CATALOG_DIR --clip CLIP_DIR) \\
-        [--method awq|rtn] [--group-size 128] [--asymmetric] [--scale-dtype f16|bf16]
+        [--calibration-composed COMPOSED.jsonl] [--method awq|rtn] [--group-size 128] [--asymmetric] [--scale-dtype f16|bf16]
 
 ADAPTER_DIR holds adapter_config.json + adapter.safetensors (docs/model-formats.md). The router
-(`gate`) and the shared-expert gate stay f32 and are never quantised; every expert matrix (and the
-shared expert's) becomes 4-bit with one scale (and zero point) per row and group of input columns.
+(`gate`), the shared-expert gate and the cross-modal gate (`cross_modal_gate.*`, hybrid queries)
+stay f32 and are never quantised; every expert matrix (and the shared expert's) becomes 4-bit with one scale (and zero point) per row and group of input columns.
 OUT_DIR receives adapter.safetensors in compressed-tensors' pack-quantized layout and
 adapter_config.json with its `quantization_config`, both written by the package (ModelCompressor).
 
@@ -18,6 +18,13 @@ sends it.
 transformers' CLIPModel (get_image_features / get_text_features) of the CLIP directory on the
 catalog's images and then its captions (catalog.jsonl: `path`, `caption`), preprocessed as the
 directory's preprocessor_config.json and tokenizer say — what moe-encode feeds moe-route.
+--calibration-composed (with --clip): hybrid queries (composed-queries.jsonl: `image` relative to
+the file's folder, `text`; its "val" lines when it has any), fused by the adapter's cross-modal
+gate as the engine fuses them. An adapter with `joint_experts` J routes only these fused rows
+among all experts; every other row never reaches the last J (router logit -inf). The J joint
+experts are calibrated on the fused rows, the others on the single-modality rows the router sends
+them (so their 4-bit weights do not depend on the joint experts); without fused rows a joint
+expert is calibrated on every row.
 
 Methods:
 * rtn: round to nearest, scales from each group's min/max (the package's calculate_qparams).
@@ -148,8 +155,12 @@ def awq_expert(expert, x, args, dtype):
     return out
 
 
-def route(model, x, top_k, renormalize):
-    probs = torch.softmax(x @ model.gate.weight.float().t(), dim=-1)
+def route(model, x, top_k, renormalize, joint=0, fused=None):
+    """(expert ids, weights) per row; rows not marked in `fused` never reach the last `joint`."""
+    logits = x @ model.gate.weight.float().t()
+    if joint:
+        logits[~fused, logits.shape[1] - joint:] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
     weights, ids = probs.topk(top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -177,30 +188,68 @@ def quantized_modules(model):
     return experts, [m for e in experts for m in matrices(e)]
 
 
-@torch.no_grad()
-def catalog_embeddings(catalog_dir, clip_dir, chunk=64):
-    """[images; captions] of a catalog: CLIP's projected, unnormalised embeddings, computed in f32."""
-    from PIL import Image
-    from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
+class Clip:
+    """transformers' CLIPModel of a CLIP directory: projected, unnormalised embeddings in f32."""
 
-    with open(os.path.join(catalog_dir, "catalog.jsonl")) as f:
-        items = [json.loads(line) for line in f if line.strip()]
-    model = CLIPModel.from_pretrained(clip_dir, torch_dtype=torch.float32).eval()
-    processor = CLIPImageProcessor.from_pretrained(clip_dir)
-    tokenizer = CLIPTokenizer.from_pretrained(clip_dir)
-    out = []
-    for i in range(0, len(items), chunk):
-        images = []
-        for it in items[i:i + chunk]:
-            with Image.open(os.path.join(catalog_dir, it["path"])) as im:
-                images.append(im.convert("RGB"))
-        pixels = processor(images=images, return_tensors="pt")["pixel_values"]
-        out.append(model.get_image_features(pixel_values=pixels))
-    for i in range(0, len(items), chunk):
-        tokens = tokenizer([it["caption"] for it in items[i:i + chunk]], truncation=True, max_length=77,
-                           padding="max_length", return_tensors="pt")
-        out.append(model.get_text_features(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]))
-    return torch.cat(out).float()
+    def __init__(self, clip_dir):
+        from transformers import CLIPImageProcessor, CLIPModel, CLIPTokenizer
+
+        self.model = CLIPModel.from_pretrained(clip_dir, torch_dtype=torch.float32).eval()
+        self.processor = CLIPImageProcessor.from_pretrained(clip_dir)
+        self.tokenizer = CLIPTokenizer.from_pretrained(clip_dir)
+
+    @torch.no_grad()
+    def images(self, paths, chunk=64):
+        from PIL import Image
+
+        out = []
+        for i in range(0, len(paths), chunk):
+            images = []
+            for p in paths[i:i + chunk]:
+                with Image.open(p) as im:
+                    images.append(im.convert("RGB"))
+            pixels = self.processor(images=images, return_tensors="pt")["pixel_values"]
+            out.append(self.model.get_image_features(pixel_values=pixels))
+        return torch.cat(out).float()
+
+    @torch.no_grad()
+    def texts(self, texts, chunk=64):
+        out = []
+        for i in range(0, len(texts), chunk):
+            tokens = self.tokenizer(texts[i:i + chunk], truncation=True, max_length=77, padding="max_length",
+                                    return_tensors="pt")
+            out.append(self.model.get_text_features(input_ids=tokens["input_ids"],
+                                                    attention_mask=tokens["attention_mask"]))
+        return torch.cat(out).float()
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def catalog_embeddings(catalog_dir, clip):
+    """[images; captions] of a catalog."""
+    items = read_jsonl(os.path.join(catalog_dir, "catalog.jsonl"))
+    return torch.cat([clip.images([os.path.join(catalog_dir, it["path"]) for it in items]),
+                      clip.texts([it["caption"] for it in items])])
+
+
+def composed_embeddings(path, clip, carried):
+    """The fused hybrid queries of a composed-queries.jsonl ("val" lines if any): w_image · image +
+    w_text · text, w = softmax(W [image; text] + b) of the cross-modal gate (0.5, 0.5 without one)."""
+    rows = read_jsonl(path)
+    rows = [r for r in rows if r.get("split") == "val"] or rows
+    folder = os.path.dirname(os.path.abspath(path))
+    image = clip.images([os.path.join(folder, r["image"]) for r in rows])
+    text = clip.texts([r["text"] for r in rows])
+    if "cross_modal_gate.weight" in carried:
+        logits = torch.cat([image, text], dim=1) @ carried["cross_modal_gate.weight"].t() + \
+            carried["cross_modal_gate.bias"]
+        w = torch.softmax(logits, dim=-1)
+    else:
+        w = torch.full((len(rows), 2), 0.5)
+    return w[:, :1] * image + w[:, 1:] * text
 
 
 def main():
@@ -210,31 +259,41 @@ def main():
     inputs = p.add_mutually_exclusive_group(required=True)
     inputs.add_argument("--calibration", help="safetensors file with `embeddings` [N, hidden]")
     inputs.add_argument("--calibration-catalog", help="catalog directory (catalog.jsonl + images); needs --clip")
+    p.add_argument("--calibration-composed", help="composed-queries.jsonl: fused hybrid calibration rows; needs --clip")
     p.add_argument("--clip", help="the CLIP directory whose embeddings the adapter adapts")
     p.add_argument("--method", choices=["awq", "rtn"], default="awq")
     p.add_argument("--group-size", type=int, default=128)
     p.add_argument("--asymmetric", action="store_true")
     p.add_argument("--scale-dtype", choices=["f16", "bf16"], default="f16")
     a = p.parse_args()
-    if a.calibration_catalog and not a.clip:
-        p.error("--calibration-catalog needs --clip")
+    if (a.calibration_catalog or a.calibration_composed) and not a.clip:
+        p.error("--calibration-catalog and --calibration-composed need --clip")
 
     with open(os.path.join(a.adapter, "adapter_config.json")) as f:
         cfg = json.load(f)
     state = load_file(os.path.join(a.adapter, "adapter.safetensors"))
+    # The cross-modal gate weighs image and text before the layer: not part of it, copied as is.
+    carried = {k: state.pop(k).float() for k in sorted(state) if k.startswith("cross_modal_gate.")}
     names = ("w1", "w3", "w2") if "experts.0.w1.weight" in state else ("gate_proj", "up_proj", "down_proj")
     model = Adapter(cfg, {k: v.float() for k, v in state.items()}, names)
+    clip = Clip(a.clip) if a.clip else None
     if a.calibration:
         x, source = load_file(a.calibration)["embeddings"].float(), a.calibration
     else:
-        x, source = catalog_embeddings(a.calibration_catalog, a.clip), a.calibration_catalog
+        x, source = catalog_embeddings(a.calibration_catalog, clip), a.calibration_catalog
     if x.ndim != 2 or x.shape[1] != cfg["hidden_size"]:
         sys.exit(f"{source}: the embeddings must be [N, {cfg['hidden_size']}], not {list(x.shape)}")
+    fused = torch.zeros(len(x), dtype=torch.bool)
+    if a.calibration_composed:
+        hybrid = composed_embeddings(a.calibration_composed, clip, carried)
+        x = torch.cat([x, hybrid])
+        fused = torch.cat([fused, torch.ones(len(hybrid), dtype=torch.bool)])
+    joint = cfg.get("joint_experts", 0)
     dtype = torch.float16 if a.scale_dtype == "f16" else torch.bfloat16
     args = QuantizationArgs(num_bits=4, type="int", symmetric=not a.asymmetric, strategy="group",
                             group_size=a.group_size)
     renormalize = cfg.get("norm_topk_prob", cfg.get("routing", "mixtral") == "mixtral")
-    ids, weights = route(model, x, cfg["top_k"], renormalize)
+    ids, weights = route(model, x, cfg["top_k"], renormalize, joint, fused)
     reference = layer_output(model, x, ids, weights)
 
     # The expert matrices in the scale's dtype (the package computes scales in the weight's dtype);
@@ -255,8 +314,12 @@ def main():
     chosen = rtn
     if a.method == "awq":
         chosen = {}
+        first_joint = len(model.experts) - joint
         for e, expert in enumerate(experts):
-            rows = (ids == e).any(dim=-1) if e < len(model.experts) else torch.ones(len(x), dtype=torch.bool)
+            if e >= len(model.experts):  # the shared expert
+                rows = torch.ones(len(x), dtype=torch.bool)
+            else:  # joint experts on the fused rows, the others on the single-modality rows
+                rows = (ids == e).any(dim=-1) & (fused if first_joint <= e else ~fused)
             xe = x[rows] if rows.any() else x  # an expert no calibration row reaches: all rows
             chosen.update(awq_expert(expert, xe, args, dtype))
 
@@ -280,6 +343,7 @@ def main():
     meta = {"format": "pt", "generator": "tools/moe-quantize.py", "method": a.method,
             "compressed_tensors": compressed_tensors.__version__}
     weights_path = os.path.join(a.out, "adapter.safetensors")
+    compressed.update(carried)
     save_file({k: v.contiguous() for k, v in compressed.items()}, weights_path, metadata=meta)
     st_canonical.canonicalize(weights_path)  # re-runs are byte-identical
     os.chmod(weights_path, 0o644)  # save_file leaves its temporary file's 0600

@@ -20,15 +20,31 @@ Splits (folder per split, each with ``catalog.jsonl`` and the PNGs next to it):
                                      style (backgrounds, tints, rotation, blur, noise); no lamp or
                                      chair. Extra pre-training data for the base CLIP.
 
-plus ``queries.jsonl`` (natural text queries over shifted-test) and ``queries-base.jsonl``
-(over base-test). A query is relevant to every item whose attributes match every attribute
-the query names. ``catalog.jsonl`` lines::
+plus ``queries.jsonl`` (natural text queries over shifted-test), ``queries-base.jsonl``
+(over base-test) and ``composed-queries.jsonl`` (hybrid image + text queries, see below). A text
+query is relevant to every item whose attributes match every attribute the query names.
+``catalog.jsonl`` lines::
 
     {"id": "st00012", "path": "st00012.png", "caption": "a small red striped mug on a wooden table",
      "attributes": {"category": "mug", "colour": "red", "pattern": "striped", "size": "small",
                     "background": "wooden", "domain": "shifted"}}
 
 ``queries.jsonl`` lines: {"id", "text", "attributes" (the ones the query names), "relevant": [ids]}.
+
+Composed queries (issue 18): a source picture plus a modifier text ("in red", "as a large one",
+"on a wooden table") that changes exactly one attribute; the target is the source's attributes
+with that one changed. Each query has a freshly rendered photographic source picture (in
+``composed/``, never an index item) made from its target item with one attribute swapped:
+
+    train      targets in shifted-train (relevant ids there), train phrasings only
+    val, test  targets in shifted-test (one query per item, split at random), relevant = every
+               shifted-test item with the target's five attributes; half of them use phrasings
+               never used in training (``"phrasing": "held-out"``)
+
+``composed-queries.jsonl`` lines::
+
+    {"id": "cv000", "image": "composed/cv000.png", "text": "in red", "relevant": ["st00012"],
+     "split": "val", "attribute": "colour", "phrasing": "seen"}
 
 Usage::
 
@@ -418,6 +434,84 @@ def make_queries(items, seed, count, max_relevant, prefix):
     return queries
 
 
+# Modifier templates per attribute: (phrasings used in training, phrasings kept for val/test).
+# {v} is the target's value; the held-out ones change only the words around it (the tiny text
+# tower only knows the catalog's caption words, so a new value word would be noise, not phrasing).
+PATTERN_ALT = {"striped": "with stripes", "dotted": "with dots", "checked": "with checks",
+               "plain": "without a pattern"}
+MODIFIERS = {
+    "colour": (["in {v}", "but {v}", "make it {v}"], ["{v} instead", "the same in {v}"]),
+    "size": (["as a {v} one", "a {v} one", "but {v}"], ["{v} instead", "the same but {v}"]),
+    "pattern": (["{v}", "but {v}", "{alt}"], ["make it {v}", "the same but {v}"]),
+    "category": (["as a {v}", "but a {v}", "make it a {v}"], ["a {v} instead", "the same as a {v}"]),
+    "background": (["{bg0}", "but {bg0}", "{bg1}"], ["the same {bg1}", "put it {bg0}"]),
+}
+COMPOSED_SPLITS = {"train": ("ca", 100), "val": ("cv", 101), "test": ("cx", 102)}  # prefix, seed no
+
+
+def attribute_values(attribute):
+    return {"category": CATEGORIES, "colour": list(COLOURS), "pattern": PATTERNS, "size": SIZES,
+            "background": SHIFTED_BACKGROUNDS}[attribute]
+
+
+def modifier_phrasings(attribute, value):
+    """(training phrasings, held-out phrasings) of the change to `value` of `attribute`."""
+    bg = BG_PHRASES.get(value, ["", ""])
+    return tuple([t.format(v=value, alt=PATTERN_ALT.get(value, ""), bg0=bg[0], bg1=bg[1])
+                  for t in pool] for pool in MODIFIERS[attribute])
+
+
+def modifier_text(attribute, value, rng, held_out_share):
+    """(text, 'seen' | 'held-out') naming `value` of `attribute` as a change."""
+    seen, held = modifier_phrasings(attribute, value)
+    held_out = rng.random() < held_out_share
+    pool = held if held_out else seen
+    return pool[int(rng.integers(len(pool)))], ("held-out" if held_out else "seen")
+
+
+def make_composed(out_dir, targets_by_split, seed, px, relevant_pool):
+    """Composed queries: per (split, target item) a fresh source picture with one attribute of
+    the target swapped, and the modifier text naming the target's value. `targets_by_split`:
+    {split: [target items]}; `relevant_pool`: {split: items whose full attributes decide
+    relevance}. Returns the query rows (image paths relative to `out_dir`)."""
+    img_dir = os.path.join(out_dir, "composed")
+    if os.path.isdir(img_dir):
+        shutil.rmtree(img_dir)
+    os.makedirs(img_dir)
+    rows = []
+    for split, targets in targets_by_split.items():
+        prefix, split_no = COMPOSED_SPLITS[split]
+        pool = relevant_pool[split]
+        for i, target in enumerate(targets):
+            rng = np.random.default_rng([seed, split_no, i])
+            attribute = ATTRIBUTE_ORDER[int(rng.integers(len(ATTRIBUTE_ORDER)))]
+            tattrs = target["attributes"]
+            others = [v for v in attribute_values(attribute) if v != tattrs[attribute]]
+            source = dict(tattrs, domain="shifted")
+            source[attribute] = others[int(rng.integers(len(others)))]
+            rgb = render(source, rng, px)
+            qid = "%s%05d" % (prefix, i) if split == "train" else "%s%03d" % (prefix, i)
+            path = "composed/%s.png" % qid
+            Image.fromarray(rgb, "RGB").save(os.path.join(out_dir, path), optimize=True)
+            text, phrasing = modifier_text(attribute, tattrs[attribute], rng,
+                                           0.0 if split == "train" else 0.5)
+            rel = [it["id"] for it in pool
+                   if all(it["attributes"][k] == tattrs[k] for k in ATTRIBUTE_ORDER)]
+            rows.append({"id": qid, "image": path, "text": text, "relevant": rel, "split": split,
+                         "attribute": attribute, "phrasing": phrasing})
+    return rows
+
+
+def composed_targets(splits, seed, per_train_item, n_val):
+    """Targets: every shifted-train item `per_train_item` times (train); the shifted-test items
+    in a seeded random order, the first `n_val` for val and the rest for test."""
+    train = splits["shifted-train"] * per_train_item
+    test_items = splits["shifted-test"]
+    order = np.random.default_rng([seed, 103]).permutation(len(test_items))
+    held = [test_items[j] for j in order]
+    return {"train": train, "val": held[:n_val], "test": held[n_val:]}
+
+
 def write_jsonl(path, rows):
     with open(path, "w") as fh:
         for r in rows:
@@ -432,6 +526,10 @@ def main():
     for split, (_, _, n) in SPLITS.items():
         ap.add_argument("--" + split, type=int, default=n, metavar="N", help="items (%d)" % n)
     ap.add_argument("--queries", type=int, default=120)
+    ap.add_argument("--composed-per-item", type=int, default=3,
+                    help="composed training queries per shifted-train item (3)")
+    ap.add_argument("--composed-val", type=int, default=100,
+                    help="shifted-test items whose composed query is in val (100); the rest: test")
     args = ap.parse_args()
 
     t0 = time.time()
@@ -445,9 +543,17 @@ def main():
     write_jsonl(os.path.join(args.out, "queries.jsonl"), q)
     qb = make_queries(splits["base-test"], args.seed, args.queries, 25, "b")
     write_jsonl(os.path.join(args.out, "queries-base.jsonl"), qb)
+    composed = make_composed(
+        args.out, composed_targets(splits, args.seed, args.composed_per_item, args.composed_val),
+        args.seed, args.size, {"train": splits["shifted-train"], "val": splits["shifted-test"],
+                               "test": splits["shifted-test"]})
+    write_jsonl(os.path.join(args.out, "composed-queries.jsonl"), composed)
+    n_composed = {k: sum(r["split"] == k for r in composed) for k in COMPOSED_SPLITS}
+    print("composed queries: %s; %.1fs" % (n_composed, time.time() - t0))
     manifest = {"generator": "tools/catalog/generate_catalog.py", "seed": args.seed,
                 "image_size": args.size, "counts": {k: len(v) for k, v in splits.items()},
-                "queries": len(q), "queries_base": len(qb), "categories": CATEGORIES,
+                "queries": len(q), "queries_base": len(qb), "composed_queries": n_composed,
+                "categories": CATEGORIES,
                 "base_categories": BASE_CATEGORIES, "new_categories": NEW_CATEGORIES,
                 "colours": list(COLOURS), "patterns": PATTERNS, "sizes": SIZES,
                 "backgrounds": SHIFTED_BACKGROUNDS}

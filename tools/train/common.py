@@ -355,10 +355,11 @@ class MoeAdapter(nn.Module):
     Parameter names are those of adapter.safetensors (gate.weight, experts.{e}.w{1,2,3}.weight).
     """
 
-    def __init__(self, hidden, num_experts, intermediate, top_k):
+    def __init__(self, hidden, num_experts, intermediate, top_k, joint_experts=0):
         super().__init__()
         self.hidden, self.num_experts, self.intermediate, self.top_k = \
             hidden, num_experts, intermediate, top_k
+        self.joint_experts = joint_experts  # the last ones: see router_logits
         self.gate = nn.Linear(hidden, num_experts, bias=False)
         self.experts = nn.ModuleList(Expert(hidden, intermediate) for _ in range(num_experts))
         for e in self.experts:
@@ -366,15 +367,47 @@ class MoeAdapter(nn.Module):
                 nn.init.normal_(lin.weight, std=hidden ** -0.5)
             nn.init.zeros_(e.w2.weight)  # starts as the identity (then normalize)
         nn.init.normal_(self.gate.weight, std=0.02)
+        self.cross_modal_gate = None  # see add_cross_modal_gate
 
-    def route(self, x):
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+    def add_cross_modal_gate(self):
+        """The seeds' CrossModalGate for hybrid queries: Linear(2 * hidden -> 2) on [image; text],
+        stored as cross_modal_gate.{weight,bias}. Starts at zero: the plain average."""
+        self.cross_modal_gate = nn.Linear(2 * self.hidden, 2)
+        nn.init.zeros_(self.cross_modal_gate.weight)
+        nn.init.zeros_(self.cross_modal_gate.bias)
+        return self.cross_modal_gate
+
+    def fuse(self, image, text):
+        """(w_image * image + w_text * text, w [rows, 2]), w = softmax(W [image; text] + b): the
+        adapter's input for a hybrid query (image, text: the encoder's projected embeddings).
+        Without a gate, w = (0.5, 0.5)."""
+        if self.cross_modal_gate is None:
+            w = torch.full((image.shape[0], 2), 0.5)
+        else:
+            w = torch.softmax(self.cross_modal_gate(torch.cat([image, text], dim=-1)), dim=-1)
+        return w[:, :1] * image + w[:, 1:] * text, w
+
+    def router_logits(self, x, fused=False):
+        """The router's logits. The last `joint_experts` experts are joint visual-text experts:
+        rows that are not fused hybrid queries (`fused` False, or False in a per-row bool tensor)
+        get -inf for them, so they route exactly as the adapter without those experts does."""
+        logits = self.gate(x).float()
+        if not self.joint_experts:
+            return logits
+        single = ~torch.as_tensor(fused, dtype=torch.bool).expand(x.shape[0])
+        blocked = torch.zeros_like(logits, dtype=torch.bool)
+        blocked[single, self.num_experts - self.joint_experts:] = True
+        return logits.masked_fill(blocked, float("-inf"))
+
+    def route(self, x, fused=False):
+        probs = torch.softmax(self.router_logits(x, fused), dim=-1)
         w, sel = torch.topk(probs, self.top_k, dim=-1)
         w = w / w.sum(dim=-1, keepdim=True)
         return probs, w, sel
 
-    def forward(self, x):
-        probs, w, sel = self.route(x)
+    def forward(self, x, fused=False):
+        """(adapted rows, router probabilities, selected experts); `fused`: see router_logits."""
+        probs, w, sel = self.route(x, fused)
         W1 = torch.stack([e.w1.weight for e in self.experts])  # [E, I, D]
         W3 = torch.stack([e.w3.weight for e in self.experts])
         W2 = torch.stack([e.w2.weight for e in self.experts])  # [E, D, I]
@@ -394,7 +427,8 @@ class MoeAdapter(nn.Module):
         return {"format": "gst-moe-adapter", "version": 1, "hidden_size": self.hidden,
                 "num_experts": self.num_experts, "top_k": self.top_k,
                 "intermediate_size": self.intermediate, "routing": "mixtral",
-                "norm_topk_prob": True, "shared_expert_intermediate_size": 0}
+                "norm_topk_prob": True, "shared_expert_intermediate_size": 0,
+                **({"joint_experts": self.joint_experts} if self.joint_experts else {})}
 
 
 def fit_moe_adapter(own, replay, hp, rng, seed, logit_scale, match=match_matrix, label="moe"):
@@ -483,9 +517,24 @@ def load_adapter(adapter_dir):
     with open(os.path.join(adapter_dir, "adapter_config.json")) as fh:
         cfg = json.load(fh)
     assert cfg["format"] == "gst-moe-adapter" and cfg["routing"] == "mixtral", cfg
-    m = MoeAdapter(cfg["hidden_size"], cfg["num_experts"], cfg["intermediate_size"], cfg["top_k"])
-    m.load_state_dict({k: v.float() for k, v in
-                       load_file(os.path.join(adapter_dir, "adapter.safetensors")).items()})
+    m = MoeAdapter(cfg["hidden_size"], cfg["num_experts"], cfg["intermediate_size"], cfg["top_k"],
+                   cfg.get("joint_experts", 0))
+    sd = {k: v.float() for k, v in load_file(os.path.join(adapter_dir, "adapter.safetensors")).items()}
+    if "cross_modal_gate.weight" in sd:
+        m.add_cross_modal_gate()
+    m.load_state_dict(sd)
+    return m.eval()
+
+
+def without_joint_experts(adapter):
+    """The single-modality adapter inside `adapter`: its first num_experts - joint_experts experts
+    and router rows (what every non-hybrid row uses), without the cross-modal gate."""
+    keep = adapter.num_experts - adapter.joint_experts
+    m = MoeAdapter(adapter.hidden, keep, adapter.intermediate, adapter.top_k)
+    sd = {k: v for k, v in adapter.state_dict().items() if not k.startswith("cross_modal_gate.")}
+    sd["gate.weight"] = sd["gate.weight"][:keep]
+    sd = {k: v for k, v in sd.items() if not k.startswith("experts.") or int(k.split(".")[1]) < keep}
+    m.load_state_dict(sd)
     return m.eval()
 
 

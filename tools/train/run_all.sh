@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduce models/default/ and the Python-side adaptation comparison (docs/adaptation.md).
-# Developers only; needs the fixture venv (tools/setup-fixture-env.sh). About 22 minutes of one
+# Developers only; needs the fixture venv (tools/setup-fixture-env.sh). About 30 minutes of one
 # CPU core in all; every step runs niced and single-threaded.
 #
 #   tools/train/run_all.sh            # everything under build-train/, then models/default/
@@ -13,7 +13,9 @@
 #      tools/train/adapt.py --method lora  LoRA, merged         -> build-train/lora/clip/
 #      tools/train/adapt.py --method moe   MoE adapter          -> build-train/moe/adapter/
 #   4. tools/train/evaluate.py             recall table         -> build-train/results.json
-#   5. tools/train/export_default.py       install + checks     -> models/default/
+#   5. tools/train/train_gate.py           cross-modal gate     -> build-train/gate/adapter/
+#                                          + fusion table       -> build-train/gate/results.json
+#   6. tools/train/export_default.py       install + checks     -> models/default/
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -31,4 +33,5 @@ for method in full lora moe; do
   run tools/train/adapt.py --method "$method" --catalog "$RUNS/catalog" --runs "$RUNS"
 done
 run tools/train/evaluate.py --catalog "$RUNS/catalog" --runs "$RUNS"
+run tools/train/train_gate.py --catalog "$RUNS/catalog" --runs "$RUNS"
 run tools/train/export_default.py --catalog "$RUNS/catalog" --runs "$RUNS"
