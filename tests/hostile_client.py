@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +25,8 @@ import zlib
 
 import zmq
 
+from tap_util import free_port, plan, skip, tap
+
 # The service must stay under this peak RSS whatever the requests (the issue's bound: the
 # 1x100,000 PNG alone once took 1.4 GB).
 PEAK_RSS_BOUND_MB = 300
@@ -33,17 +34,6 @@ PEAK_RSS_BOUND_MB = 300
 # send-hwm is 1000; the stalled socket's own buffers are made tiny).
 FILLERS = 2500
 PATIENCE_S = 120
-
-results = []
-
-
-def tap(ok, name, detail=""):
-    results.append(ok)
-    print(f"{'ok' if ok else 'not ok'} {len(results)} - {name}")
-    if detail and not ok:
-        for line in str(detail).splitlines()[:40]:
-            print(f"# {line}")
-    sys.stdout.flush()
 
 
 def png(width, height, rows=None, declared=None):
@@ -60,12 +50,6 @@ def reason(doc):
     """The reason of an error document ("" for a result)."""
     error = doc.get("error") or {}
     return error.get("reason", "") if isinstance(error, dict) else str(error)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peak_rss_mb(pid):
@@ -313,8 +297,7 @@ def main():
             peak = peak_rss_mb(service.proc.pid)
             sanitized = "libasan" in os.environ.get("LD_PRELOAD", "")
             if sanitized:
-                print(f"ok {len(results) + 1} - peak RSS {peak:.0f} MB # SKIP AddressSanitizer's shadow memory")
-                results.append(True)
+                skip(f"peak RSS {peak:.0f} MB", "AddressSanitizer's shadow memory")
             else:
                 tap(peak < PEAK_RSS_BOUND_MB, f"peak RSS {peak:.0f} MB < {PEAK_RSS_BOUND_MB} MB")
         for s in stalled:
@@ -344,9 +327,11 @@ def main():
         # Sockets left open by a failed check must not make the context wait for ever.
         ctx.destroy(linger=0)
         shutil.rmtree(work, ignore_errors=True)
-        print(f"1..{len(results)}")
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0 if results and all(results) else 1)
+    try:
+        main()
+    finally:
+        status = plan()
+    sys.exit(status)

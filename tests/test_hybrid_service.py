@@ -18,7 +18,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,26 +25,10 @@ import time
 
 import zmq
 
+from tap_util import free_endpoint, plan, tap
+
 PATIENCE_S = 180
 R10_FLOOR = 0.93
-
-results = []
-
-
-def tap(ok, name, detail=""):
-    results.append(ok)
-    print(f"{'ok' if ok else 'not ok'} {len(results)} - {name}")
-    if detail and not ok:
-        for line in str(detail).splitlines()[-40:]:
-            print(f"# {line}")
-    sys.stdout.flush()
-    return ok
-
-
-def free_endpoint():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def engine_gate_r10(eval_recall, source, index):
@@ -157,5 +140,5 @@ if __name__ == "__main__":
     try:
         main()
     finally:
-        print(f"1..{len(results)}")
-    sys.exit(0 if results and all(results) else 1)
+        status = plan()
+    sys.exit(status)

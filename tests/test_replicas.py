@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -37,23 +36,13 @@ import zlib
 
 import zmq
 
+from tap_util import free_endpoint, plan, skip, tap
+
 REPLICAS = 3
 REQUESTS = 60
 RETRY_TIMEOUT_S = 3.0
 PATIENCE_S = 120
 COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (220, 220, 40), (30, 210, 210), (210, 30, 200)]
-
-results = []
-
-
-def tap(ok, name, detail=""):
-    results.append(ok)
-    print(f"{'ok' if ok else 'not ok'} {len(results)} - {name}")
-    if detail and not ok:
-        for line in str(detail).splitlines()[-40:]:
-            print(f"# {line}")
-    sys.stdout.flush()
-    return ok
 
 
 def png(width, height, rgb):
@@ -62,12 +51,6 @@ def png(width, height, rgb):
     raw = b"".join(b"\0" + bytes(rgb) * width for _ in range(height))
     return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) +
             chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
-
-
-def free_endpoint():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 def alive(pid):
@@ -84,8 +67,7 @@ def check_manifests(source):
     try:
         import yaml
     except ImportError:
-        print(f"ok {len(results) + 1} - deploy/k8s parses # SKIP python3-yaml is not installed")
-        results.append(True)
+        skip("deploy/k8s parses", "python3-yaml is not installed")
         return
     docs, problems = [], []
     files = sorted(glob.glob(os.path.join(source, "deploy/k8s/*.yaml")))
@@ -421,8 +403,7 @@ def main():
         kill_one_replica(source, args.broker, work, args.retries)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"1..{len(results)}")
-    return 0 if all(results) else 1
+    return plan()
 
 
 if __name__ == "__main__":

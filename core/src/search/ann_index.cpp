@@ -176,6 +176,7 @@ struct SealingWriter : faiss::IOWriter {
   uint64_t bytes = 0;
   explicit SealingWriter(FILE* f) : file(f) {}
   size_t operator()(const void* ptr, size_t size, size_t nitems) override {
+    if (size == 0 || nitems == 0) return nitems;  // FAISS writes empty arrays from null pointers
     const size_t done = std::fwrite(ptr, size, nitems, file);
     crc.update(ptr, size * done);
     bytes += size * done;
@@ -188,6 +189,7 @@ struct SealingReader : faiss::IOReader {
   uint64_t bytes = 0;
   explicit SealingReader(FILE* f) : file(f) {}
   size_t operator()(void* ptr, size_t size, size_t nitems) override {
+    if (size == 0 || nitems == 0) return nitems;  // and reads them into null pointers
     const size_t done = std::fread(ptr, size, nitems, file);
     crc.update(ptr, size * done);
     bytes += size * done;
