@@ -20,7 +20,7 @@ packages=(
   # the elements' Prometheus metrics (the client library: registry and text format)
   prometheus-cpp-dev
   # tests and examples
-  libgtest-dev python3-zmq python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
+  libgtest-dev python3-zmq python3-yaml python3-gi gir1.2-gstreamer-1.0 gir1.2-gst-plugins-base-1.0
   # fuzzing (tools/run-fuzz.sh): clang 14 with its sanitizer and libFuzzer runtimes (the clang
   # package gives the clang/clang++ names; FuzzedDataProvider.h comes with libclang-common-14-dev)
   clang clang-14 libclang-rt-14-dev libomp-dev
@@ -28,6 +28,9 @@ packages=(
   clang-format-14
   # the AddressSanitizer + UndefinedBehaviorSanitizer build (gcc's runtimes)
   libasan8 libubsan1
+  # moe-bench-ann's hnswlib rows (header-only; the benchmark builds without it). Its plot
+  # (tools/plot-ann.py) needs python3-matplotlib, which the tests do not: not installed here.
+  libhnswlib-dev
 )
 
 missing=()
