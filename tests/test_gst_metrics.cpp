@@ -47,20 +47,26 @@ const std::string kAdapter = moe::test::fixture_path("adapter_tiny");
 // Generous liveness bound on a loaded 2-core CI machine (not a speed check).
 constexpr auto kPatience = std::chrono::seconds(120);
 
-// A loopback TCP port that nothing listens on now.
+// A loopback TCP port that nothing listens on now, and that this process has not been given
+// before: a port is only bound some time after it is chosen (a pipeline takes two, the metrics
+// server's and zmq-publish's), and the kernel may hand a just-closed port out again.
 int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof addr;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+  static std::set<int> given;
+  for (;;) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof addr;
+    if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0) {
+      close(fd);
+      return 0;
+    }
     close(fd);
-    return 0;
+    const int port = ntohs(addr.sin_port);
+    if (given.insert(port).second) return port;
   }
-  close(fd);
-  return ntohs(addr.sin_port);
 }
 
 // GET http://127.0.0.1:PORT/TARGET with HTTP/1.0 (the server closes when done). False when the
@@ -228,7 +234,21 @@ class QueryPipeline {
 
   // The models are loaded and the metrics served once this returns (the sink prerolls later, on
   // the first document).
-  bool play() { return pipeline_ && gst_element_set_state(pipeline_, GST_STATE_PLAYING) != GST_STATE_CHANGE_FAILURE; }
+  bool play() {
+    if (!pipeline_) return false;
+    if (gst_element_set_state(pipeline_, GST_STATE_PLAYING) != GST_STATE_CHANGE_FAILURE) return true;
+    // Say why (a port taken, a model missing): the assertion alone shows only "false".
+    GstBus* bus = gst_element_get_bus(pipeline_);
+    while (GstMessage* m = gst_bus_pop_filtered(bus, GST_MESSAGE_ERROR)) {
+      GError* e = nullptr;
+      gst_message_parse_error(m, &e, nullptr);
+      ADD_FAILURE() << GST_OBJECT_NAME(GST_MESSAGE_SRC(m)) << ": " << e->message;
+      g_error_free(e);
+      gst_message_unref(m);
+    }
+    gst_object_unref(bus);
+    return false;
+  }
   void push(const std::string& text) {
     GstElement* src = gst_bin_get_by_name(GST_BIN(pipeline_), "src");
     gst_app_src_push_buffer(GST_APP_SRC(src), gst_buffer_new_memdup(text.data(), text.size()));
