@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <fstream>
 #include <memory>
 #include <set>
@@ -120,60 +119,6 @@ double resident_bytes() {
   return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE));
 }
 
-// Seconds of CPU time this process has used. On cores shared with other jobs, wall-clock time
-// measures the neighbours as much as the search; with every library on one thread, CPU time is
-// the search's own, so one-thread runs are timed on it (wall clock with more threads).
-double cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
-}
-
-// bench_common's time_paired / time_calls on the chosen clock: `seconds(call, n)` runs call n
-// times and returns the seconds taken.
-using Timer = std::function<double(const std::function<void()>&, int64_t)>;
-
-Timer make_timer(bool cpu_clock) {
-  return [cpu_clock](const std::function<void()>& call, int64_t n) {
-    const double c0 = cpu_seconds();
-    const auto t0 = Clock::now();
-    for (int64_t i = 0; i < n; ++i) call();
-    return cpu_clock ? cpu_seconds() - c0 : seconds_since(t0);
-  };
-}
-
-int64_t calls_per_sample(const Timer& seconds, const std::function<void()>& call, const TimingOptions& t) {
-  double one = 0;
-  for (int i = 0; i < std::max(1, t.warmup); ++i) one = seconds(call, 1);
-  const int64_t n = one > 0 ? static_cast<int64_t>(std::ceil(t.min_sample_s / one)) : 1;
-  return std::min<int64_t>(std::max<int64_t>(1, n), 10000);
-}
-
-Sample time_one(const Timer& seconds, const std::function<void()>& call, const TimingOptions& t) {
-  const int64_t n = calls_per_sample(seconds, call, t);
-  std::vector<double> per_call;
-  for (int r = 0; r < std::max(1, t.reps); ++r) per_call.push_back(seconds(call, n) / static_cast<double>(n));
-  return detail::summarize(per_call, n);
-}
-
-// A and B in alternation (the order alternating too); ratio: median of time(A) / time(B) over
-// adjacent samples.
-PairedSample time_pair(const Timer& seconds, const std::function<void()>& a, const std::function<void()>& b,
-                       const TimingOptions& t) {
-  const int64_t na = calls_per_sample(seconds, a, t), nb = calls_per_sample(seconds, b, t);
-  std::vector<double> ta, tb, ratios;
-  for (int r = 0; r < std::max(1, t.reps); ++r) {
-    double x = 0;
-    if (r % 2 == 0) x = seconds(a, na) / static_cast<double>(na);
-    const double y = seconds(b, nb) / static_cast<double>(nb);
-    if (r % 2 == 1) x = seconds(a, na) / static_cast<double>(na);
-    ta.push_back(x);
-    tb.push_back(y);
-    ratios.push_back(x / y);
-  }
-  return {detail::summarize(ta, na), detail::summarize(tb, nb), median_of(ratios)};
-}
-
 double file_bytes(const std::string& path) {
   struct stat st {};
   return stat(path.c_str(), &st) == 0 ? static_cast<double>(st.st_size) : 0;
@@ -247,12 +192,12 @@ Dataset from_index(const std::string& path, int64_t nq) {
 // hnswlib at FAISS's HNSW settings: inner product (the vectors are unit length), same M and
 // efConstruction, the same threads; rows added in order so that labels are row numbers.
 void run_hnswlib(const Dataset& d, int k, int threads, int m, int ef_construction, const std::vector<int64_t>& efs,
-                 const Labels& truth, const Timer& seconds, const TimingOptions& t, std::vector<Row>& rows) {
+                 const Labels& truth, const TimingOptions& t, std::vector<Row>& rows) {
   std::fprintf(stderr, "[hnswlib] building M %d, efConstruction %d ...\n", m, ef_construction);
   hnswlib::InnerProductSpace space(static_cast<size_t>(d.dim));
   const double rss0 = resident_bytes();
   std::unique_ptr<hnswlib::HierarchicalNSW<float>> graph;
-  const double build_s = seconds(
+  const double build_s = time_once(
       [&] {
         graph = std::make_unique<hnswlib::HierarchicalNSW<float>>(
             &space, static_cast<size_t>(d.n), static_cast<size_t>(m), static_cast<size_t>(ef_construction));
@@ -261,7 +206,7 @@ void run_hnswlib(const Dataset& d, int k, int threads, int m, int ef_constructio
         for (int64_t i = 1; i < d.n; ++i)
           graph->addPoint(d.base.data() + i * d.dim, static_cast<hnswlib::labeltype>(i));
       },
-      1);
+      t);
   hnswlib::HierarchicalNSW<float>& index = *graph;
   const double growth = resident_bytes() - rss0;
   // What saveIndex() writes: the level-0 block (links, vector, label per element) and the upper
@@ -287,7 +232,7 @@ void run_hnswlib(const Dataset& d, int k, int threads, int m, int ef_constructio
     search();
     Row row{"hnsw", params, "ef=" + std::to_string(ef), "hnswlib"};
     row.recall = recall(got, truth, k);
-    row.timing = time_one(seconds, search, t);
+    row.timing = time_calls(search, nullptr, t);
     row.qps = static_cast<double>(d.nq) / row.timing.median;
     row.build_s = build_s;
     row.index_bytes = bytes;
@@ -330,9 +275,10 @@ int run(int argc, char** argv) {
   // the OpenMP loops this file runs hnswlib in.
   omp_set_num_threads(threads);
   if (openblas_set_num_threads) openblas_set_num_threads(threads);
-  const bool cpu_clock = threads == 1;
-  const Timer seconds = make_timer(cpu_clock);
-  const std::string clock_name = cpu_clock ? "CPU time (one thread)" : "wall-clock time";
+  // On shared cores the wall clock measures the neighbours as much as the search; with every
+  // library on one thread, CPU time is the search's own (wall clock with more threads).
+  t.cpu_clock = threads == 1;
+  const std::string clock_name = t.cpu_clock ? "CPU time (one thread)" : "wall-clock time";
 
   const Dataset d = base_path.empty() ? synthetic(n, dim_arg, nq_arg, noise) : from_index(base_path, nq_arg);
   int64_t pow2 = 1;
@@ -433,13 +379,13 @@ int run(int argc, char** argv) {
     build.ef_construction = ef_construction;
     build.train_size = std::min<int64_t>(d.n, train_per_list * nlist);
     AnnIndex index = AnnIndex::create(d.dim, {});
-    const double build_s = seconds(
+    const double build_s = time_once(
         [&] {
           index = AnnIndex::create(d.dim, build);
           index.add(d.base.data(), d.n, items);
           index.train();
         },
-        1);
+        t);
     const double growth = resident_bytes() - rss0;
     const std::string path = dir + "/" + kind.name + ".faiss";
     index.save(path);
@@ -474,8 +420,8 @@ int run(int argc, char** argv) {
         };
       }
       faiss_search();
-      const PairedSample s = time_pair(
-          seconds, [&] { index.search(d.queries.data(), d.nq, k, setting.options); }, faiss_search, t);
+      const PairedSample s =
+          time_paired([&] { index.search(d.queries.data(), d.nq, k, setting.options); }, faiss_search, nullptr, t);
       Row ann{kind.name, params, setting.label, "AnnIndex"};
       ann.recall = recall(ann_rows, truth, k);
       ann.timing = s.a;
@@ -499,7 +445,7 @@ int run(int argc, char** argv) {
       // FAISS's graph is freed first, so that hnswlib's resident growth is its own.
       direct.reset();
       index = AnnIndex::create(d.dim, {});
-      run_hnswlib(d, k, threads, hnsw_m, ef_construction, efs, truth, seconds, t, rows);
+      run_hnswlib(d, k, threads, hnsw_m, ef_construction, efs, truth, t, rows);
     }
 #endif
     write_report(false);

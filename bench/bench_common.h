@@ -196,20 +196,31 @@ struct TimingOptions {
   int warmup = 2;              // untimed calls first (allocation, handles, caches, clocks)
   int reps = 7;                // timed samples; the median is reported
   double min_sample_s = 0.01;  // calls are grouped so that one sample lasts at least this long
+  // Time on this process's CPU time instead of the wall clock: for one-thread host work on cores
+  // shared with other jobs, whose share the wall clock would count (not for device work).
+  bool cpu_clock = false;
 };
 
+// Seconds of CPU time this process has used (all its threads).
+inline double cpu_seconds() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+}
+
 namespace detail {
-// Runs `call` n times and waits for the backend; seconds.
-inline double run_n(const std::function<void()>& call, kernels::Backend* backend, int64_t n) {
+// Runs `call` n times and waits for the backend; seconds on the wall clock, or of CPU time.
+inline double run_n(const std::function<void()>& call, kernels::Backend* backend, int64_t n, bool cpu_clock) {
   const Clock::time_point t0 = Clock::now();
+  const double c0 = cpu_clock ? cpu_seconds() : 0;
   for (int64_t i = 0; i < n; ++i) call();
   if (backend) backend->synchronize();
-  return seconds_since(t0);
+  return cpu_clock ? cpu_seconds() - c0 : seconds_since(t0);
 }
 // Warm-up calls, then the number of calls that makes one sample last min_sample_s.
 inline int64_t calibrate(const std::function<void()>& call, kernels::Backend* backend, const TimingOptions& t) {
   double one = 0;
-  for (int i = 0; i < std::max(1, t.warmup); ++i) one = run_n(call, backend, 1);
+  for (int i = 0; i < std::max(1, t.warmup); ++i) one = run_n(call, backend, 1, t.cpu_clock);
   const int64_t n = one > 0 ? static_cast<int64_t>(std::ceil(t.min_sample_s / one)) : 1;
   return std::min<int64_t>(std::max<int64_t>(1, n), 10000);
 }
@@ -230,8 +241,13 @@ inline Sample time_calls(const std::function<void()>& call, kernels::Backend* ba
   const int64_t inner = detail::calibrate(call, backend, t);
   std::vector<double> per_call;
   for (int r = 0; r < std::max(1, t.reps); ++r)
-    per_call.push_back(detail::run_n(call, backend, inner) / static_cast<double>(inner));
+    per_call.push_back(detail::run_n(call, backend, inner, t.cpu_clock) / static_cast<double>(inner));
   return detail::summarize(per_call, inner);
+}
+
+// One call without warm-up (a build, a load): its seconds on t's clock.
+inline double time_once(const std::function<void()>& call, const TimingOptions& t) {
+  return detail::run_n(call, nullptr, 1, t.cpu_clock);
 }
 
 // Two calls timed in alternation (a sample of A, a sample of B, repeated), so that drifting
@@ -248,9 +264,9 @@ inline PairedSample time_paired(const std::function<void()>& a, const std::funct
   for (int r = 0; r < std::max(1, t.reps); ++r) {
     const bool a_first = r % 2 == 0;  // alternate the order too
     double x = 0, y = 0;
-    if (a_first) x = detail::run_n(a, backend, na) / static_cast<double>(na);
-    y = detail::run_n(b, backend, nb) / static_cast<double>(nb);
-    if (!a_first) x = detail::run_n(a, backend, na) / static_cast<double>(na);
+    if (a_first) x = detail::run_n(a, backend, na, t.cpu_clock) / static_cast<double>(na);
+    y = detail::run_n(b, backend, nb, t.cpu_clock) / static_cast<double>(nb);
+    if (!a_first) x = detail::run_n(a, backend, na, t.cpu_clock) / static_cast<double>(na);
     ta.push_back(x);
     tb.push_back(y);
     ratios.push_back(x / y);
