@@ -7,11 +7,9 @@
 #include <atomic>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <numeric>
 #include <random>
 #include <set>
-#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -31,7 +29,9 @@ using moe::AnnIndexType;
 using moe::AnnItem;
 using moe::test::expect_error;
 using moe::test::random_unit_vectors;
+using moe::test::read_text;
 using moe::test::TempDir;
+using moe::test::write_text;
 
 std::vector<AnnItem> numbered_items(int64_t n) {
   std::vector<AnnItem> items;
@@ -64,18 +64,6 @@ moe::AnnSearchOptions ef(int ef_search) {
   moe::AnnSearchOptions options;
   options.ef_search = ef_search;
   return options;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
 }
 
 void expect_same_results(const std::vector<std::vector<AnnHit>>& a, const std::vector<std::vector<AnnHit>>& b) {

@@ -11,7 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <random>
 #include <sstream>
@@ -29,23 +28,14 @@ using moe::AnnIndex;
 using moe::AnnItem;
 using moe::test::expect_error;
 using moe::test::random_unit_vectors;
+using moe::test::read_text;
 using moe::test::TempDir;
+using moe::test::write_text;
 
 constexpr int kDim = 8;
 constexpr int kBase = 50;      // items item-0 .. item-49 before any update
 constexpr int kUniverse = 80;  // the ids updates touch: item-0 .. item-79
 constexpr size_t kJournalHeader = 24;
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void write_text(const std::string& path, const std::string& text) {
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
-}
 
 AnnItem item_for(const std::string& id, const std::string& caption) {
   return {id, "file:///catalog/" + id + ".png", caption, ""};

@@ -1157,72 +1157,15 @@ TEST_F(RouteExpertTest, HybridRowsReachTheExpertsFused) {
   gst_buffer_unref(out);
 }
 
-// adapter_tiny with `joint` joint visual-text experts (adapter_config.json "joint_experts")
-// appended: copies of its first experts with w2 doubled, and router rows of constant 4 + j, which
-// outrank every other expert on rows of positive mean when nothing masks them.
-class JointAdapter {
- public:
-  explicit JointAdapter(int joint) {
-    auto file = moe::SafetensorsFile::open(adapter_dir() + "/adapter.safetensors");
-    std::string header = "{", data;
-    const auto add = [&](const std::string& name, const std::vector<int64_t>& shape, std::string bytes) {
-      std::string dims;
-      for (int64_t d : shape) dims += (dims.empty() ? "" : ",") + std::to_string(d);
-      header += (data.empty() ? "" : ",") + std::string("\"") + name + "\":{\"dtype\":\"F32\",\"shape\":[" + dims +
-                "],\"data_offsets\":[" + std::to_string(data.size()) + "," +
-                std::to_string(data.size() + bytes.size()) + "]}";
-      data += bytes;
-    };
-    for (const std::string& name : file.names()) {
-      const moe::TensorInfo& info = file.info(name);
-      const auto* p = reinterpret_cast<const char*>(file.bytes(name));
-      std::string bytes(p, p + (info.end - info.begin));
-      std::vector<int64_t> shape(info.shape.begin(), info.shape.end());
-      if (name == "gate.weight") {
-        for (int j = 0; j < joint; ++j) {
-          const std::vector<float> row(kWidth, 4.0f + static_cast<float>(j));
-          bytes.append(reinterpret_cast<const char*>(row.data()), row.size() * sizeof(float));
-        }
-        shape[0] += joint;
-      }
-      add(name, shape, bytes);
-      for (int j = 0; j < joint; ++j) {
-        const std::string from = "experts." + std::to_string(j) + ".";
-        if (name.rfind(from, 0) != 0) continue;
-        std::vector<float> w(bytes.size() / sizeof(float));
-        std::memcpy(w.data(), bytes.data(), bytes.size());
-        if (name.find(".w2.") != std::string::npos)
-          for (float& v : w) v *= 2.0f;
-        add("experts." + std::to_string(kExperts + j) + "." + name.substr(from.size()), shape,
-            std::string(reinterpret_cast<const char*>(w.data()), bytes.size()));
-      }
-    }
-    header += "}";
-    while (header.size() % 8) header += ' ';
-    std::string out(8, '\0');
-    const uint64_t len = header.size();
-    std::memcpy(&out[0], &len, 8);  // little-endian host
-    dir_.write("adapter.safetensors", out + header + data);
-    dir_.write("adapter_config.json",
-               "{\"format\":\"gst-moe-adapter\",\"version\":1,\"hidden_size\":16,\"num_experts\":" +
-                   std::to_string(kExperts + joint) +
-                   ",\"top_k\":2,\"intermediate_size\":24,\"routing\":\"mixtral\",\"joint_experts\":" +
-                   std::to_string(joint) + "}");
-  }
-  const std::string& dir() const { return dir_.path(); }
-
- private:
-  moe::test::TempDir dir_;
-};
-
 // One batch of text, image, tensor and hybrid rows through an adapter with joint experts: the
 // hybrid rows are routed among all experts (to the joint ones here) and adapted as the adapter
 // adapts fused rows; the others never reach a joint expert and come out as from adapter_tiny.
 TEST_F(RouteExpertTest, OnlyHybridRowsReachTheJointExperts) {
-  const JointAdapter joint(2);
-  const moe::MoeAdapter adapter = moe::MoeAdapter::load(joint.dir());
+  const moe::test::TempDir joint_dir;
+  const std::string joint = moe::test::write_joint_adapter(joint_dir, 2);
+  const moe::MoeAdapter adapter = moe::MoeAdapter::load(joint);
   ASSERT_EQ(adapter.num_joint_experts(), 2);
-  Harness h("moe-route model=\"" + joint.dir() + "\" ! " + expert_line(joint.dir()));
+  Harness h("moe-route model=\"" + joint + "\" ! " + expert_line(joint));
   const MixedBatch b = mixed_batch(150, 3.0f);
   ASSERT_EQ(h.push(tensor_buffer(b.rows, &b.records)), GST_FLOW_OK);
   GstBuffer* out = h.pull();
@@ -1260,8 +1203,9 @@ TEST_F(RouteExpertTest, OnlyHybridRowsReachTheJointExperts) {
 
 // top-k must fit the experts every request may use: the joint ones are only for hybrid requests.
 TEST_F(RouteExpertTest, TopKAboveTheNonJointExpertsFailsAtStart) {
-  const JointAdapter joint(2);
-  const std::string error = start_error("moe-route top-k=7 model=\"" + joint.dir() + "\"");
+  const moe::test::TempDir joint_dir;
+  const std::string error =
+      start_error("moe-route top-k=7 model=\"" + moe::test::write_joint_adapter(joint_dir, 2) + "\"");
   expect_contains(error, "top-k=7 exceeds the 6 experts of the MoE adapter");
   expect_contains(error, "that every request may use");
   expect_contains(error, "2 of its 8 are joint visual-text experts");

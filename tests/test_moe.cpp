@@ -20,9 +20,14 @@
 
 using moe::MoeLayer;
 using moe::Tensor;
+using moe::test::adapter_tensors_without_gate;
 using moe::test::expect_error;
 using moe::test::fixture_path;
 using moe::test::max_abs_error;
+using moe::test::StoredTensor;
+using moe::test::write_adapter;
+using moe::test::write_joint_adapter;
+using moe::test::write_joint_config;
 
 namespace {
 
@@ -55,99 +60,9 @@ Tensor random_rows(int64_t rows, int64_t cols, unsigned seed) {
   return t;
 }
 
-// One tensor of a safetensors file being written: dtype as the format spells it ("F32", "I32"),
-// and its bytes.
-struct StoredTensor {
-  std::string name, dtype;
-  moe::Shape shape;
-  std::string bytes;
-};
-
-// adapter_tiny_gate's tensors without its cross-modal gate: adapter_tiny's (all f32).
-std::vector<StoredTensor> adapter_tensors_without_gate() {
-  auto file = moe::SafetensorsFile::open(fixture_path("adapter_tiny_gate/adapter.safetensors"));
-  std::vector<StoredTensor> out;
-  for (const std::string& name : file.names()) {
-    if (name.rfind("cross_modal_gate.", 0) == 0) continue;
-    const moe::TensorInfo& info = file.info(name);
-    EXPECT_EQ(info.dtype, moe::DType::F32) << name;
-    const auto* p = reinterpret_cast<const char*>(file.bytes(name));
-    out.push_back({name, "F32", info.shape, std::string(p, p + (info.end - info.begin))});
-  }
-  return out;
-}
-
-// An adapter directory in `dir` with adapter_tiny's config and `tensors` in adapter.safetensors.
-std::string write_adapter(const moe::test::TempDir& dir, const std::vector<StoredTensor>& tensors) {
-  std::filesystem::copy_file(fixture_path("adapter_tiny/adapter_config.json"), dir.file("adapter_config.json"),
-                             std::filesystem::copy_options::overwrite_existing);
-  std::ostringstream header;
-  std::string data;
-  header << "{";
-  for (const StoredTensor& t : tensors) {
-    header << (&t == &tensors.front() ? "" : ",") << "\"" << t.name << "\":{\"dtype\":\"" << t.dtype
-           << "\",\"shape\":[";
-    for (size_t i = 0; i < t.shape.size(); ++i) header << (i ? "," : "") << t.shape[i];
-    header << "],\"data_offsets\":[" << data.size() << "," << data.size() + t.bytes.size() << "]}";
-    data += t.bytes;
-  }
-  header << "}";
-  std::string text = header.str();
-  text.append((8 - text.size() % 8) % 8, ' ');
-  std::string bytes(8, '\0');
-  for (int i = 0; i < 8; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
-  dir.write("adapter.safetensors", bytes + text + data);
-  return dir.path();
-}
-
 // A tensor of `shape` holding zeros, in `dtype` ("F32" or "I32": four bytes per value).
 StoredTensor zeros(const std::string& name, const std::string& dtype, const moe::Shape& shape) {
   return {name, dtype, shape, std::string(static_cast<size_t>(moe::shape_numel(shape)) * 4, '\0')};
-}
-
-// adapter_tiny's config with `num_experts` experts and "joint_experts": `joint` (JSON text).
-void write_joint_config(const moe::test::TempDir& dir, int num_experts, const std::string& joint) {
-  dir.write("adapter_config.json",
-            "{\"format\": \"gst-moe-adapter\", \"version\": 1, \"hidden_size\": 16, \"num_experts\": " +
-                std::to_string(num_experts) +
-                ", \"top_k\": 2, \"intermediate_size\": 24, \"routing\": \"mixtral\", \"norm_topk_prob\": true, "
-                "\"joint_experts\": " +
-                joint + "}");
-}
-
-// adapter_tiny with `joint` joint visual-text experts appended: copies of its first experts with
-// w2 doubled (other outputs), and router rows of constant 4 + j, so that on joint_rows() they
-// would outrank every other expert if nothing masked them.
-std::string write_joint_adapter(const moe::test::TempDir& dir, int joint) {
-  constexpr int kExperts = 6;
-  std::vector<StoredTensor> tensors = adapter_tensors_without_gate();
-  std::vector<StoredTensor> added;
-  for (StoredTensor& t : tensors) {
-    if (t.name == "gate.weight") {
-      std::vector<float> rows(static_cast<size_t>(joint * 16));
-      for (size_t i = 0; i < rows.size(); ++i) rows[i] = 4.0f + static_cast<float>(i / 16);
-      t.bytes.append(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(float));
-      t.shape[0] += joint;
-      continue;
-    }
-    for (int j = 0; j < joint; ++j) {
-      const std::string from = "experts." + std::to_string(j) + ".";
-      if (t.name.rfind(from, 0) != 0) continue;
-      StoredTensor copy = t;
-      copy.name = "experts." + std::to_string(kExperts + j) + "." + t.name.substr(from.size());
-      if (copy.name.find(".w2.") != std::string::npos) {
-        std::vector<float> w(copy.bytes.size() / sizeof(float));
-        std::memcpy(w.data(), copy.bytes.data(), copy.bytes.size());
-        for (float& v : w) v *= 2.0f;
-        std::memcpy(copy.bytes.data(), w.data(), copy.bytes.size());
-      }
-      added.push_back(std::move(copy));
-    }
-  }
-  tensors.insert(tensors.end(), added.begin(), added.end());
-  write_adapter(dir, tensors);
-  write_joint_config(dir, kExperts + joint, std::to_string(joint));
-  return dir.path();
 }
 
 // Rows with a positive mean: the joint experts' constant router rows give them large logits.

@@ -7,11 +7,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -74,6 +76,17 @@ void expect_error(Fn&& fn, std::initializer_list<std::string> fragments) {
     for (const std::string& f : fragments)
       EXPECT_NE(msg.find(f), std::string::npos) << "message: " << msg << "\nmissing: " << f;
   }
+}
+
+// The whole content of the file at `path` ("" when it cannot be read).
+inline std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// Replaces the file at `path` with `text`.
+inline void write_text(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
 }
 
 // A temporary folder, removed with everything in it at the end of the test.
@@ -194,6 +207,98 @@ inline std::vector<uint8_t> make_png(const std::vector<uint8_t>& px, int w, int 
                 px.begin() + static_cast<std::ptrdiff_t>((y + 1) * row));
   }
   return png_file(w, h, channels, rows);
+}
+
+// ---- adapters written by tests: adapter_tiny's tensors, changed ----
+
+// One tensor of a safetensors file being written: dtype as the format spells it ("F32", "I32"),
+// and its bytes.
+struct StoredTensor {
+  std::string name, dtype;
+  Shape shape;
+  std::string bytes;
+};
+
+// adapter_tiny_gate's tensors without its cross-modal gate: adapter_tiny's (all f32).
+inline std::vector<StoredTensor> adapter_tensors_without_gate() {
+  auto file = SafetensorsFile::open(fixture_path("adapter_tiny_gate/adapter.safetensors"));
+  std::vector<StoredTensor> out;
+  for (const std::string& name : file.names()) {
+    if (name.rfind("cross_modal_gate.", 0) == 0) continue;
+    const TensorInfo& info = file.info(name);
+    EXPECT_EQ(info.dtype, DType::F32) << name;
+    const auto* p = reinterpret_cast<const char*>(file.bytes(name));
+    out.push_back({name, "F32", info.shape, std::string(p, p + (info.end - info.begin))});
+  }
+  return out;
+}
+
+// An adapter directory in `dir` with adapter_tiny's config and `tensors` in adapter.safetensors.
+inline std::string write_adapter(const TempDir& dir, const std::vector<StoredTensor>& tensors) {
+  std::filesystem::copy_file(fixture_path("adapter_tiny/adapter_config.json"), dir.file("adapter_config.json"),
+                             std::filesystem::copy_options::overwrite_existing);
+  std::ostringstream header;
+  std::string data;
+  header << "{";
+  for (const StoredTensor& t : tensors) {
+    header << (&t == &tensors.front() ? "" : ",") << "\"" << t.name << "\":{\"dtype\":\"" << t.dtype
+           << "\",\"shape\":[";
+    for (size_t i = 0; i < t.shape.size(); ++i) header << (i ? "," : "") << t.shape[i];
+    header << "],\"data_offsets\":[" << data.size() << "," << data.size() + t.bytes.size() << "]}";
+    data += t.bytes;
+  }
+  header << "}";
+  std::string text = header.str();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[static_cast<size_t>(i)] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+  dir.write("adapter.safetensors", bytes + text + data);
+  return dir.path();
+}
+
+// adapter_tiny's config with `num_experts` experts and "joint_experts": `joint` (JSON text).
+inline void write_joint_config(const TempDir& dir, int num_experts, const std::string& joint) {
+  dir.write("adapter_config.json",
+            "{\"format\": \"gst-moe-adapter\", \"version\": 1, \"hidden_size\": 16, \"num_experts\": " +
+                std::to_string(num_experts) +
+                ", \"top_k\": 2, \"intermediate_size\": 24, \"routing\": \"mixtral\", \"norm_topk_prob\": true, "
+                "\"joint_experts\": " +
+                joint + "}");
+}
+
+// adapter_tiny with `joint` joint visual-text experts appended: copies of its first experts with
+// w2 doubled (other outputs), and router rows of constant 4 + j, so that on rows of positive mean they
+// would outrank every other expert if nothing masked them.
+inline std::string write_joint_adapter(const TempDir& dir, int joint) {
+  constexpr int kExperts = 6;
+  std::vector<StoredTensor> tensors = adapter_tensors_without_gate();
+  std::vector<StoredTensor> added;
+  for (StoredTensor& t : tensors) {
+    if (t.name == "gate.weight") {
+      std::vector<float> rows(static_cast<size_t>(joint * 16));
+      for (size_t i = 0; i < rows.size(); ++i) rows[i] = 4.0f + static_cast<float>(i / 16);
+      t.bytes.append(reinterpret_cast<const char*>(rows.data()), rows.size() * sizeof(float));
+      t.shape[0] += joint;
+      continue;
+    }
+    for (int j = 0; j < joint; ++j) {
+      const std::string from = "experts." + std::to_string(j) + ".";
+      if (t.name.rfind(from, 0) != 0) continue;
+      StoredTensor copy = t;
+      copy.name = "experts." + std::to_string(kExperts + j) + "." + t.name.substr(from.size());
+      if (copy.name.find(".w2.") != std::string::npos) {
+        std::vector<float> w(copy.bytes.size() / sizeof(float));
+        std::memcpy(w.data(), copy.bytes.data(), copy.bytes.size());
+        for (float& v : w) v *= 2.0f;
+        std::memcpy(copy.bytes.data(), w.data(), copy.bytes.size());
+      }
+      added.push_back(std::move(copy));
+    }
+  }
+  tensors.insert(tensors.end(), added.begin(), added.end());
+  write_adapter(dir, tensors);
+  write_joint_config(dir, kExperts + joint, std::to_string(joint));
+  return dir.path();
 }
 
 }  // namespace moe::test
