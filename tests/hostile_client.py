@@ -15,7 +15,6 @@ import base64
 import json
 import os
 import shutil
-import signal
 import struct
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import zlib
 
 import zmq
 
-from tap_util import free_port, plan, skip, tap
+from tap_util import free_port, plan, skip, stop_process, tap
 
 # The service must stay under this peak RSS whatever the requests (the bound: the
 # 1x100,000 PNG alone once took 1.4 GB).
@@ -79,13 +78,7 @@ class Service:
             return f.read()[-4000:]
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, patience_s=20)
         self.log.close()
 
 

@@ -1,8 +1,11 @@
-"""TAP output for the Python tests meson runs with protocol 'tap', and free loopback endpoints.
+"""TAP output for the Python tests meson runs with protocol 'tap', free loopback endpoints, and
+stopping the service processes the tests start.
 
-    from tap_util import tap, skip, plan, free_port, free_endpoint
+    from tap_util import tap, skip, plan, free_port, free_endpoint, stop_process
 """
+import signal
 import socket
+import subprocess
 import sys
 
 results = []  # one bool per check, in order
@@ -40,3 +43,16 @@ def free_port():
 
 def free_endpoint():
     return f"tcp://127.0.0.1:{free_port()}"
+
+
+def stop_process(proc, sig=signal.SIGINT, patience_s=30):
+    """Asks a still running `proc` to stop with `sig` (a service answers what it holds first), and
+    kills it if it has not exited after `patience_s` seconds."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(patience_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

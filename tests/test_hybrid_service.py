@@ -17,7 +17,6 @@ import base64
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ import time
 
 import zmq
 
-from tap_util import free_endpoint, plan, tap
+from tap_util import free_endpoint, plan, stop_process, tap
 
 PATIENCE_S = 180
 R10_FLOOR = 0.93
@@ -126,13 +125,7 @@ def main():
         push.close(0)
         sub.close(0)
         ctx.term()
-        if serve.poll() is None:
-            serve.send_signal(signal.SIGINT)
-            try:
-                serve.wait(30)
-            except subprocess.TimeoutExpired:
-                serve.kill()
-                serve.wait()
+        stop_process(serve)
         log.close()
 
 

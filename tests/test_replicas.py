@@ -36,7 +36,7 @@ import zlib
 
 import zmq
 
-from tap_util import free_endpoint, plan, skip, tap
+from tap_util import free_endpoint, plan, skip, stop_process, tap
 
 REPLICAS = 3
 REQUESTS = 60
@@ -240,13 +240,7 @@ class Replicas:
 
     def stop(self):
         """Whatever is still running, if the test ended early: the script, then its processes."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, signal.SIGTERM)
         for pid in self.known.values():
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
